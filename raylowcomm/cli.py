@@ -1,0 +1,56 @@
+"""raylowcomm run | assets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from raylowcomm import assets
+from raylowcomm.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raylowcomm", description="Low-communication fine-tuning on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="run the strategies of a config and compare them")
+    run_p.add_argument("config")
+    run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set optim.lr=0.01 (repeatable)")
+    run_p.add_argument("--out", help="output directory (default: the config's out_dir)")
+    assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
+    assets_p.add_argument("action", choices=["list", "fetch"])
+    assets_p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
+    args = parser.parse_args(argv)
+
+    if args.command == "assets":
+        for name in args.names or list(assets.ASSETS):
+            if name not in assets.ASSETS:
+                print(f"error: unknown asset {name!r}; known: {', '.join(assets.ASSETS)}", file=sys.stderr)
+                return 2
+            a = assets.ASSETS[name]
+            if args.action == "fetch":
+                try:
+                    print(f"{name}: {assets.fetch(name)}")
+                except assets.AssetError as err:
+                    print(f"error: {err}", file=sys.stderr)
+                    return 1
+            else:
+                print(f"{name:20s} {a.kind:5s} {'cached' if a.ready() else 'not cached':10s} {a.about}")
+        return 0
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.out:
+            cfg.out_dir = args.out
+        from raylowcomm.run import run
+
+        records = run(cfg)
+    except (ConfigError, assets.AssetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 1 if any("error" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,473 @@
+"""Zeroth-order fine-tuning with shared randomness: SPSA (MeZO) whose updates are replayed
+from (seed, one byte) on every node (Just One Byte).
+
+A node never sends weights or gradients: it sends one projected gradient g per perturbation,
+quantised to a byte. The perturbation z is regenerated from a seed that every node derives
+from (run seed, step, node, sample), so every node applies the same update θ ← θ − lr·g·z and
+the replicas stay bit-identical. Plain torch: nothing here knows about Ray.
+
+Bit-identity rests on three rules kept throughout this module:
+  * z comes from a CPU `torch.Generator` seeded once per seed, parameters in a fixed order,
+    drawn in fixed-size chunks (`CHUNK`), so the stream does not depend on the device;
+  * weights are restored after a perturbation by copying a backup, never arithmetically;
+  * every node, including the one that measured g, applies the DECODED g, in (node, sample)
+    order, with the same sequence of tensor ops.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import itertools
+import math
+import re
+import struct
+import sys
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+if sys.byteorder != "little":  # Rademacher signs are unpacked from the bytes of int64 words.
+    raise ImportError("raylowcomm.core.zo assumes a little-endian machine")
+
+NamedParams = Sequence[tuple[str, torch.Tensor]]
+Updates = Sequence[tuple[int, float]]  # (seed, decoded g), in (node, sample) order
+
+KINDS = ("rademacher", "gaussian")
+# Elements drawn per generator call. Part of the random stream's definition (Gaussian draws
+# depend on it), so it must be the same on every node; it also caps the temporary memory.
+CHUNK = 1 << 18
+
+_MASK63 = (1 << 63) - 1
+
+
+class SeedSchedule:
+    """Seeds that every node computes identically, without talking.
+
+    blake2b of the little-endian packed (run seed, step, node, sample): unlike Python's
+    `hash()`, it is the same in every process and on every machine.
+    """
+
+    def __init__(self, run_seed: int) -> None:
+        self.run_seed = int(run_seed)
+
+    def seed(self, step: int, node: int, sample: int = 0) -> int:
+        packed = struct.pack("<4q", self.run_seed, step, node, sample)
+        digest = hashlib.blake2b(packed, digest_size=8, person=b"raylowcomm-zo").digest()
+        return int.from_bytes(digest, "little") & _MASK63
+
+
+def trainable_parameters(
+    model: nn.Module, include: Sequence[str] | None = None
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters SPSA perturbs, in `named_parameters()` order (tied weights once).
+
+    `include` restricts them to names matching any of the given regular expressions
+    (`re.search`, so a plain substring works). The order is part of the random stream, so
+    every node must use the same model class and the same `include`.
+    """
+    named = list(model.named_parameters())
+    if include is None:
+        return named
+    patterns = [re.compile(p) for p in include]
+    chosen = [(n, p) for n, p in named if any(pat.search(n) for pat in patterns)]
+    if not chosen:
+        raise ValueError(f"no parameter matches {list(include)}")
+    return chosen
+
+
+def decay_mask(params: NamedParams) -> list[bool]:
+    """Weight decay only on matrices/kernels: not on biases and norm weights.
+
+    Rule: decay iff the tensor has ≥ 2 dimensions and no dotted component of its name
+    contains "norm" or starts with "ln"/"bn" (LayerNorm, ln_f, bn1, RMSNorm, ...).
+    """
+
+    def is_norm(name: str) -> bool:
+        return any("norm" in c or c.startswith(("ln", "bn")) for c in name.lower().split("."))
+
+    return [p.dim() >= 2 and not is_norm(n) for n, p in params]
+
+
+# ---------------------------------------------------------------------------------------------
+# Perturbations
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_table(dtype: torch.dtype) -> torch.Tensor:
+    """Row b holds the 8 signs of byte b: +1 where bit i is set, −1 elsewhere."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return (bits * 2 - 1).to(dtype)
+
+
+def _rademacher(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    # One 64-bit draw gives 64 signs (z_k = +1 iff bit k of its word is set); a byte-indexed
+    # table unpacks them. With z = ±1, c·z is exact, so θ + c·z rounds the same with or
+    # without fused multiply-add: updates agree across CPU instruction sets.
+    words = torch.empty((n + 63) // 64, dtype=torch.int64).random_(-(1 << 63), None, generator=gen)
+    return _sign_table(dtype).index_select(0, words.view(torch.uint8).int()).view(-1)[:n]
+
+
+def _gaussian(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    # MeZO's z. Vectorised CPU kernels differ between instruction sets, so Gaussian streams are
+    # only guaranteed identical between machines with the same CPU capability and torch.
+    return torch.randn(n, generator=gen, dtype=dtype)
+
+
+_DRAW = {"rademacher": _rademacher, "gaussian": _gaussian}
+
+
+def _z_chunks(
+    tensors: Iterable[torch.Tensor], seed: int, kind: str
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(flat slice of a tensor, its z) for every CHUNK of every tensor, in order."""
+    if kind not in _DRAW:
+        raise ValueError(f"unknown perturbation kind {kind!r}; expected one of {KINDS}")
+    draw = _DRAW[kind]
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("SPSA needs contiguous parameters")
+        flat = t.detach().view(-1)
+        for start in range(0, flat.numel(), CHUNK):
+            part = flat[start : start + CHUNK]
+            yield part, draw(part.numel(), part.dtype, gen).to(part.device)
+
+
+def iter_z(params: NamedParams, seed: int, kind: str = "rademacher") -> Iterator[torch.Tensor]:
+    """z for each parameter in order, one parameter materialised at a time."""
+    tensors = [p for _, p in params]
+    chunks = _z_chunks(tensors, seed, kind)
+    for t in tensors:
+        parts = [z for _, z in itertools.islice(chunks, -(-t.numel() // CHUNK))]
+        yield torch.cat(parts).view(t.shape) if parts else torch.empty_like(t)
+
+
+def _add_z_(tensors: Sequence[torch.Tensor], seed: int, alpha: float, kind: str) -> None:
+    with torch.no_grad():
+        for part, z in _z_chunks(tensors, seed, kind):
+            part.add_(z, alpha=alpha)
+
+
+def apply_update_(params: NamedParams, seed: int, coeff: float, kind: str = "rademacher") -> None:
+    """θ ← θ − coeff·z(seed): one pass, z regenerated chunk by chunk, no copy of θ."""
+    _add_z_([p for _, p in params], seed, -coeff, kind)
+
+
+def apply_step_(
+    params: NamedParams,
+    updates: Updates,
+    lr: float,
+    weight_decay: float = 0.0,
+    decay: Sequence[bool] | None = None,
+    kind: str = "rademacher",
+) -> None:
+    """θ ← θ − lr·((1/M) Σ_m g_m z_m + wd·θ) for the step's M updates (seed, decoded g).
+
+    Decay uses θ at the start of the step and is applied once; then one pass per update in
+    the given order. Every node calls this with the same arguments, so replicas stay
+    bit-identical. `decay` defaults to `decay_mask(params)`.
+    """
+    if not updates:
+        raise ValueError("a step needs at least one (seed, g) update")
+    if weight_decay:
+        mask = decay_mask(params) if decay is None else decay
+        with torch.no_grad():
+            for (_, p), d in zip(params, mask, strict=True):
+                if d:
+                    p.mul_(1.0 - lr * weight_decay)
+    for seed, g in updates:
+        apply_update_(params, seed, lr * g / len(updates), kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# SPSA
+
+
+def spsa_projected_grads(
+    model: nn.Module,
+    params: NamedParams,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor | float],
+    batch: object,
+    seeds: Sequence[int],
+    eps: float = 1e-3,
+    kind: str = "rademacher",
+) -> list[float]:
+    """g_s = (L(θ+εz_s) − L(θ−εz_s)) / 2ε for each seed, on the same batch (n-SPSA).
+
+    Forward passes run in eval mode (no dropout noise in L+ − L−) under inference mode; each
+    module's train/eval flag is put back afterwards. θ is restored after every perturbation
+    by copying a backup, so it is bitwise what it was (the MeZO +ε/−2ε/+ε walk is not exact).
+    Memory: one copy of the trainable parameters plus O(CHUNK) for z. RNG: two draws of z per
+    sample (+ε, −ε); the update draws it a third time.
+    """
+    tensors = [p for _, p in params]
+    modes = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        with torch.inference_mode():
+            backup = [t.detach().clone() for t in tensors]
+            grads = []
+            for seed in seeds:
+                losses = []
+                for alpha in (eps, -eps):
+                    try:
+                        _add_z_(tensors, seed, alpha, kind)
+                        losses.append(float(loss_fn(model, batch)))
+                    finally:
+                        for t, b in zip(tensors, backup):
+                            t.detach().copy_(b)
+                grads.append((losses[0] - losses[1]) / (2 * eps))
+            return grads
+    finally:
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
+
+
+def spsa_projected_grad(
+    model: nn.Module,
+    params: NamedParams,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor | float],
+    batch: object,
+    seed: int,
+    eps: float = 1e-3,
+    kind: str = "rademacher",
+) -> float:
+    """One-sample SPSA estimate of ∇L·z(seed); see `spsa_projected_grads`."""
+    return spsa_projected_grads(model, params, loss_fn, batch, [seed], eps, kind)[0]
+
+
+def step_seeds(schedule: SeedSchedule, step: int, node: int, num_samples: int) -> list[int]:
+    """The seeds of a node's samples 0..num_samples−1 at a step."""
+    return [schedule.seed(step, node, s) for s in range(num_samples)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Codecs: what crosses the network per sample
+
+
+class Codec:
+    """g ↔ an unsigned code of `nbytes` bytes. Decoding is the same on every node; the
+    sender must apply decode(encode(g)), like everyone else."""
+
+    nbytes: int
+    _fmt: str
+
+    def encode(self, g: float) -> int:
+        raise NotImplementedError
+
+    def decode(self, code: int) -> float:
+        raise NotImplementedError
+
+    def _check(self, g: float) -> float:
+        g = float(g)
+        if not math.isfinite(g):
+            raise ValueError(f"projected gradient is not finite: {g}")
+        return g
+
+    def pack(self, codes: Sequence[int]) -> bytes:
+        return struct.pack(f"<{len(codes)}{self._fmt}", *codes)
+
+    def unpack(self, data: bytes) -> list[int]:
+        return list(struct.unpack(f"<{len(data) // self.nbytes}{self._fmt}", data))
+
+    def to_bytes(self, gs: Sequence[float]) -> bytes:
+        return self.pack([self.encode(g) for g in gs])
+
+    def from_bytes(self, data: bytes) -> list[float]:
+        return [self.decode(c) for c in self.unpack(data)]
+
+
+def _nth_root(x: float, n: int) -> float:
+    """x^(1/n) for x > 1 by bisection with only correctly rounded ops (×, +, /2), so the result is
+    bitwise the same on every machine, which libm's exp/log/pow do not promise."""
+
+    def power(b: float) -> float:
+        result, e = 1.0, n
+        while e:
+            if e & 1:
+                result *= b
+            b *= b
+            e >>= 1
+        return result
+
+    lo, hi = 1.0, x
+    while True:
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            return lo
+        if power(mid) < x:
+            lo = mid
+        else:
+            hi = mid
+
+
+class LogCodec(Codec):
+    """Sign bit + 7-bit log-magnitude index: code = sign·128 + k.
+
+    k = 0 is zero; k = 1..127 decode to m_k = g_min·r^(k−1), r = (g_max/g_min)^(1/126), so
+    m_127 ≈ g_max. Encoding picks the nearest level in log scale (|g| < g_min/2 → 0), clipping
+    |g| > g_max to g_max. For g_min ≤ |g| ≤ g_max the relative error is ≤ √r − 1
+    (`max_rel_error`, 5.6% for the default 1e-3..1e3); below g_min the absolute error is
+    ≤ g_min/2. Levels are built by repeated multiplication from an exactly computed r, so
+    every node decodes a byte to the same float.
+    """
+
+    nbytes = 1
+    _fmt = "B"
+
+    def __init__(self, g_min: float = 1e-3, g_max: float = 1e3) -> None:
+        if not 0 < g_min < g_max:
+            raise ValueError(f"need 0 < g_min < g_max, got {g_min}, {g_max}")
+        r = _nth_root(g_max / g_min, 126)
+        self.levels = [float(g_min)]
+        for _ in range(126):
+            self.levels.append(self.levels[-1] * r)
+        self._bounds = [g_min / 2] + [math.sqrt(a * b) for a, b in zip(self.levels, self.levels[1:])]
+        self.max_rel_error = math.sqrt(r) - 1
+
+    def encode(self, g: float) -> int:
+        g = self._check(g)
+        k = bisect.bisect_right(self._bounds, abs(g))
+        return k | (128 if g < 0 and k else 0)
+
+    def decode(self, code: int) -> float:
+        k = code & 127
+        value = self.levels[k - 1] if k else 0.0
+        return -value if code & 128 else value
+
+
+class LinearCodec(Codec):
+    """Clipped uniform grid: code = 128 + clamp(round(g/scale), −127, 127), value = (code−128)·scale.
+
+    Absolute error ≤ scale/2 (`max_abs_error`) for |g| ≤ 127.5·scale; beyond, g clips to
+    ±127·scale. Code 0 is never produced.
+    """
+
+    nbytes = 1
+    _fmt = "B"
+
+    def __init__(self, scale: float = 1 / 16) -> None:
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        self.scale = float(scale)
+        self.max_abs_error = self.scale / 2
+
+    def encode(self, g: float) -> int:
+        g = self._check(g)
+        return 128 + max(-127, min(127, round(g / self.scale)))
+
+    def decode(self, code: int) -> float:
+        return (code - 128) * self.scale
+
+
+class Float32Codec(Codec):
+    """The IEEE float32 bit pattern (4 bytes): the uncompressed reference."""
+
+    nbytes = 4
+    _fmt = "I"
+
+    def encode(self, g: float) -> int:
+        g = self._check(g)
+        try:
+            return struct.unpack("<I", struct.pack("<f", g))[0]
+        except OverflowError:
+            raise ValueError(f"projected gradient {g} overflows float32") from None
+
+    def decode(self, code: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", code))[0]
+
+
+_CODECS = {"log": LogCodec, "linear": LinearCodec, "float32": Float32Codec}
+
+
+def codec_for(name: str, **params: float) -> Codec:
+    """"log" (g_min, g_max), "linear" (scale) or "float32"."""
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r}; expected one of {sorted(_CODECS)}")
+    return _CODECS[name](**params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+
+
+class ReplayLog:
+    """Every (step, node, sample, code) of a run: with a checkpoint, enough to rebuild θ.
+
+    A node joining at step k loads a checkpoint taken after step k−1 and replays steps ≥ k;
+    its weights then hash equal to the others'. The codes mean nothing without the run's
+    codec, seed schedule, lr, weight decay and perturbation kind, which travel in the config.
+    """
+
+    _DTYPE = np.dtype([("step", "<i8"), ("node", "<i4"), ("sample", "<i4"), ("code", "<u4")])
+
+    def __init__(self) -> None:
+        self._steps: dict[int, dict[tuple[int, int], int]] = {}
+
+    def append(self, step: int, node: int, sample: int, code: int) -> None:
+        entries = self._steps.setdefault(int(step), {})
+        key = (int(node), int(sample))
+        if key in entries:  # a repeated message would apply an update twice
+            raise ValueError(f"step {step} already has node {node} sample {sample}")
+        entries[key] = int(code)
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self._steps.values())
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self._steps)
+
+    def step_updates(self, step: int, schedule: SeedSchedule, codec: Codec) -> list[tuple[int, float]]:
+        """(seed, decoded g) of a step in (node, sample) order: what `apply_step_` takes."""
+        entries = self._steps[step]
+        return [(schedule.seed(step, n, s), codec.decode(entries[n, s])) for n, s in sorted(entries)]
+
+    def replay_(
+        self,
+        params: NamedParams,
+        from_step: int,
+        to_step: int,
+        *,
+        schedule: SeedSchedule,
+        codec: Codec,
+        lr: float | Callable[[int], float],
+        weight_decay: float = 0.0,
+        decay: Sequence[bool] | None = None,
+        kind: str = "rademacher",
+    ) -> int:
+        """Apply the logged steps from_step ≤ step < to_step in order; returns how many.
+        `lr` may be a function of the step (a schedule)."""
+        done = 0
+        for step in self.steps:
+            if from_step <= step < to_step:
+                step_lr = lr(step) if callable(lr) else lr
+                updates = self.step_updates(step, schedule, codec)
+                apply_step_(params, updates, step_lr, weight_decay, decay, kind)
+                done += 1
+        return done
+
+    def to_bytes(self) -> bytes:
+        rows = [(st, n, s, c) for st in self.steps for (n, s), c in sorted(self._steps[st].items())]
+        return np.array(rows, dtype=self._DTYPE).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ReplayLog:
+        log = cls()
+        for step, node, sample, code in np.frombuffer(data, dtype=cls._DTYPE).tolist():
+            log.append(step, node, sample, code)
+        return log
+
+
+def parameter_hash(params: NamedParams) -> str:
+    """sha256 of names, dtypes, shapes and exact bytes, in order: equal iff replicas agree bitwise."""
+    h = hashlib.sha256()
+    for name, p in params:
+        t = p.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(p.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()

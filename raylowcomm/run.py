@@ -1,0 +1,79 @@
+"""A run: build the model and data once, run each strategy on them, write the records."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+from raylowcomm.config import RunConfig
+from raylowcomm.data import load_datasets
+from raylowcomm.models import load_pretrained
+from raylowcomm.runtime import init_ray
+from raylowcomm.strategies import STRATEGIES
+from raylowcomm.strategies.base import RunContext
+
+NUM_CLASSES = {"mnist": 10, "rotten_tomatoes": 2}
+
+
+def prepare(cfg: RunConfig, out_dir: Path) -> RunContext:
+    """Everything that can fail on bad input happens here, before any actor starts."""
+    num_classes = NUM_CLASSES.get(cfg.data.name) if cfg.model.family != "hf_causal_lm" else None
+    model, spec, tokenizer = load_pretrained(cfg.model, num_classes, cfg.seed)
+    data = load_datasets(cfg.data, tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return RunContext(cfg, model, spec, data, out_dir)
+
+
+def run(cfg: RunConfig, out_dir: str | Path | None = None) -> list[dict]:
+    """Run every strategy of `cfg`; results.json is rewritten after each, so none is lost."""
+    out = Path(out_dir or cfg.out_dir)
+    ctx = prepare(cfg, out)
+    init_ray()
+    records: list[dict] = []
+    for name in cfg.strategies:
+        print(f"=== {name} ===", flush=True)
+        started = time.time()
+        try:
+            records.append(STRATEGIES[name]().run(ctx).to_dict())
+        except Exception as err:  # one strategy failing must not lose the others' results
+            traceback.print_exc()
+            records.append({"strategy": name, "error": f"{type(err).__name__}: {err}", "wall_s": round(time.time() - started, 3)})
+        (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
+    print(format_table(records))
+    print(f"results: {out / 'results.json'}")
+    return records
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f}"
+
+
+def format_table(records: list[dict]) -> str:
+    cols = ["strategy", "id", "shift", "setup MB", "train MB", "final MB", "total MB", "wall s", "samples/s", "peak RSS MB"]
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["strategy"], "FAILED: " + r["error"][:60]] + [""] * (len(cols) - 2))
+            continue
+        m, c = r["metrics"], r["comm"]["by_phase"]
+        key = "accuracy" if "id_accuracy" in m else "loss"
+        rows.append([r["strategy"], f"{m[f'id_{key}']:.4f}", f"{m[f'shift_{key}']:.4f}" if f"shift_{key}" in m else "-",
+                     _mb(c["setup"]), _mb(c["train"]), _mb(c["final"]), _mb(r["comm"]["total_bytes"]),
+                     f"{r['wall_s']:.1f}", f"{r['samples_per_s']:.1f}" if r["samples_per_s"] else "-", _mb(r["peak_rss_bytes"])])
+        for node in r.get("nodes") or []:
+            if "metrics" in node:
+                nm = node["metrics"]
+                rows.append([f"  node {node['node']}", f"{nm[f'id_{key}']:.4f}", f"{nm[f'shift_{key}']:.4f}" if f"shift_{key}" in nm else "-",
+                             "", "", "", "", "", "", _mb(node["peak_rss_bytes"])])
+        bn = r.get("details", {}).get("average_without_bn_recalibration")
+        if bn:
+            rows.append(["  avg w/o BN recal", f"{bn[f'id_{key}']:.4f}", f"{bn[f'shift_{key}']:.4f}" if f"shift_{key}" in bn else "-"] + [""] * 7)
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [cols] + rows]
+    metric = "accuracy" if any("id_accuracy" in r.get("metrics", {}) for r in records) else "loss"
+    return f"\n(id/shift = {metric})\n" + "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The one small interface every strategy implements, and what a run hands to it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from torch import nn
+
+from raylowcomm.config import RunConfig
+from raylowcomm.data import Datasets, Split, num_examples, shard_indices, take
+from raylowcomm.ledger import Ledger
+from raylowcomm.models import ModelSpec
+
+
+@dataclass
+class RunContext:
+    """Identical inputs for every strategy of a run: config, pretrained model, data."""
+
+    cfg: RunConfig
+    model: nn.Module
+    spec: ModelSpec
+    data: Datasets
+    out_dir: Path
+
+    def shards(self) -> list[Split]:
+        """The same disjoint, complete shards for every strategy of the run."""
+        index = shard_indices(num_examples(self.data.train), self.cfg.nodes.count, self.cfg.seed)
+        return [take(self.data.train, i) for i in index]
+
+    def eval_sets(self) -> dict[str, Split]:
+        sets = {"test": self.data.test, "shift": self.data.shift, "val": self.data.val}
+        return {k: v for k, v in sets.items() if v is not None}
+
+    def strategy_dir(self, name: str) -> Path:
+        path = self.out_dir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+@dataclass
+class RunRecord:
+    """One strategy's results: what results.json holds per strategy."""
+
+    strategy: str
+    metrics: dict[str, float]
+    ledger: Ledger
+    wall_s: float
+    samples_seen: int
+    train_s: float
+    peak_rss_bytes: int
+    nodes: list[dict] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    weights_path: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "metrics": self.metrics,
+            "comm": self.ledger.to_dict(),
+            "wall_s": round(self.wall_s, 3),
+            "train_s": round(self.train_s, 3),
+            "samples_seen": self.samples_seen,
+            "samples_per_s": round(self.samples_seen / self.train_s, 3) if self.train_s > 0 else None,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "nodes": self.nodes,
+            "details": self.details,
+            "weights": self.weights_path,
+        }
+
+
+class Strategy(Protocol):
+    name: ClassVar[str]
+    Config: ClassVar[type]
+
+    @staticmethod
+    def validate(cfg: RunConfig) -> None:
+        """Raise ConfigError for option combinations this strategy cannot run."""
+
+    def run(self, ctx: RunContext) -> RunRecord: ...
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,143 @@
+"""The baseline: ordinary data-parallel fine-tuning with gradients all-reduced every step
+(Ray Train's TorchTrainer; gloo on CPU, nccl on GPU), on the same shards, batch size per worker,
+optimizer and number of steps as the lo-fi nodes.
+
+The bytes of the `train` phase are not a formula: a DDP communication hook adds up the gradient
+buckets each rank hands to all-reduce, step by step.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import ray
+import torch
+
+from raylowcomm.config import RunConfig
+from raylowcomm.data import num_examples
+from raylowcomm.ledger import Ledger, payload_nbytes
+from raylowcomm.models import build_model, state_dict_of
+from raylowcomm.runtime import device_for, setup_threads
+from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch
+from raylowcomm.strategies.lofi import node_seed
+from raylowcomm.tasks import score_model, task_for
+from raylowcomm.training import make_optimizer, peak_rss_bytes, save_weights, total_steps, train_steps
+
+
+@dataclass
+class DdpConfig:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl when nodes.gpus > 0, else gloo."""
+
+
+def counting_allreduce_hook(counter: dict):
+    """The default all-reduce, after adding up the bytes of the gradient bucket it sends."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        counter["bytes"] += buffer.numel() * buffer.element_size()
+        counter["buckets"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    return hook
+
+
+def _train_worker(config: dict) -> None:
+    import torch.distributed as dist
+    from ray import train
+    from ray.train.torch import prepare_model
+
+    cfg: RunConfig = config["cfg"]
+    setup_threads(cfg.nodes.cpus)
+    rank = train.get_context().get_world_rank()
+    model = build_model(config["spec"])
+    model.load_state_dict(ray.get(config["weights"]))
+    # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
+    model = prepare_model(model, parallel_strategy_kwargs={"broadcast_buffers": False})
+    counter = {"bytes": 0, "buckets": 0}
+    model.register_comm_hook(None, counting_allreduce_hook(counter))
+    shard = ray.get(config["shards"][rank])
+    task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus))
+    optimizer = make_optimizer(cfg.optim, model)
+    log = (lambda msg: print(f"[ddp rank 0] {msg}", flush=True)) if rank == 0 else None
+    stats = train_steps(model, task, optimizer, shard, 0, config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
+                        log=log, log_every=cfg.log_every)
+    ctx = ray.get_runtime_context()
+    mine = {"rank": rank, "allreduce_bytes": counter["bytes"], "buckets": counter["buckets"], "samples": stats["samples"],
+            "train_s": stats["train_s"], "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(),
+            "ray_node_id": ctx.get_node_id(), "pid": os.getpid()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    gather_bytes = len(pickle.dumps(mine)) * dist.get_world_size()
+    metrics = {"workers": everyone, "gather_bytes": gather_bytes}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_weights(Path(tmp) / "model.safetensors", state_dict_of(model.module))
+            train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
+    else:
+        train.report(metrics)
+
+
+class Ddp:
+    name: ClassVar[str] = "ddp"
+    Config: ClassVar[type] = DdpConfig
+
+    @staticmethod
+    def validate(cfg: RunConfig) -> None:
+        from raylowcomm.config import ConfigError
+
+        if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
+            raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
+
+    def run(self, ctx: RunContext) -> RunRecord:
+        from ray.train import RunConfig as TrainRunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+        from safetensors.torch import load_file
+
+        cfg, clock, ledger, n = ctx.cfg, Stopwatch(), Ledger(), ctx.cfg.nodes.count
+        out = ctx.strategy_dir(self.name)
+        backend = cfg.options["ddp"].backend
+        if backend == "auto":
+            backend = "nccl" if cfg.nodes.gpus > 0 else "gloo"
+        initial = state_dict_of(ctx.model)
+        shards = ctx.shards()
+        steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
+        ledger.send("setup", "initial_weights", initial, copies=n)
+        ledger.send("setup", "ddp_initial_broadcast", initial, copies=n - 1)
+        for shard in shards:
+            ledger.send("setup", "data_shard", shard)
+        print(f"[ddp] {n} workers x {steps} steps, {backend}", flush=True)
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config={"cfg": cfg, "spec": ctx.spec, "weights": ray.put(initial), "steps": steps,
+                               "shards": [ray.put(s) for s in shards]},
+            scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.nodes.gpus > 0,
+                                         resources_per_worker={"CPU": cfg.nodes.cpus, **({"GPU": cfg.nodes.gpus} if cfg.nodes.gpus else {})}),
+            torch_config=TorchConfig(backend=backend),
+            run_config=TrainRunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str((out / "ray_train").resolve())),
+        )
+        result = trainer.fit()
+        workers = result.metrics["workers"]
+        for w in workers:
+            ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
+        ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
+        with result.checkpoint.as_directory() as d:
+            state = load_file(str(Path(d) / "model.safetensors"))
+        ledger.send("final", "model_checkpoint", state)
+        model = build_model(ctx.spec)
+        model.load_state_dict(state)
+        task = task_for(ctx.spec.family, cfg.data.image_size)
+        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+        weights_path = save_weights(out / "model.safetensors", state)
+        details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers]}
+        return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(w["samples"] for w in workers),
+                         max(w["train_s"] for w in workers), max(w["peak_rss_bytes"] for w in workers),
+                         [{k: v for k, v in w.items()} for w in workers], details, weights_path)

@@ -1,0 +1,268 @@
+"""lo-fi (Wortsman et al. 2022): every node fine-tunes its own copy on its own shard with no
+communication; the driver averages the weights once at the end.
+
+What crosses: initial weights and each node's shard (setup); with `average_every`, each round's
+node weights and the re-broadcast average (train); final weights, metrics and, for BatchNorm
+models, the averaged model out and its recomputed BN statistics back (final).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import ray
+import torch
+
+from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.core.averaging import OuterNesterov, StreamingAverage, batchnorm_layers, combine_bn_statistics, greedy_soup, measure_bn_statistics
+from raylowcomm.data import num_examples
+from raylowcomm.ledger import Ledger, payload_nbytes
+from raylowcomm.models import ModelSpec, build_model, state_dict_of
+from raylowcomm.runtime import actor_options, device_for, setup_threads
+from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch
+from raylowcomm.tasks import score_model, task_for
+from raylowcomm.training import (batch_at, load_checkpoint, make_optimizer, peak_rss_bytes, save_checkpoint, save_weights,
+                                 steps_per_epoch, total_steps, train_steps)
+
+
+@dataclass
+class LofiConfig:
+    average_every: int | None = None
+    """Average and re-broadcast every this many `average_unit`s; None = lo-fi, once at the end."""
+    average_unit: Literal["steps", "epochs"] = "steps"
+    outer_optimizer: Literal["none", "nesterov"] = "none"
+    """nesterov: DiLoCo's outer SGD with Nesterov momentum on the averaged update."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    weighting: Literal["uniform", "examples"] = "uniform"
+    soup: Literal["uniform", "greedy"] = "uniform"
+    """greedy: add a node's model only if the held-out (data.val_size) score does not drop."""
+    bn_recalibrate: bool = True
+    """Recompute BatchNorm statistics of the average on every node's shard (BN models only)."""
+    bn_batches: int | None = None
+    """Batches per node for the BN statistics (None: one pass over the shard)."""
+
+
+def node_seed(run_seed: int, node: int) -> int:
+    return run_seed * 1000 + node
+
+
+@ray.remote
+class LofiNode:
+    """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint."""
+
+    def __init__(self, node: int, spec: ModelSpec, weights: dict, shard: dict, eval_sets: dict, cfg: RunConfig, checkpoint: str):
+        setup_threads(cfg.nodes.cpus)
+        self.node, self.cfg, self.shard, self.eval_sets = node, cfg, shard, eval_sets
+        self.seed = node_seed(cfg.seed, node)
+        self.checkpoint = Path(checkpoint)
+        device = device_for(cfg.nodes.gpus)
+        self.model = build_model(spec).to(device)
+        self.task = task_for(spec.family, cfg.data.image_size, device)
+        self.optimizer = make_optimizer(cfg.optim, self.model)
+        self.step, self.restored_from = 0, None
+        if self.checkpoint.exists():
+            self.step = load_checkpoint(self.checkpoint, self.model, self.optimizer)["step"]
+            self.restored_from = self.step
+            self._log(f"restarted: resuming from checkpoint at step {self.step}")
+        else:
+            self.model.load_state_dict(weights)
+
+    def _log(self, msg: str) -> None:
+        print(f"[lofi node {self.node}] {msg}", flush=True)
+
+    def _save(self, step: int) -> None:
+        save_checkpoint(self.checkpoint, self.model, self.optimizer, step)
+
+    def train(self, until: int) -> dict:
+        every = self.cfg.checkpoint_every
+
+        def on_step(step):
+            if step % every == 0 or step == until:
+                self._save(step)
+
+        stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
+                            self.seed, log=self._log, log_every=self.cfg.log_every, on_step=on_step)
+        self.step, restored, self.restored_from = until, self.restored_from, None
+        return {"node": self.node, "step": until, "restored_from": restored, **stats}
+
+    def weights(self) -> dict:
+        return state_dict_of(self.model)
+
+    def load_weights(self, state: dict) -> None:
+        """A new global model (averaging round); checkpointed at once so a restart keeps it."""
+        self.model.load_state_dict(state)
+        self._save(self.step)
+
+    def evaluate(self) -> dict:
+        sets = self.eval_sets
+        metrics = score_model(self.task, self.model, sets["test"], sets.get("shift"), self.cfg.optim.eval_batch_size)
+        if "val" in sets:
+            metrics["val_" + self.task.metric] = self.task.evaluate(self.model, sets["val"], self.cfg.optim.eval_batch_size)[self.task.metric]
+        return metrics
+
+    def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
+        self.model.load_state_dict(state)
+        per_epoch = steps_per_epoch(num_examples(self.shard), self.cfg.optim.batch_size)
+        n = min(per_epoch, max_batches or per_epoch)
+        batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
+        return measure_bn_statistics(self.model, batches, self.task.forward)
+
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"node": self.node, "host": socket.gethostname(), "ray_node_id": ctx.get_node_id(), "pid": os.getpid(),
+                "peak_rss_bytes": peak_rss_bytes(), "examples": num_examples(self.shard)}
+
+
+def _collect(ledger: Ledger, phase: str, what: str, refs: list) -> list:
+    values = ray.get(refs)
+    for v in values:
+        ledger.send(phase, what, v)
+    return values
+
+
+def _stream_average(ledger: Ledger, phase: str, refs: list, weights: list[float]) -> dict:
+    """Fetch node weights one at a time as they are ready: one running sum + one incoming copy."""
+    avg, pending = StreamingAverage(), dict(zip(refs, weights))
+    while pending:
+        [ready], _ = ray.wait(list(pending), num_returns=1)
+        state = ray.get(ready)
+        ledger.send(phase, "node_weights", state)
+        avg.add(state, pending.pop(ready))
+        del state
+    return avg.result()
+
+
+def _better(metric: str, a: float, b: float) -> bool:
+    return a > b if metric == "accuracy" else a < b
+
+
+class Lofi:
+    name: ClassVar[str] = "lofi"
+    Config: ClassVar[type] = LofiConfig
+
+    @staticmethod
+    def validate(cfg: RunConfig) -> None:
+        o = cfg.options["lofi"]
+        if o.average_every is not None and o.average_every <= 0:
+            raise ConfigError("lofi.average_every", o.average_every, "must be > 0, or null for one average at the end")
+        if o.soup == "greedy" and cfg.data.val_size == 0:
+            raise ConfigError("lofi.soup", o.soup, "a greedy soup needs a held-out split: set data.val_size > 0")
+        if not 0 < o.outer_lr:
+            raise ConfigError("lofi.outer_lr", o.outer_lr, "must be > 0")
+        if not 0 <= o.outer_momentum < 1:
+            raise ConfigError("lofi.outer_momentum", o.outer_momentum, "must be in [0, 1)")
+        if o.bn_batches is not None and o.bn_batches <= 0:
+            raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
+
+    def run(self, ctx: RunContext) -> RunRecord:
+        cfg, opts = ctx.cfg, ctx.cfg.options["lofi"]
+        clock, ledger, n = Stopwatch(), Ledger(), ctx.cfg.nodes.count
+        out = ctx.strategy_dir(self.name)
+        ckpt_dir = out / "checkpoints"
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+        initial = state_dict_of(ctx.model)
+        shards, eval_sets = ctx.shards(), ctx.eval_sets()
+        weights_ref, eval_ref = ray.put(initial), ray.put(eval_sets)
+        ledger.send("setup", "initial_weights", initial, copies=n)
+        ledger.send("setup", "eval_sets", eval_sets, copies=n)
+        nodes = []
+        for k, shard in enumerate(shards):
+            ledger.send("setup", "data_shard", shard)
+            nodes.append(LofiNode.options(**actor_options(cfg.nodes.cpus, cfg.nodes.gpus, cfg.nodes.max_restarts)).remote(
+                k, ctx.spec, weights_ref, ray.put(shard), eval_ref, cfg, str(ckpt_dir / f"node{k}.safetensors")))
+
+        ray.get([node.__ray_ready__.remote() for node in nodes])
+        steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
+        every = opts.average_every
+        if every is not None and opts.average_unit == "epochs":
+            every *= steps_per_epoch(min(num_examples(s) for s in shards), cfg.optim.batch_size)
+        boundaries = list(range(every, steps, every)) + [steps] if every else [steps]
+        averaging = every is not None or opts.outer_optimizer != "none"
+        weights = [float(num_examples(s)) if opts.weighting == "examples" else 1.0 for s in shards]
+        outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
+            if opts.outer_optimizer == "nesterov" else None
+        print(f"[lofi] {n} nodes x {steps} steps, averaging at steps {boundaries if averaging else [steps]}", flush=True)
+
+        train_clock, rounds = Stopwatch(), []
+        for i, until in enumerate(boundaries):
+            last = i == len(boundaries) - 1
+            phase = "final" if last else "train"
+            ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
+            rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until) for node in nodes]))
+            for stats in rounds[-1]:
+                if stats["restored_from"] is not None:
+                    print(f"[lofi] node {stats['node']} died and resumed from its checkpoint at step {stats['restored_from']}", flush=True)
+                    ledger.send("train", "recovery_refetch", initial)
+                    ledger.send("train", "recovery_refetch", shards[stats["node"]])
+            if not last:
+                average = _stream_average(ledger, "train", [node.weights.remote() for node in nodes], weights)
+                if outer is not None:
+                    average = outer.step(average)
+                ref = ray.put(average)
+                ledger.send("train", "global_weights", average, copies=n)
+                ray.get([node.load_weights.remote(ref) for node in nodes])
+        train_s = train_clock.elapsed()
+
+        node_metrics = _collect(ledger, "final", "node_metrics", [node.evaluate.remote() for node in nodes])
+        infos = _collect(ledger, "final", "node_info", [node.info.remote() for node in nodes])
+        task = task_for(ctx.spec.family, cfg.data.image_size)
+        metric = task.metric
+        soup_kept = list(range(n))
+        if opts.soup == "greedy":
+            order = sorted(range(n), key=lambda k: node_metrics[k]["val_" + metric], reverse=(metric == "accuracy"))
+            refs = [nodes[k].weights.remote() for k in order]
+            scorer = build_model(ctx.spec)
+
+            def load(ref):
+                return lambda: _fetch_one(ledger, ref)
+
+            def score(state):
+                scorer.load_state_dict(state)
+                return task.evaluate(scorer, ctx.data.val, cfg.optim.eval_batch_size)[metric] * (1 if metric == "accuracy" else -1)
+
+            average, kept, _ = greedy_soup([load(r) for r in refs], score)
+            soup_kept = [order[j] for j in kept]
+        else:
+            average = _stream_average(ledger, "final", [node.weights.remote() for node in nodes], weights)
+        if outer is not None:
+            average = outer.step(average)
+
+        model = build_model(ctx.spec)
+        model.load_state_dict(average)
+        details = {"steps_per_node": steps, "averaging_steps": boundaries if averaging else [steps], "soup_nodes": soup_kept}
+        if opts.bn_recalibrate and batchnorm_layers(model):
+            details["average_without_bn_recalibration"] = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+            ref = ray.put(average)
+            ledger.send("final", "averaged_weights_for_bn", average, copies=n)
+            per_node = _collect(ledger, "final", "bn_statistics", [node.bn_statistics.remote(ref, opts.bn_batches) for node in nodes])
+            average.update(combine_bn_statistics(per_node))
+            model.load_state_dict(average)
+        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+
+        node_records = [{**info, "metrics": m, "train": [r[k] for r in rounds]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
+        node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / n
+        details["node_mean_" + f"id_{metric}"] = node_mean
+        if _better(metric, node_mean, metrics[f"id_{metric}"]):
+            msg = (f"lo-fi: the average scores worse than the mean of the nodes (id_{metric} {metrics[f'id_{metric}']:.4f} vs "
+                   f"{node_mean:.4f}): averaging left the shared basin. Try lofi.average_every (a few rounds), a lower lr, or a greedy soup.")
+            warnings.warn(msg, stacklevel=1)
+            details["warning"] = msg
+        weights_path = save_weights(out / "model.safetensors", average)
+        for node in nodes:
+            ray.kill(node)
+        return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(s["samples"] for r in rounds for s in r), train_s,
+                         max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path)
+
+
+def _fetch_one(ledger: Ledger, ref) -> dict:
+    state = ray.get(ref)
+    ledger.send("final", "node_weights", state)
+    return state

@@ -1,0 +1,129 @@
+"""The local training loop every data-parallel strategy shares (lo-fi nodes, DDP workers),
+and checkpoints that a restarted node resumes from, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from raylowcomm.config import OptimConfig
+from raylowcomm.data import Split, batch_order, num_examples, take
+
+
+def make_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def steps_per_epoch(shard_size: int, batch_size: int) -> int:
+    return shard_size // batch_size
+
+
+def total_steps(cfg: OptimConfig, smallest_shard: int) -> int:
+    """Steps every node (and DDP worker) takes, so all strategies see the same samples."""
+    per_epoch = steps_per_epoch(smallest_shard, cfg.batch_size)
+    if per_epoch == 0:
+        raise ValueError(f"optim.batch_size={cfg.batch_size} is larger than the smallest shard ({smallest_shard} examples)")
+    steps = per_epoch * cfg.epochs
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def batch_at(shard: Split, step: int, batch_size: int, seed: int) -> Split:
+    """The batch of global step `step`: a pure function, so a resumed node sees the same data."""
+    per_epoch = steps_per_epoch(num_examples(shard), batch_size)
+    epoch, i = divmod(step, per_epoch)
+    return take(shard, batch_order(num_examples(shard), batch_size, seed, epoch)[i])
+
+
+def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, batch_size: int, seed: int,
+                log=None, log_every: int = 0, on_step=None, before_step=None) -> dict:
+    """Steps [start, stop): per-step seeding makes dropout identical on a resumed run."""
+    model.train()
+    losses, t0 = [], time.perf_counter()
+    for step in range(start, stop):
+        torch.manual_seed(seed * 1_000_003 + step)
+        batch = batch_at(shard, step, batch_size, seed)
+        loss = task.loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+        losses.append(loss.item())
+        if log and log_every and ((step + 1) % log_every == 0 or step + 1 == stop):
+            log(f"step {step + 1}/{stop} loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}")
+        if on_step is not None:
+            on_step(step + 1)
+    return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": time.perf_counter() - t0,
+            "mean_loss": sum(losses) / len(losses) if losses else None}
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None = None) -> None:
+    """Model + optimizer state as one safetensors file, written atomically."""
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    meta = {"step": step, "extra": extra or {}}
+    if optimizer is not None:
+        state = optimizer.state_dict()
+        scalars = {}
+        for pid, pstate in state["state"].items():
+            for key, value in pstate.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim.{pid}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    scalars[f"{pid}.{key}"] = value
+        meta["optim_scalars"] = scalars
+        meta["param_groups"] = state["param_groups"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(_dedupe_shared(tensors), str(tmp), metadata={"raylowcomm": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings): store copies."""
+    seen, out = set(), {}
+    for k, v in tensors.items():
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["raylowcomm"])
+    tensors = load_file(str(path))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    if optimizer is not None and "param_groups" in meta:
+        state: dict[int, dict] = {}
+        for k, v in tensors.items():
+            if k.startswith("optim."):
+                _, pid, key = k.split(".", 2)
+                state.setdefault(int(pid), {})[key] = v
+        for k, v in meta["optim_scalars"].items():
+            pid, key = k.split(".", 1)
+            state.setdefault(int(pid), {})[key] = v
+        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return meta
+
+
+def save_weights(path: Path, state: dict) -> str:
+    """Final weights: safetensors only, so loading them never runs code."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(_dedupe_shared({k: v.contiguous() for k, v in state.items()}), str(path))
+    return str(path)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,345 @@
+"""Interlocking backprop: splits compose to the model, stage runners reproduce the n-way
+gradients of one autograd graph for every n and both rules, messages stay within n - 1 hops."""
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raylowcomm.core.interlock import (
+    InterlockStage,
+    balanced_sizes,
+    build_stages,
+    causal_lm_loss,
+    decoder_aux_heads,
+    reference_gradients,
+    resnet_aux_heads,
+    run_interlocked_batch,
+    split_hf_decoder,
+    split_timm_resnet,
+    update_heads,
+    upstream_heads,
+)
+
+NUM_CLASSES = 5
+
+
+def tiny_resnet(seed: int = 0, **kwargs) -> torch.nn.Module:
+    """timm's test_resnet (BasicBlock and Bottleneck) with random BN affine/stats, so no
+    gradient is trivially zero (timm zero-inits each block's last BN)."""
+    torch.manual_seed(seed)
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=NUM_CLASSES, **kwargs)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5)
+            torch.nn.init.uniform_(m.bias, -0.2, 0.2)
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    return model
+
+
+def image_batch(n: int = 4, dtype=torch.float32, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g, dtype=dtype), torch.randint(0, NUM_CLASSES, (n,), generator=g)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def token_batch(n: int = 2, length: int = 12, seed: int = 1):
+    ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, -3:] = -100  # right padding
+    return ids, labels
+
+
+def accumulated_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad if p.grad is not None else torch.zeros_like(p)
+            for name, p in module.named_parameters() if p.requires_grad}
+
+
+def assert_grads_equal(got: dict, want: dict, what: str, rtol=1e-6, atol=1e-9) -> None:
+    assert got.keys() == want.keys(), what
+    assert any(g.abs().sum() > 0 for g in want.values()), f"{what}: reference gradient is all zero"
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=rtol, atol=atol), (
+            f"{what} {name}: max diff {(got[name] - want[name]).abs().max():.3e}")
+
+
+def check_messages(trace, stages, n: int) -> None:
+    """Every head in a message is at most n - 1 hops from the receiving stage, and each stage
+    sends upstream exactly the heads an earlier stage uses."""
+    sent: dict[tuple[int, int], set[int]] = {}
+    for m in trace.grad_messages:
+        assert all(j - (m.src - 1) <= n - 1 for j in m.heads), m
+        assert m.nbytes > 0
+        sent.setdefault((m.mb_id, m.src), set()).update(m.heads)
+    for (_, src), heads in sent.items():
+        assert heads == stages[src].sends_upstream()
+    for k, stage in enumerate(stages):
+        if stage.sends_upstream():
+            assert any(src == k for _, src in sent), f"stage {k} never sent"
+
+
+def no_step_optimizer(params):
+    return torch.optim.SGD(params, lr=0.0)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_routing_tables():
+    K = 4
+    assert [update_heads(k, K, 1, "farthest") for k in range(K)] == [{0}, {1}, {2}, {3}]
+    assert [update_heads(k, K, 2, "farthest") for k in range(K)] == [{1}, {2}, {3}, {3}]
+    assert [update_heads(k, K, 4, "farthest") for k in range(K)] == [{3}] * 4
+    assert [update_heads(k, K, 3, "sum") for k in range(K)] == [{0, 1, 2}, {1, 2, 3}, {2, 3}, {3}]
+    # farthest, n = 3: stage 0 uses head 2, stage 1 head 3 -> stage 1 forwards {2}, stage 2 {2, 3}.
+    assert [upstream_heads(k, K, 3, "farthest") for k in range(K)] == [set(), {2}, {2, 3}, {3}]
+    assert [upstream_heads(k, K, 2, "sum") for k in range(K)] == [set(), {1}, {2}, {3}]
+    assert all(not upstream_heads(k, K, 1, r) for k in range(K) for r in ("farthest", "sum"))
+    with pytest.raises(ValueError):
+        update_heads(0, K, 5, "farthest")
+    with pytest.raises(ValueError):
+        update_heads(0, K, 2, "nearest")
+
+
+def test_balanced_sizes():
+    assert balanced_sizes([1, 1, 1, 1], 3) == [2, 1, 1]
+    assert balanced_sizes([10, 1, 1, 1], 2) == [1, 3]
+    assert balanced_sizes([1, 1, 1, 1, 1, 5], 2) == [5, 1]
+    assert balanced_sizes([3, 3, 3], 3) == [1, 1, 1]
+    with pytest.raises(ValueError):
+        balanced_sizes([1, 1], 3)
+
+
+# ----------------------------------------------------------------------------- splitting
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 5])
+def test_resnet_split_composes_to_model(num_stages):
+    model = tiny_resnet().eval()
+    x, _ = image_batch()
+    stages = split_timm_resnet(model, num_stages)
+    assert len(stages) == num_stages
+    h = x
+    with torch.no_grad():
+        for s in stages:
+            h = s(h)
+        assert torch.allclose(h, model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("balance", ["blocks", "params", [1, 1, 1, 1, 1, 1, 1, 1, 6]])
+def test_resnet_split_inside_layers(balance):
+    model = tiny_resnet(layers=(2, 2, 2, 2)).eval()  # stem + 8 blocks
+    x, _ = image_batch()
+    for num_stages in (4, 9):
+        stages = split_timm_resnet(model, num_stages, balance)
+        h = x
+        with torch.no_grad():
+            for s in stages:
+                h = s(h)
+            assert torch.allclose(h, model(x), atol=1e-6)
+        own = {id(p) for s in stages for p in s.parameters()}
+        assert own == {id(p) for p in model.parameters()}  # every parameter in exactly one stage
+        assert sum(len(list(s.parameters())) for s in stages) == len(list(model.parameters()))
+    with pytest.raises(ValueError):
+        split_timm_resnet(model, 10)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_decoder_split_composes_to_model(num_stages):
+    model = tiny_llama().eval()
+    ids, _ = token_batch()
+    stages = split_hf_decoder(model, num_stages)
+    assert [len(s.layers) for s in stages] == balanced_sizes([1] * 4, num_stages)
+    h = ids
+    with torch.no_grad():
+        for s in stages:
+            h = s(h)
+        assert torch.allclose(h, model(ids).logits, atol=1e-5)
+
+
+def test_decoder_split_refuses_tied_embeddings():
+    model = tiny_llama()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="tied"):
+        split_hf_decoder(model, 2)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def interlocked_vs_reference(stages_modules, heads, batch, n, rule, loss_fn, **tol):
+    K = len(stages_modules)
+    stages = build_stages(stages_modules, heads, n, rule, loss_fn=loss_fn, optimizer_factory=no_step_optimizer)
+    trace = run_interlocked_batch(stages, [batch], step=False)
+    want_stages, want_heads = reference_gradients(stages_modules, heads, batch, n, rule, loss_fn)
+    for k in range(K):
+        assert_grads_equal(accumulated_grads(stages_modules[k]), want_stages[k], f"K={K} n={n} {rule} stage {k}", **tol)
+    for j in range(K - 1):
+        assert_grads_equal(accumulated_grads(heads[j]), want_heads[j], f"K={K} n={n} {rule} head {j}", **tol)
+    check_messages(trace, stages, n)
+    return trace
+
+
+RESNET_CASES = [(K, n, rule) for K in (3, 4) for n in range(1, K + 1) for rule in ("farthest", "sum")]
+
+
+@pytest.mark.parametrize("num_stages,n,rule", RESNET_CASES)
+def test_resnet_stage_gradients_match_reference(num_stages, n, rule):
+    model = tiny_resnet().double().train()
+    modules = split_timm_resnet(model, num_stages)
+    heads = [h.double().train() for h in resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))]
+    trace = interlocked_vs_reference(modules, heads, image_batch(dtype=torch.float64), n, rule, F.cross_entropy)
+    assert len(trace.losses) == num_stages
+    if n == 1:
+        assert trace.grad_messages == []
+
+
+@pytest.mark.parametrize("n,rule", [(n, r) for n in (1, 2, 3) for r in ("farthest", "sum")])
+def test_decoder_stage_gradients_match_reference(n, rule):
+    model = tiny_llama().double().train()
+    modules = split_hf_decoder(model, 3)
+    heads = [h.double() for h in decoder_aux_heads(model, 3, init_from_lm_head=(rule == "sum"))]
+    # LlamaRMSNorm computes in float32 even for a float64 model, hence float32 tolerances.
+    interlocked_vs_reference(modules, heads, token_batch(), n, rule, causal_lm_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_accumulate_to_full_batch_gradient():
+    model = tiny_resnet().double().eval()  # eval BN: micro-batch statistics do not matter
+    modules = split_timm_resnet(model, 3)
+    heads = [h.double().eval() for h in resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))]
+    x, y = image_batch(n=6, dtype=torch.float64)
+    for rule in ("farthest", "sum"):
+        stages = build_stages(modules, heads, 2, rule, optimizer_factory=no_step_optimizer, micro_batches_per_step=3)
+        run_interlocked_batch(stages, [(x[i:i + 2], y[i:i + 2]) for i in (0, 2, 4)], step=False)
+        assert all(s.ready_to_step for s in stages)
+        want_stages, want_heads = reference_gradients(modules, heads, (x, y), 2, rule)
+        for k in range(3):
+            assert_grads_equal(accumulated_grads(modules[k]), want_stages[k], f"{rule} stage {k}")
+        for j in range(2):
+            assert_grads_equal(accumulated_grads(heads[j]), want_heads[j], f"{rule} head {j}")
+        for s in stages:
+            s.step()  # clears the gradients for the next rule
+        assert all(p.grad is None for m in modules for p in m.parameters())
+
+
+@pytest.mark.parametrize("num_stages", [3, 4])
+def test_farthest_full_width_is_end_to_end_backprop(num_stages):
+    model = tiny_resnet().train()
+    x, y = image_batch()
+    F.cross_entropy(model(x), y).backward()
+    e2e = {name: p.grad for name, p in model.named_parameters()}
+
+    split_model = copy.deepcopy(model)
+    split_model.zero_grad(set_to_none=True)
+    name_of = {id(p): name for name, p in split_model.named_parameters()}
+    modules = split_timm_resnet(split_model, num_stages)
+    heads = resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))
+    stages = build_stages(modules, heads, num_stages, "farthest", optimizer_factory=no_step_optimizer)
+    run_interlocked_batch(stages, [(x, y)], step=False)
+    checked = 0
+    for m in modules:
+        for p in m.parameters():
+            want = e2e[name_of[id(p)]]
+            assert torch.allclose(p.grad, want, rtol=1e-4, atol=1e-6), name_of[id(p)]
+            checked += 1
+    assert checked == len(e2e)
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_local_learning_sends_nothing():
+    model = tiny_resnet()
+    modules = split_timm_resnet(model, 4)
+    stages = build_stages(modules, resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8)), 1, "sum")
+    assert all(not s.sends_upstream() and not s.needs_from_downstream() for s in stages)
+    x, y = image_batch()
+    h = x
+    for s in stages:
+        h = s.forward(0, h, y)
+        assert s.backward(0, {}) == {}  # complete right after its own forward
+        assert s.ready_to_step
+
+
+def test_early_send_before_downstream_and_bad_message():
+    """farthest n = 2: stage 1 sends dL_1/dx right after its forward, then waits for head 2."""
+    model = tiny_resnet()
+    modules = split_timm_resnet(model, 3)
+    stages = build_stages(modules, resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8)), 2, "farthest")
+    assert [s.needs_from_downstream() for s in stages] == [{1}, {2}, set()]
+    assert [s.sends_upstream() for s in stages] == [set(), {1}, {2}]
+    x, y = image_batch()
+    h0 = stages[0].forward(0, x, y)
+    h1 = stages[1].forward(0, h0, y)
+    early = stages[1].backward(0, {})
+    assert early.keys() == {1} and early[1].shape == h0.shape
+    assert not stages[1].ready_to_step  # still waits for head 2
+    assert stages[0].backward(0, {}) == {}
+    stages[0].backward(0, early)
+    assert stages[0].ready_to_step
+    stages[2].forward(0, h1, y)
+    late = stages[2].backward(0, {})
+    assert late.keys() == {2}
+    with pytest.raises(ValueError):
+        stages[1].backward(0, {1: late[2]})  # head 1 is local, never received
+    assert stages[1].backward(0, late) == {}
+    assert stages[1].ready_to_step
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("n,rule", [(1, "sum"), (2, "farthest"), (3, "sum")])
+def test_training_reduces_loss(n, rule):
+    model = tiny_resnet().train()
+    modules = split_timm_resnet(model, 3)
+    heads = resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))
+    opt = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
+    stages = build_stages(modules, heads, n, rule, optimizer_factory=opt, micro_batches_per_step=2)
+    x, y = image_batch(n=8)
+    micro = [(x[:4], y[:4]), (x[4:], y[4:])]
+    first = run_interlocked_batch(stages, micro).losses
+    for _ in range(15):
+        last = run_interlocked_batch(stages, micro).losses
+    assert last[-1] < 0.5 * first[-1], (first, last)
+    assert all(b < a for a, b in zip(first, last)), (first, last)
+
+
+def test_decoder_training_reduces_loss():
+    model = tiny_llama().train()
+    modules = split_hf_decoder(model, 2)
+    heads = decoder_aux_heads(model, 2)
+    opt = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    stages = build_stages(modules, heads, 2, "sum", loss_fn=causal_lm_loss, optimizer_factory=opt)
+    batch = token_batch()
+    first = run_interlocked_batch(stages, [batch]).losses
+    for _ in range(10):
+        last = run_interlocked_batch(stages, [batch]).losses
+    assert last[-1] < 0.7 * first[-1], (first, last)
+
+
+def test_stage_is_a_plain_object_for_actors():
+    """The runner exchanges only plain tensors: h forward, {head: tensor} backward."""
+    model = tiny_resnet()
+    modules = split_timm_resnet(model, 2)
+    stages = build_stages(modules, resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8)), 2, "farthest")
+    x, y = image_batch()
+    h = stages[0].forward(7, x, y)
+    assert isinstance(h, torch.Tensor) and not h.requires_grad and h.grad_fn is None
+    stages[1].forward(7, h, y)
+    msg = stages[1].backward(7, {})
+    assert isinstance(stages[1], InterlockStage)
+    assert msg.keys() == {1} and msg[1].grad_fn is None and not msg[1].requires_grad
+    assert stages[0].backward(7, msg) == {}
+    assert stages[1].pop_losses().keys() == {7}
