@@ -15,6 +15,10 @@ from raylowcomm.config import ConfigError, DataConfig
 Split = dict[str, torch.Tensor]
 
 SHIFT_SETS = {"mnist": "uci_digits"}
+LABELLED_TEXT = ("rotten_tomatoes",)
+PROMPT_TEMPLATE = " It was"
+"""A causal LM classifies "<review> It was" by its next token: LABEL_WORDS[label] (MeZO's SST-2 prompt)."""
+LABEL_WORDS = (" terrible", " great")
 
 
 @dataclass
@@ -73,6 +77,28 @@ def _reviews(path: str | None, tokenizer, max_length: int) -> Split:
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": torch.tensor(table["label"], dtype=torch.long)}
 
 
+def _prompted_reviews(path: str | None, tokenizer, max_length: int) -> Split:
+    """Review + PROMPT_TEMPLATE, right-padded; the review is cut so the template always fits."""
+    from datasets import load_dataset
+
+    table = load_dataset("csv", data_files=str(path or assets.require("rotten_tomatoes")), split="train")
+    template = tokenizer(PROMPT_TEMPLATE, add_special_tokens=False)["input_ids"]
+    words = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in LABEL_WORDS]
+    if any(len(w) != 1 for w in words):
+        raise ValueError(f"label words {LABEL_WORDS} must be single tokens for this tokenizer, got {words}")
+    if max_length <= len(template):
+        raise ConfigError("data.max_length", max_length, f"must exceed the prompt's {len(template)} tokens")
+    reviews = tokenizer(list(table["text"]), add_special_tokens=False, truncation=True, max_length=max_length - len(template))["input_ids"]
+    ids = torch.full((len(reviews), max_length), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(reviews), max_length), dtype=torch.long)
+    for i, review in enumerate(reviews):
+        row = review + template
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    choices = torch.tensor([w[0] for w in words]).expand(len(reviews), -1).contiguous()
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(table["label"], dtype=torch.long), "choice_ids": choices}
+
+
 def _text_blocks(name: str, path: str | None, tokenizer, block: int) -> Split:
     from datasets import load_dataset
 
@@ -82,10 +108,13 @@ def _text_blocks(name: str, path: str | None, tokenizer, block: int) -> Split:
     return {"input_ids": ids[: n * block].view(n, block)}
 
 
-def load_datasets(cfg: DataConfig, tokenizer=None) -> Datasets:
-    """Fixed test / val / train split (by `shuffle_seed`), train trimmed to `train_size`."""
+def load_datasets(cfg: DataConfig, tokenizer=None, prompt: bool = False) -> Datasets:
+    """Fixed test / val / train split (by `shuffle_seed`), train trimmed to `train_size`.
+    `prompt`: labelled text as prompts for a causal LM (see PromptClassification)."""
     if cfg.name == "mnist":
         full = _digits("mnist", cfg.path)
+    elif cfg.name in LABELLED_TEXT and prompt:
+        full = _prompted_reviews(cfg.path, tokenizer, cfg.max_length)
     elif cfg.name == "rotten_tomatoes":
         full = _reviews(cfg.path, tokenizer, cfg.max_length)
     else:

@@ -23,7 +23,7 @@ def prepare(cfg: RunConfig, out_dir: Path) -> RunContext:
     """Everything that can fail on bad input happens here, before any actor starts."""
     num_classes = NUM_CLASSES.get(cfg.data.name) if cfg.model.family != "hf_causal_lm" else None
     model, spec, tokenizer = load_pretrained(cfg.model, num_classes, cfg.seed)
-    data = load_datasets(cfg.data, tokenizer)
+    data = load_datasets(cfg.data, tokenizer, prompt=cfg.model.family == "hf_causal_lm")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return RunContext(cfg, model, spec, data, out_dir)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylowcomm.data import Split, eval_batches
+from raylowcomm.data import LABELLED_TEXT, Split, eval_batches
 
 
 class ImageClassification:
@@ -57,6 +57,28 @@ class TextClassification(ImageClassification):
         return model(input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)).logits
 
 
+class PromptClassification(ImageClassification):
+    """A causal LM as a classifier, MeZO style: score each class's label word as the next
+    token after the prompt (see data.PROMPT_TEMPLATE); accuracy is the argmax of the label
+    words' logits, the loss their cross-entropy. Only the last real token's hidden state meets
+    the label words' output embeddings, so no full-vocabulary logits are built."""
+
+    metric = "accuracy"
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def forward(self, model: nn.Module, batch) -> torch.Tensor:
+        ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        # right padding: the prompt ends at the last attended position of each row
+        last = hidden[torch.arange(len(ids), device=hidden.device), mask.sum(1) - 1]
+        head = model.get_output_embeddings()
+        choices = batch["choice_ids"].to(self.device)
+        logits = torch.einsum("bh,bch->bc", last, head.weight[choices])
+        return logits + head.bias[choices] if head.bias is not None else logits
+
+
 class CausalLM:
     metric = "loss"
 
@@ -67,6 +89,8 @@ class CausalLM:
         return model(input_ids=batch["input_ids"].to(self.device))
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        if "choice_ids" in batch:
+            raise ValueError("labelled prompts need PromptClassification: task_for(..., data=cfg.data.name)")
         ids = batch["input_ids"].to(self.device)
         return model(input_ids=ids, labels=ids).loss
 
@@ -83,11 +107,14 @@ class CausalLM:
         return {"loss": loss / tokens, "perplexity": math.exp(loss / tokens)}
 
 
-def task_for(family: str, image_size: int, device: str = "cpu"):
+def task_for(family: str, image_size: int, device: str = "cpu", data: str | None = None):
+    """`data` picks prompt classification for a causal LM on labelled text (rotten_tomatoes)."""
     if family == "timm":
         return ImageClassification(image_size, device)
     if family == "hf_classifier":
         return TextClassification(device)
+    if data in LABELLED_TEXT:
+        return PromptClassification(device)
     return CausalLM(device)
 
 

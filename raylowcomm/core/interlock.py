@@ -67,7 +67,7 @@ def upstream_heads(k: int, num_stages: int, n: int, rule: Rule) -> frozenset[int
     """Heads j whose dL_j/dx_k stage k must send to stage k - 1 (some earlier stage uses them)."""
     needed: set[int] = set()
     for i in range(k):
-        needed |= {j for j in update_heads(i, num_stages, n, rule) if j >= k - 1}
+        needed |= {j for j in update_heads(i, num_stages, n, rule) if j >= k}
     return frozenset(needed)
 
 
@@ -146,7 +146,8 @@ def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blo
     per-unit costs (e.g. measured times). The last stage ends with global pool + fc.
     """
     stem = nn.Sequential(model.conv1, model.bn1, model.act1, model.maxpool)
-    units: list[nn.Module] = [stem] + [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
+    blocks = [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
+    units: list[nn.Module] = [stem, *blocks]
     head = _ResNetHead(model.global_pool, model.fc, float(model.drop_rate))
     costs = _unit_costs(units, balance)
     if balance == "params":
@@ -175,7 +176,7 @@ class DecoderStage(nn.Module):
         self.norm, self.lm_head = norm, lm_head
 
     def forward(self, x: Tensor) -> Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask  # lazy: vision users skip transformers
 
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -230,7 +231,8 @@ def conv_aux_head(in_channels: int, num_classes: int, widths: Sequence[int] = (1
     return nn.Sequential(*layers)
 
 
-def resnet_aux_heads(stages: Sequence[nn.Module], num_classes: int, widths: Sequence[int] = (128, 64)) -> list[nn.Sequential]:
+def resnet_aux_heads(stages: Sequence[nn.Module], num_classes: int,
+                     widths: Sequence[int] = (128, 64)) -> list[nn.Sequential]:
     """One :func:`conv_aux_head` per stage but the last. A ResNet stage's output width is the
     width of its last BatchNorm2d (block bn2/bn3 or downsample BN, or the stem's bn1)."""
     heads = []
@@ -309,6 +311,7 @@ class InterlockStage:
         self.update_set = update_heads(index, num_stages, n, rule)
         self.upstream_set = upstream_heads(index, num_stages, n, rule)
         self._handled = self.update_set | self.upstream_set
+        self._params_only = self.update_set - self.upstream_set  # heads batched into one θ pass
         self._from_downstream = (frozenset() if index == num_stages - 1
                                  else upstream_heads(index + 1, num_stages, n, rule))
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -332,6 +335,8 @@ class InterlockStage:
     def forward(self, mb_id: int, x: Tensor, targets: Tensor) -> Tensor:
         """Run the stage and its own head's loss (training the head), keep the graph for
         backward, return the detached output to send downstream."""
+        if mb_id in self._in_flight:
+            raise ValueError(f"stage {self.index}: micro-batch {mb_id} is already in flight")
         x = x.detach()
         if self.upstream_set:
             x.requires_grad_()
@@ -357,7 +362,6 @@ class InterlockStage:
                 raise ValueError(f"stage {self.index}: unexpected or repeated gradient for head {j} (mb {mb_id})")
             state.ready[j] = g
         upstream: dict[int, Tensor] = {}
-        params_only = self.update_set - self.upstream_set
         for j in sorted(state.ready):
             g = state.ready.pop(j)
             if j in self.upstream_set:
@@ -369,7 +373,7 @@ class InterlockStage:
             else:
                 state.params_only_sum = g if state.params_only_sum is None else state.params_only_sum + g
             state.unprocessed.discard(j)
-            if state.params_only_sum is not None and not (params_only & state.unprocessed):
+            if state.params_only_sum is not None and not (self._params_only & state.unprocessed):
                 self._accumulate(torch.autograd.grad(state.h, self.params, state.params_only_sum,
                                                      retain_graph=True, allow_unused=True))
                 state.params_only_sum = None

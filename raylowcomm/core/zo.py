@@ -187,7 +187,7 @@ def apply_step_(
 # SPSA
 
 
-def spsa_projected_grads(
+def spsa_losses(
     model: nn.Module,
     params: NamedParams,
     loss_fn: Callable[[nn.Module, object], torch.Tensor | float],
@@ -195,8 +195,9 @@ def spsa_projected_grads(
     seeds: Sequence[int],
     eps: float = 1e-3,
     kind: str = "rademacher",
-) -> list[float]:
-    """g_s = (L(θ+εz_s) − L(θ−εz_s)) / 2ε for each seed, on the same batch (n-SPSA).
+) -> list[tuple[float, float]]:
+    """(L(θ+εz_s), L(θ−εz_s)) for each seed, on the same batch (n-SPSA); kept apart from
+    `spsa_projected_grads` so a node can log the loss it measured for free.
 
     Forward passes run in eval mode (no dropout noise in L+ − L−) under inference mode; each
     module's train/eval flag is put back afterwards. θ is restored after every perturbation
@@ -210,7 +211,7 @@ def spsa_projected_grads(
     try:
         with torch.inference_mode():
             backup = [t.detach().clone() for t in tensors]
-            grads = []
+            pairs = []
             for seed in seeds:
                 losses = []
                 for alpha in (eps, -eps):
@@ -220,11 +221,24 @@ def spsa_projected_grads(
                     finally:
                         for t, b in zip(tensors, backup):
                             t.detach().copy_(b)
-                grads.append((losses[0] - losses[1]) / (2 * eps))
-            return grads
+                pairs.append((losses[0], losses[1]))
+            return pairs
     finally:
         for m, mode in zip(model.modules(), modes):
             m.training = mode
+
+
+def spsa_projected_grads(
+    model: nn.Module,
+    params: NamedParams,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor | float],
+    batch: object,
+    seeds: Sequence[int],
+    eps: float = 1e-3,
+    kind: str = "rademacher",
+) -> list[float]:
+    """g_s = (L(θ+εz_s) − L(θ−εz_s)) / 2ε for each seed, on the same batch (n-SPSA)."""
+    return [(lp - lm) / (2 * eps) for lp, lm in spsa_losses(model, params, loss_fn, batch, seeds, eps, kind)]
 
 
 def spsa_projected_grad(

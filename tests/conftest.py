@@ -1,0 +1,18 @@
+import os
+
+# Before Ray is imported anywhere: keep the test cluster on loopback, no token auth.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One Ray cluster for the whole test session (start-up costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

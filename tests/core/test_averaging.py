@@ -1,0 +1,98 @@
+import timm
+import torch
+from torch import nn
+
+from raylowcomm import assets
+from raylowcomm.core.averaging import (OuterNesterov, StreamingAverage, average_state_dicts, combine_bn_statistics,
+                                       greedy_soup, measure_bn_statistics)
+
+
+def _real_states(k=3):
+    """k perturbed copies of the real EfficientNet-Lite0 ImageNet weights."""
+    from safetensors.torch import load_file
+
+    base = load_file(str(assets.require("efficientnet_lite0")))
+    gen = torch.Generator().manual_seed(0)
+    return [{n: v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone() for n, v in base.items()}
+            for _ in range(k)]
+
+
+def test_uniform_average_is_exact_on_real_state_dicts():
+    states = _real_states()
+    avg = average_state_dicts(states)
+    for name in states[0]:
+        if states[0][name].is_floating_point():
+            expected = torch.stack([s[name].double() for s in states]).mean(0).float()
+            torch.testing.assert_close(avg[name], expected, rtol=0, atol=1e-7)
+        else:
+            assert torch.equal(avg[name], states[0][name])
+
+
+def test_weighted_average_follows_weights():
+    states = _real_states(2)
+    avg = average_state_dicts(states, weights=[3.0, 1.0])
+    name = "conv_stem.weight"
+    torch.testing.assert_close(avg[name], (0.75 * states[0][name].double() + 0.25 * states[1][name].double()).float())
+
+
+def test_streaming_result_with_extra_does_not_change_the_sum():
+    a, b, c = _real_states(3)
+    avg = StreamingAverage()
+    avg.add(a)
+    avg.add(b)
+    with_c = avg.result(extra=c)
+    torch.testing.assert_close(with_c["conv_stem.weight"], average_state_dicts([a, b, c])["conv_stem.weight"])
+    torch.testing.assert_close(avg.result()["conv_stem.weight"], average_state_dicts([a, b])["conv_stem.weight"])
+
+
+def test_greedy_soup_skips_a_model_that_hurts():
+    good = {"w": torch.tensor([1.0])}
+    also_good = {"w": torch.tensor([1.2])}
+    bad = {"w": torch.tensor([-5.0])}
+    score = lambda s: -abs(s["w"].item() - 1.1)  # noqa: E731 — best at 1.1
+    soup, kept, best = greedy_soup([lambda: good, lambda: also_good, lambda: bad], score)
+    assert kept == [0, 1]
+    assert soup["w"].item() == 1.1 or abs(soup["w"].item() - 1.1) < 1e-6
+    assert abs(best - 0.0) < 1e-6
+
+
+def _forward(model, batch):
+    return model(batch)
+
+
+def test_bn_statistics_across_nodes_equal_one_pass_in_one_process():
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet", num_classes=10)
+    batches = [torch.randn(8, 3, 16, 16) * (1 + i) + i for i in range(6)]
+    one_pass, count = measure_bn_statistics(model, batches, _forward)
+    assert count == 6
+    node_a = measure_bn_statistics(model, batches[:2], _forward)
+    node_b = measure_bn_statistics(model, batches[2:], _forward)
+    combined = combine_bn_statistics([node_a, node_b])
+    assert combined.keys() == one_pass.keys()
+    for k in one_pass:
+        torch.testing.assert_close(combined[k].double(), one_pass[k].double(), rtol=1e-5, atol=1e-6)
+    # the statistics really changed from the ImageNet-free init (not a vacuous comparison)
+    assert any(v.abs().sum() > 0 for k, v in one_pass.items() if k.endswith("running_mean"))
+
+
+def test_bn_measurement_leaves_weights_and_momentum_alone():
+    model = timm.create_model("test_efficientnet", num_classes=10)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    momenta = [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    measure_bn_statistics(model, [torch.randn(4, 3, 16, 16)], _forward)
+    assert all(torch.equal(before[k], v) for k, v in model.named_parameters())
+    assert momenta == [m.momentum for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+
+
+def test_outer_nesterov_matches_its_formula_and_reduces_to_averaging():
+    init = {"w": torch.tensor([1.0, 2.0]), "running_mean": torch.tensor([0.0])}
+    avg1 = {"w": torch.tensor([0.5, 1.0]), "running_mean": torch.tensor([3.0])}
+    plain = OuterNesterov(init, {"w"}, lr=1.0, momentum=0.0)
+    torch.testing.assert_close(plain.step(avg1)["w"], avg1["w"])
+    outer = OuterNesterov(init, {"w"}, lr=0.7, momentum=0.9)
+    out = outer.step(avg1)
+    delta = init["w"] - avg1["w"]
+    buf = delta
+    torch.testing.assert_close(out["w"], init["w"] - 0.7 * (delta + 0.9 * buf))
+    assert out["running_mean"].item() == 3.0

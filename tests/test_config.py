@@ -1,0 +1,48 @@
+import pytest
+
+from raylowcomm.cli import main
+from raylowcomm.config import ConfigError, from_dict, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.1\nlofi:\n  average_every: 5\n")
+    cfg = load_config(path, ["optim.lr=0.01", "nodes.count=3", "lofi.outer_optimizer=nesterov"])
+    assert cfg.optim.lr == 0.01 and cfg.nodes.count == 3
+    assert cfg.options["lofi"].average_every == 5 and cfg.options["lofi"].outer_optimizer == "nesterov"
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"optim": {"lr": -1}}, "optim.lr"),
+    ({"optim": {"lr": "fast"}}, "optim.lr"),
+    ({"optim": {"name": "adam"}}, "optim.name"),
+    ({"optim": {"lrr": 0.1}}, "optim.lrr"),
+    ({"nodes": {"count": 0}}, "nodes.count"),
+    ({"nodes": {"gpus": 1}}, "nodes.gpus"),
+    ({"strategies": ["lofi", "gossip"]}, "strategies[1]"),
+    ({"data": {"name": "cifar"}}, "data.name"),
+    ({"model": {"family": "hf_classifier"}}, "model.family"),
+    ({"lofi": {"soup": "greedy"}}, "lofi.soup"),
+    ({"lofi": {"average_every": 0}}, "lofi.average_every"),
+    ({"model": {"path": "/no/such/weights"}}, "model.path"),
+])
+def test_bad_fields_name_the_field(raw, field):
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw)
+    assert err.value.field_name == field
+    assert f"'{field}'" in str(err.value)
+
+
+def test_cli_rejects_bad_config_before_any_actor(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  momentum: 1.5\n")
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "optim.momentum" in err and "1.5" in err and "[0, 1)" in err
+
+
+def test_cli_rejects_malformed_override(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("{}\n")
+    assert main(["run", str(path), "--set", "optim.lr"]) == 2
+    assert "key.sub=value" in capsys.readouterr().err
