@@ -6,6 +6,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# Progress lines of different nodes differ only in numbers; Ray would fold them into one.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 # A local embedded Ray must stay on 127.0.0.1: Ray reads this at import time, and with it a
 # single-node Ray binds every listener to loopback (RAY_NOTES.md). Not set when joining a cluster.

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from raylowcomm.config import OptimConfig
+from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.data import Split, batch_order, num_examples, take
 
 
@@ -32,7 +32,7 @@ def total_steps(cfg: OptimConfig, smallest_shard: int) -> int:
     """Steps every node (and DDP worker) takes, so all strategies see the same samples."""
     per_epoch = steps_per_epoch(smallest_shard, cfg.batch_size)
     if per_epoch == 0:
-        raise ValueError(f"optim.batch_size={cfg.batch_size} is larger than the smallest shard ({smallest_shard} examples)")
+        raise ConfigError("optim.batch_size", cfg.batch_size, f"larger than a node's shard ({smallest_shard} examples): lower it or raise data.train_size")
     steps = per_epoch * cfg.epochs
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 

@@ -173,93 +173,96 @@ class Lofi:
         weights_ref, eval_ref = ray.put(initial), ray.put(eval_sets)
         ledger.send("setup", "initial_weights", initial, copies=n)
         ledger.send("setup", "eval_sets", eval_sets, copies=n)
-        nodes = []
-        for k, shard in enumerate(shards):
+        shard_refs = [ray.put(shard) for shard in shards]  # held here so a restarted node can re-fetch them
+        for shard in shards:
             ledger.send("setup", "data_shard", shard)
-            nodes.append(LofiNode.options(**actor_options(cfg.nodes.cpus, cfg.nodes.gpus, cfg.nodes.max_restarts)).remote(
-                k, ctx.spec, weights_ref, ray.put(shard), eval_ref, cfg, str(ckpt_dir / f"node{k}.safetensors")))
+        nodes = [LofiNode.options(**actor_options(cfg.nodes.cpus, cfg.nodes.gpus, cfg.nodes.max_restarts)).remote(
+                     k, ctx.spec, weights_ref, shard_refs[k], eval_ref, cfg, str(ckpt_dir / f"node{k}.safetensors"))
+                 for k in range(n)]
 
-        ray.get([node.__ray_ready__.remote() for node in nodes])
-        steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
-        every = opts.average_every
-        if every is not None and opts.average_unit == "epochs":
-            every *= steps_per_epoch(min(num_examples(s) for s in shards), cfg.optim.batch_size)
-        boundaries = list(range(every, steps, every)) + [steps] if every else [steps]
-        averaging = every is not None or opts.outer_optimizer != "none"
-        weights = [float(num_examples(s)) if opts.weighting == "examples" else 1.0 for s in shards]
-        outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
-            if opts.outer_optimizer == "nesterov" else None
-        print(f"[lofi] {n} nodes x {steps} steps, averaging at steps {boundaries if averaging else [steps]}", flush=True)
+        try:
+            ray.get([node.__ray_ready__.remote() for node in nodes])
+            steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
+            every = opts.average_every
+            if every is not None and opts.average_unit == "epochs":
+                every *= steps_per_epoch(min(num_examples(s) for s in shards), cfg.optim.batch_size)
+            boundaries = list(range(every, steps, every)) + [steps] if every else [steps]
+            averaging = every is not None or opts.outer_optimizer != "none"
+            weights = [float(num_examples(s)) if opts.weighting == "examples" else 1.0 for s in shards]
+            outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
+                if opts.outer_optimizer == "nesterov" else None
+            print(f"[lofi] {n} nodes x {steps} steps, averaging at steps {boundaries if averaging else [steps]}", flush=True)
 
-        train_clock, rounds = Stopwatch(), []
-        for i, until in enumerate(boundaries):
-            last = i == len(boundaries) - 1
-            phase = "final" if last else "train"
-            ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
-            rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until) for node in nodes]))
-            for stats in rounds[-1]:
-                if stats["restored_from"] is not None:
-                    print(f"[lofi] node {stats['node']} died and resumed from its checkpoint at step {stats['restored_from']}", flush=True)
-                    ledger.send("train", "recovery_refetch", initial)
-                    ledger.send("train", "recovery_refetch", shards[stats["node"]])
-            if not last:
-                average = _stream_average(ledger, "train", [node.weights.remote() for node in nodes], weights)
-                if outer is not None:
-                    average = outer.step(average)
-                ref = ray.put(average)
-                ledger.send("train", "global_weights", average, copies=n)
-                ray.get([node.load_weights.remote(ref) for node in nodes])
-        train_s = train_clock.elapsed()
+            train_clock, rounds = Stopwatch(), []
+            for i, until in enumerate(boundaries):
+                last = i == len(boundaries) - 1
+                phase = "final" if last else "train"
+                ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
+                rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until) for node in nodes]))
+                for stats in rounds[-1]:
+                    if stats["restored_from"] is not None:
+                        print(f"[lofi] node {stats['node']} died and resumed from its checkpoint at step {stats['restored_from']}", flush=True)
+                        ledger.send("train", "recovery_refetch", initial)
+                        ledger.send("train", "recovery_refetch", shards[stats["node"]])
+                if not last:
+                    average = _stream_average(ledger, "train", [node.weights.remote() for node in nodes], weights)
+                    if outer is not None:
+                        average = outer.step(average)
+                    ref = ray.put(average)
+                    ledger.send("train", "global_weights", average, copies=n)
+                    ray.get([node.load_weights.remote(ref) for node in nodes])
+            train_s = train_clock.elapsed()
 
-        node_metrics = _collect(ledger, "final", "node_metrics", [node.evaluate.remote() for node in nodes])
-        infos = _collect(ledger, "final", "node_info", [node.info.remote() for node in nodes])
-        task = task_for(ctx.spec.family, cfg.data.image_size)
-        metric = task.metric
-        soup_kept = list(range(n))
-        if opts.soup == "greedy":
-            order = sorted(range(n), key=lambda k: node_metrics[k]["val_" + metric], reverse=(metric == "accuracy"))
-            refs = [nodes[k].weights.remote() for k in order]
-            scorer = build_model(ctx.spec)
+            node_metrics = _collect(ledger, "final", "node_metrics", [node.evaluate.remote() for node in nodes])
+            infos = _collect(ledger, "final", "node_info", [node.info.remote() for node in nodes])
+            task = task_for(ctx.spec.family, cfg.data.image_size)
+            metric = task.metric
+            soup_kept = list(range(n))
+            if opts.soup == "greedy":
+                order = sorted(range(n), key=lambda k: node_metrics[k]["val_" + metric], reverse=(metric == "accuracy"))
+                refs = [nodes[k].weights.remote() for k in order]
+                scorer = build_model(ctx.spec)
 
-            def load(ref):
-                return lambda: _fetch_one(ledger, ref)
+                def load(ref):
+                    return lambda: _fetch_one(ledger, ref)
 
-            def score(state):
-                scorer.load_state_dict(state)
-                return task.evaluate(scorer, ctx.data.val, cfg.optim.eval_batch_size)[metric] * (1 if metric == "accuracy" else -1)
+                def score(state):
+                    scorer.load_state_dict(state)
+                    return task.evaluate(scorer, ctx.data.val, cfg.optim.eval_batch_size)[metric] * (1 if metric == "accuracy" else -1)
 
-            average, kept, _ = greedy_soup([load(r) for r in refs], score)
-            soup_kept = [order[j] for j in kept]
-        else:
-            average = _stream_average(ledger, "final", [node.weights.remote() for node in nodes], weights)
-        if outer is not None:
-            average = outer.step(average)
+                average, kept, _ = greedy_soup([load(r) for r in refs], score)
+                soup_kept = [order[j] for j in kept]
+            else:
+                average = _stream_average(ledger, "final", [node.weights.remote() for node in nodes], weights)
+            if outer is not None:
+                average = outer.step(average)
 
-        model = build_model(ctx.spec)
-        model.load_state_dict(average)
-        details = {"steps_per_node": steps, "averaging_steps": boundaries if averaging else [steps], "soup_nodes": soup_kept}
-        if opts.bn_recalibrate and batchnorm_layers(model):
-            details["average_without_bn_recalibration"] = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
-            ref = ray.put(average)
-            ledger.send("final", "averaged_weights_for_bn", average, copies=n)
-            per_node = _collect(ledger, "final", "bn_statistics", [node.bn_statistics.remote(ref, opts.bn_batches) for node in nodes])
-            average.update(combine_bn_statistics(per_node))
+            model = build_model(ctx.spec)
             model.load_state_dict(average)
-        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+            details = {"steps_per_node": steps, "averaging_steps": boundaries if averaging else [steps], "soup_nodes": soup_kept}
+            if opts.bn_recalibrate and batchnorm_layers(model):
+                details["average_without_bn_recalibration"] = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+                ref = ray.put(average)
+                ledger.send("final", "averaged_weights_for_bn", average, copies=n)
+                per_node = _collect(ledger, "final", "bn_statistics", [node.bn_statistics.remote(ref, opts.bn_batches) for node in nodes])
+                average.update(combine_bn_statistics(per_node))
+                model.load_state_dict(average)
+            metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
 
-        node_records = [{**info, "metrics": m, "train": [r[k] for r in rounds]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
-        node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / n
-        details["node_mean_" + f"id_{metric}"] = node_mean
-        if _better(metric, node_mean, metrics[f"id_{metric}"]):
-            msg = (f"lo-fi: the average scores worse than the mean of the nodes (id_{metric} {metrics[f'id_{metric}']:.4f} vs "
-                   f"{node_mean:.4f}): averaging left the shared basin. Try lofi.average_every (a few rounds), a lower lr, or a greedy soup.")
-            warnings.warn(msg, stacklevel=1)
-            details["warning"] = msg
-        weights_path = save_weights(out / "model.safetensors", average)
-        for node in nodes:
-            ray.kill(node)
-        return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(s["samples"] for r in rounds for s in r), train_s,
-                         max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path)
+            node_records = [{**info, "metrics": m, "train": [r[k] for r in rounds]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
+            node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / n
+            details["node_mean_" + f"id_{metric}"] = node_mean
+            if _better(metric, node_mean, metrics[f"id_{metric}"]):
+                msg = (f"lo-fi: the average scores worse than the mean of the nodes (id_{metric} {metrics[f'id_{metric}']:.4f} vs "
+                       f"{node_mean:.4f}): averaging left the shared basin. Try lofi.average_every (a few rounds), a lower lr, or a greedy soup.")
+                warnings.warn(msg, stacklevel=1)
+                details["warning"] = msg
+            weights_path = save_weights(out / "model.safetensors", average)
+            return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(s["samples"] for r in rounds for s in r), train_s,
+                             max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path)
+        finally:
+            for node in nodes:
+                ray.kill(node)
 
 
 def _fetch_one(ledger: Ledger, ref) -> dict:
