@@ -1,4 +1,4 @@
-"""raylowcomm run | assets."""
+"""raylowcomm run | tune | assets."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set optim.lr=0.01 (repeatable)")
     run_p.add_argument("--out", help="output directory (default: the config's out_dir)")
+    tune_p = sub.add_parser("tune", help="sweep config fields with Ray Tune (a sweep file: see tune_configs/)")
+    tune_p.add_argument("sweep")
+    tune_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the sweep's base config for every trial (repeatable)")
+    tune_p.add_argument("--storage-path", help="where Tune writes the sweep (default: the sweep file's storage_path)")
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
     assets_p.add_argument("action", choices=["list", "fetch"])
     assets_p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
@@ -38,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{name:20s} {a.kind:5s} {'cached' if a.ready() else 'not cached':10s} {a.about}")
         return 0
+
+    if args.command == "tune":
+        from raylowcomm.tune import SweepError, load_sweep, run_sweep
+
+        try:
+            summary = run_sweep(load_sweep(args.sweep, args.overrides), args.storage_path)
+        except (SweepError, assets.AssetError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 1 if any(t["status"] == "error" for t in summary["trials"]) else 0
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -79,6 +79,12 @@ class NodesConfig:
     gpus: float = 0.0
     max_restarts: int = 2
     """How often a node actor that dies is restarted from its last checkpoint."""
+    placement: Literal["PACK", "SPREAD"] = "PACK"
+    """SPREAD: put the actors on different Ray nodes where possible; PACK: Ray's default, which
+    fills the driver's node first. In a sweep it is the strategy of each trial's reservation."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per actor, e.g. {"trainer": 1} to run actors only on nodes started
+    with `ray start --resources='{"trainer": 4}'`."""
 
 
 @dataclass
@@ -118,6 +124,8 @@ def _describe(tp) -> str:
         return "null"
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping of {_describe(typing.get_args(tp)[0])} to {_describe(typing.get_args(tp)[1])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -139,6 +147,11 @@ def _coerce(tp, value, name: str):
         if not isinstance(value, list):
             raise ConfigError(name, value, f"expected {_describe(tp)}")
         return [_coerce(typing.get_args(tp)[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(name, value, f"expected {_describe(tp)}")
+        key_tp, value_tp = typing.get_args(tp)
+        return {_coerce(key_tp, k, f"{name}.{k}"): _coerce(value_tp, v, f"{name}.{k}") for k, v in value.items()}
     if tp is type(None):
         if value is None:
             return None
@@ -242,6 +255,10 @@ def validate(cfg: RunConfig) -> None:
     _positive("nodes.cpus", cfg.nodes.cpus)
     _positive("nodes.gpus", cfg.nodes.gpus, allow_zero=True)
     _positive("nodes.max_restarts", cfg.nodes.max_restarts, allow_zero=True)
+    for key, amount in cfg.nodes.resources.items():
+        if key.upper() in ("CPU", "GPU", "MEMORY"):
+            raise ConfigError(f"nodes.resources.{key}", amount, "set CPUs and GPUs with nodes.cpus / nodes.gpus")
+        _positive(f"nodes.resources.{key}", amount)
     _positive("optim.lr", cfg.optim.lr)
     _positive("optim.batch_size", cfg.optim.batch_size)
     _positive("optim.epochs", cfg.optim.epochs)

@@ -66,15 +66,15 @@ def _digits(name: str, path: str | None) -> Split:
     side = json.loads((file.parent / "meta.json").read_text())["side"] if (file.parent / "meta.json").exists() else None
     pixels = torch.tensor([[int(p) for p in row.split()] for row in table["pixels"]], dtype=torch.uint8)
     side = side or int(round(pixels.shape[1] ** 0.5))
-    return {"pixels": pixels.view(-1, side, side), "labels": torch.tensor(table["label"], dtype=torch.long)}
+    return {"pixels": pixels.view(-1, side, side), "labels": torch.tensor(list(table["label"]), dtype=torch.long)}
 
 
 def _reviews(path: str | None, tokenizer, max_length: int) -> Split:
     from datasets import load_dataset
 
     table = load_dataset("csv", data_files=str(path or assets.require("rotten_tomatoes")), split="train")
-    enc = tokenizer(table["text"], padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": torch.tensor(table["label"], dtype=torch.long)}
+    enc = tokenizer(list(table["text"]), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": torch.tensor(list(table["label"]), dtype=torch.long)}
 
 
 def _prompted_reviews(path: str | None, tokenizer, max_length: int) -> Split:

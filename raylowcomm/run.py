@@ -10,11 +10,12 @@ from pathlib import Path
 import yaml
 
 from raylowcomm.config import RunConfig
-from raylowcomm.data import load_datasets
+from raylowcomm.data import load_datasets, num_examples
 from raylowcomm.models import load_pretrained
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies import STRATEGIES
 from raylowcomm.strategies.base import RunContext
+from raylowcomm.training import total_steps
 
 NUM_CLASSES = {"mnist": 10, "rotten_tomatoes": 2}
 
@@ -24,6 +25,7 @@ def prepare(cfg: RunConfig, out_dir: Path) -> RunContext:
     num_classes = NUM_CLASSES.get(cfg.data.name) if cfg.model.family != "hf_causal_lm" else None
     model, spec, tokenizer = load_pretrained(cfg.model, num_classes, cfg.seed)
     data = load_datasets(cfg.data, tokenizer, prompt=cfg.model.family == "hf_causal_lm")
+    total_steps(cfg.optim, num_examples(data.train) // cfg.nodes.count)  # batch size vs shard size, checked now
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return RunContext(cfg, model, spec, data, out_dir)

@@ -21,8 +21,17 @@ def init_ray(num_cpus: int | None = None) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
-def actor_options(cpus: float, gpus: float, max_restarts: int = 0) -> dict:
+def actor_options(cpus: float, gpus: float, max_restarts: int = 0, placement: str = "PACK",
+                  resources: dict[str, float] | None = None) -> dict:
+    """Options of a node/stage actor. Inside a reservation (a Tune trial's placement group) the
+    actor is captured by it and the reservation's strategy decides where it runs."""
+    import ray
+
     opts = {"num_cpus": cpus, "num_gpus": gpus}
+    if resources:
+        opts["resources"] = dict(resources)
+    if placement == "SPREAD" and ray.util.get_current_placement_group() is None:
+        opts["scheduling_strategy"] = "SPREAD"
     if max_restarts:
         opts.update(max_restarts=max_restarts, max_task_retries=max_restarts)
     return opts

@@ -69,7 +69,8 @@ class PromptClassification(ImageClassification):
         self.device = device
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
-        ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+        width = int(batch["attention_mask"].sum(1).max())  # right padding: columns past it are all padding
+        ids, mask = batch["input_ids"][:, :width].to(self.device), batch["attention_mask"][:, :width].to(self.device)
         hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
         # right padding: the prompt ends at the last attended position of each row
         last = hidden[torch.arange(len(ids), device=hidden.device), mask.sum(1) - 1]

@@ -31,6 +31,8 @@ counted. No Ray here: a Ray actor wraps one :class:`InterlockStage` and calls it
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -215,6 +217,38 @@ def split_hf_decoder(model: nn.Module, num_stages: int, balance: Balance = "bloc
                      lm_head=model.lm_head if k == last else None)
         for k, g in enumerate(groups)
     ]
+
+
+def measure_unit_costs(units: Sequence[nn.Module], x: Tensor, repeats: int = 3) -> list[float]:
+    """Median seconds of forward + backward per unit, each fed the previous unit's output
+    (``units``: a split with one unit per stage). Per-unit costs for ``balance`` where block
+    counts mislead (e.g. an early high-resolution ResNet block costs more than a late one).
+    Run it on a copy: it updates BatchNorm statistics and leaves gradients cleared."""
+    times: list[list[float]] = [[] for _ in units]
+    for rep in range(repeats + 1):  # the first pass only warms up (allocations, kernels)
+        h = x
+        for i, unit in enumerate(units):
+            inp = h.detach().requires_grad_(h.is_floating_point())
+            start = time.perf_counter()
+            out = unit(inp)
+            out.float().square().mean().backward()
+            if rep:
+                times[i].append(time.perf_counter() - start)
+            h = out.detach()
+    for unit in units:
+        unit.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]
+
+
+def untie_lm_head(model: nn.Module) -> bool:
+    """Give ``lm_head`` its own copy of a tied input embedding (so the first and last stage
+    each own one parameter) and mark the config untied; returns whether it was tied. Both
+    copies start equal and train apart from then on."""
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        return False
+    model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    return True
 
 
 # ----------------------------------------------------------------------------- aux heads

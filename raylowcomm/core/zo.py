@@ -465,15 +465,25 @@ class ReplayLog:
                 done += 1
         return done
 
-    def to_bytes(self) -> bytes:
-        rows = [(st, n, s, c) for st in self.steps for (n, s), c in sorted(self._steps[st].items())]
-        return np.array(rows, dtype=self._DTYPE).tobytes()
+    def rows(self, from_step: int = 0) -> Iterator[tuple[int, int, int, int]]:
+        """(step, node, sample, code) of the steps ≥ from_step, in replay order."""
+        for st in self.steps:
+            if st >= from_step:
+                for (n, s), c in sorted(self._steps[st].items()):
+                    yield st, n, s, c
+
+    def extend(self, rows: Iterable[tuple[int, int, int, int]]) -> None:
+        for row in rows:
+            self.append(*row)
+
+    def to_bytes(self, from_step: int = 0) -> bytes:
+        """The steps ≥ from_step: what a node joining from a checkpoint at from_step needs."""
+        return np.array(list(self.rows(from_step)), dtype=self._DTYPE).tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ReplayLog:
         log = cls()
-        for step, node, sample, code in np.frombuffer(data, dtype=cls._DTYPE).tolist():
-            log.append(step, node, sample, code)
+        log.extend(np.frombuffer(data, dtype=cls._DTYPE).tolist())
         return log
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 from torch import nn
 
@@ -13,6 +13,10 @@ from raylowcomm.config import RunConfig
 from raylowcomm.data import Datasets, Split, num_examples, shard_indices, take
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec
+
+
+def _no_report(metrics: dict) -> None:
+    """Outside a sweep, progress goes to the log only."""
 
 
 @dataclass
@@ -24,6 +28,10 @@ class RunContext:
     spec: ModelSpec
     data: Datasets
     out_dir: Path
+    report: Callable[[dict], None] = _no_report
+    """Strategies call it with flat numeric progress metrics at each step, round or eval, e.g.
+    {"step": 10, "train_loss": 0.3}; a sweep forwards them to Tune (ASHA stops trials on them)
+    and reports the record's final metrics itself."""
 
     def shards(self) -> list[Split]:
         """The same disjoint, complete shards for every strategy of the run."""
@@ -80,6 +88,25 @@ class Strategy(Protocol):
         """Raise ConfigError for option combinations this strategy cannot run."""
 
     def run(self, ctx: RunContext) -> RunRecord: ...
+
+
+def node_bundle(cfg: RunConfig) -> dict[str, float]:
+    """What one node/stage actor asks Ray for (runtime.actor_options with cfg.nodes)."""
+    return {"CPU": cfg.nodes.cpus, **({"GPU": cfg.nodes.gpus} if cfg.nodes.gpus else {}), **cfg.nodes.resources}
+
+
+def actor_bundles(strategy, cfg: RunConfig) -> list[dict[str, float]]:
+    """The actors a strategy starts, one bundle each, so a caller (a Tune trial) can reserve them
+    up front: the strategy's own `bundles(cfg)` where it has one, else `nodes.count` node bundles."""
+    own = getattr(strategy, "bundles", None)
+    return own(cfg) if own is not None else [node_bundle(cfg)] * cfg.nodes.count
+
+
+def external_bundles(strategy, cfg: RunConfig) -> list[dict[str, float]]:
+    """Resources a strategy reserves itself, outside its caller's reservation (Ray Train's own
+    placement group for DDP); a sweep limits its concurrency so these fit too."""
+    own = getattr(strategy, "external_bundles", None)
+    return own(cfg) if own is not None else []
 
 
 class Stopwatch:

@@ -25,7 +25,7 @@ from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import build_model, state_dict_of
 from raylowcomm.runtime import device_for, setup_threads
-from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch
+from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, node_bundle
 from raylowcomm.strategies.lofi import node_seed
 from raylowcomm.tasks import score_model, task_for
 from raylowcomm.training import make_optimizer, peak_rss_bytes, save_weights, total_steps, train_steps
@@ -65,15 +65,16 @@ def _train_worker(config: dict) -> None:
     counter = {"bytes": 0, "buckets": 0}
     model.register_comm_hook(None, counting_allreduce_hook(counter))
     shard = ray.get(config["shards"][rank])
-    task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus))
+    task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus), data=cfg.data.name)
     optimizer = make_optimizer(cfg.optim, model)
     log = (lambda msg: print(f"[ddp rank 0] {msg}", flush=True)) if rank == 0 else None
     stats = train_steps(model, task, optimizer, shard, 0, config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
                         log=log, log_every=cfg.log_every)
-    ctx = ray.get_runtime_context()
+    ctx, pg = ray.get_runtime_context(), ray.util.get_current_placement_group()
     mine = {"rank": rank, "allreduce_bytes": counter["bytes"], "buckets": counter["buckets"], "samples": stats["samples"],
             "train_s": stats["train_s"], "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(),
-            "ray_node_id": ctx.get_node_id(), "pid": os.getpid()}
+            "ray_node_id": ctx.get_node_id(), "pid": os.getpid(), "placement_group": pg.id.hex() if pg else None,
+            "mean_loss": stats["mean_loss"]}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     gather_bytes = len(pickle.dumps(mine)) * dist.get_world_size()
@@ -97,6 +98,16 @@ class Ddp:
         if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
 
+    @staticmethod
+    def bundles(cfg: RunConfig) -> list[dict]:
+        """Nothing inside a caller's reservation: Ray Train places its workers in a placement group
+        of its own (the supported way to run Train inside a Tune trial)."""
+        return []
+
+    @staticmethod
+    def external_bundles(cfg: RunConfig) -> list[dict]:
+        return [node_bundle(cfg)] * cfg.nodes.count
+
     def run(self, ctx: RunContext) -> RunRecord:
         from ray.train import RunConfig as TrainRunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
@@ -119,13 +130,14 @@ class Ddp:
             _train_worker,
             train_loop_config={"cfg": cfg, "spec": ctx.spec, "weights": ray.put(initial), "steps": steps,
                                "shards": [ray.put(s) for s in shards]},
-            scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.nodes.gpus > 0,
-                                         resources_per_worker={"CPU": cfg.nodes.cpus, **({"GPU": cfg.nodes.gpus} if cfg.nodes.gpus else {})}),
+            scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.nodes.gpus > 0, resources_per_worker=node_bundle(cfg),
+                                         placement_strategy=cfg.nodes.placement),
             torch_config=TorchConfig(backend=backend),
             run_config=TrainRunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str((out / "ray_train").resolve())),
         )
         result = trainer.fit()
         workers = result.metrics["workers"]
+        ctx.report({"step": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
         for w in workers:
             ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
@@ -134,7 +146,7 @@ class Ddp:
         ledger.send("final", "model_checkpoint", state)
         model = build_model(ctx.spec)
         model.load_state_dict(state)
-        task = task_for(ctx.spec.family, cfg.data.image_size)
+        task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
         metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
         weights_path = save_weights(out / "model.safetensors", state)
         details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers]}

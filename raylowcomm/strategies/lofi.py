@@ -64,7 +64,7 @@ class LofiNode:
         self.checkpoint = Path(checkpoint)
         device = device_for(cfg.nodes.gpus)
         self.model = build_model(spec).to(device)
-        self.task = task_for(spec.family, cfg.data.image_size, device)
+        self.task = task_for(spec.family, cfg.data.image_size, device, data=cfg.data.name)
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from = 0, None
         if self.checkpoint.exists():
@@ -115,9 +115,10 @@ class LofiNode:
         return measure_bn_statistics(self.model, batches, self.task.forward)
 
     def info(self) -> dict:
-        ctx = ray.get_runtime_context()
+        ctx, pg = ray.get_runtime_context(), ray.util.get_current_placement_group()
         return {"node": self.node, "host": socket.gethostname(), "ray_node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "peak_rss_bytes": peak_rss_bytes(), "examples": num_examples(self.shard)}
+                "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes(),
+                "examples": num_examples(self.shard)}
 
 
 def _collect(ledger: Ledger, phase: str, what: str, refs: list) -> list:
@@ -176,7 +177,8 @@ class Lofi:
         shard_refs = [ray.put(shard) for shard in shards]  # held here so a restarted node can re-fetch them
         for shard in shards:
             ledger.send("setup", "data_shard", shard)
-        nodes = [LofiNode.options(**actor_options(cfg.nodes.cpus, cfg.nodes.gpus, cfg.nodes.max_restarts)).remote(
+        options = actor_options(cfg.nodes.cpus, cfg.nodes.gpus, cfg.nodes.max_restarts, cfg.nodes.placement, cfg.nodes.resources)
+        nodes = [LofiNode.options(**options).remote(
                      k, ctx.spec, weights_ref, shard_refs[k], eval_ref, cfg, str(ckpt_dir / f"node{k}.safetensors"))
                  for k in range(n)]
 
@@ -199,6 +201,7 @@ class Lofi:
                 phase = "final" if last else "train"
                 ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
                 rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until) for node in nodes]))
+                ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
                 for stats in rounds[-1]:
                     if stats["restored_from"] is not None:
                         print(f"[lofi] node {stats['node']} died and resumed from its checkpoint at step {stats['restored_from']}", flush=True)
@@ -215,7 +218,7 @@ class Lofi:
 
             node_metrics = _collect(ledger, "final", "node_metrics", [node.evaluate.remote() for node in nodes])
             infos = _collect(ledger, "final", "node_info", [node.info.remote() for node in nodes])
-            task = task_for(ctx.spec.family, cfg.data.image_size)
+            task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
             metric = task.metric
             soup_kept = list(range(n))
             if opts.soup == "greedy":

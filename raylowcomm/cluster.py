@@ -1,0 +1,252 @@
+"""A real multi-node Ray cluster on one Linux machine, for tests, demos and WAN benchmarks.
+
+Each host is a network namespace with its own address on a private /24; the hosts hang off a
+bridge in a switch namespace, so they talk over real (virtual) Ethernet links that `tc` can
+shape (`shape`). The Ray head runs on host 0, one worker on each other host, all from this
+Python's `ray`. Needs root and iproute2.
+
+Everything it starts lives inside its own namespaces, so teardown kills exactly the processes
+whose network namespace is one of ours — never `ray stop`, which would stop every Ray on the
+machine (including other users' and a test session's). Usable as a context manager, so the
+cluster and namespaces go away also on failure:
+
+    with NamespaceCluster(hosts=2, cpus=2) as c:
+        c.run(0, ["raylowcomm", "run", "cfg.yaml"])           # a driver on the head host
+        c.submit(["raylowcomm", "tune", "sweep.yaml"])        # or a Ray job
+    python -m raylowcomm.cluster --hosts 2 -- raylowcomm run cfg.yaml   # the same, from a shell
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GCS_PORT = 6380
+DASHBOARD_PORT = 8265
+# Fixed agent ports (each host has its own network stack, so they cannot collide): with dynamic
+# ones the raylet waits for the agents to publish theirs and aborts after ~15 s on a busy machine.
+AGENT_PORTS = ["--metrics-export-port=8090", "--dashboard-agent-listen-port=52365", "--dashboard-agent-grpc-port=52366",
+               "--runtime-env-agent-port=52367"]
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be made or did not come up; the message says what and where."""
+
+
+def _sh(args: list[str], check: bool = True, timeout: float = 60, capture: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=capture, text=True, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        detail = (proc.stderr or "").strip()[-3000:] + "\n" + (proc.stdout or "").strip()[-3000:] if capture else ""
+        raise ClusterError(f"{' '.join(args)} failed ({proc.returncode}): {detail}")
+    return proc
+
+
+class NamespaceCluster:
+    """`hosts` Ray nodes, each in its own network namespace; `cpus` and `resources` per host
+    (a number/dict for all, or a list per host). Names and subnet are unique per instance."""
+
+    def __init__(self, hosts: int = 2, cpus: float | list[float] = 1, resources: dict | list[dict] | None = None,
+                 start_timeout_s: float = 180):
+        if hosts < 1:
+            raise ValueError("hosts must be >= 1")
+        self.tag = secrets.token_hex(3)
+        self.hosts = [f"rl{self.tag}h{i}" for i in range(hosts)]
+        self.switch = f"rl{self.tag}sw"
+        subnet = int(self.tag[:4], 16)
+        self.addresses = [f"10.{100 + subnet % 100}.{subnet // 256 % 256}.{i + 1}" for i in range(hosts)]
+        self.cpus = cpus if isinstance(cpus, list) else [cpus] * hosts
+        self.resources = resources if isinstance(resources, list) else [resources or {}] * hosts
+        self.temp_dir = Path(f"/tmp/rlc-{self.tag}")  # short: Ray's unix sockets live under it
+        self.start_timeout_s = start_timeout_s
+        self.ray = str(Path(sys.executable).parent / "ray")
+        self._made: list[str] = []
+
+    # --- addresses and environment -------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The GCS address (RAY_ADDRESS) drivers on any host join."""
+        return f"{self.addresses[0]}:{GCS_PORT}"
+
+    @property
+    def dashboard(self) -> str:
+        """The jobs API (`ray job submit --address`)."""
+        return f"http://{self.addresses[0]}:{DASHBOARD_PORT}"
+
+    def env(self, extra: dict | None = None) -> dict:
+        """The environment of everything run in the cluster: this Python first on PATH, no token
+        auth, and not the loopback-only switch (a multi-node cluster needs real addresses)."""
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        env.setdefault("RAY_AUTH_MODE", "disabled")
+        env.update(extra or {})
+        return env
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def __enter__(self) -> "NamespaceCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            raise ClusterError("a namespace cluster needs root and iproute2 (ip)")
+        self._make_network()
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self._ray_start(0, ["--head", f"--port={GCS_PORT}", f"--dashboard-host={self.addresses[0]}",
+                            f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true"])
+        for i in range(1, len(self.hosts)):
+            self._ray_start(i, [f"--address={self.address}"])
+        self._wait_for_nodes()
+
+    def stop(self) -> None:
+        """Kill every process in our host namespaces, then delete the namespaces and temp dir."""
+        self._kill_in(self._made)
+        for ns in reversed(self._made):
+            _sh(["ip", "netns", "del", ns], check=False)
+        self._made = []
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _kill_in(self, namespaces: list[str]) -> None:
+        inodes = set()
+        for ns in namespaces:
+            try:
+                inodes.add(os.stat(f"/var/run/netns/{ns}").st_ino)
+            except FileNotFoundError:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self._pids_in(inodes):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.time() + 5
+            while time.time() < deadline and self._pids_in(inodes):
+                time.sleep(0.2)
+
+    @staticmethod
+    def _pids_in(inodes: set[int]) -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                        pids.append(int(entry))
+                except (FileNotFoundError, PermissionError, ProcessLookupError):
+                    continue
+        return pids
+
+    def _make_network(self) -> None:
+        _sh(["ip", "netns", "add", self.switch])
+        self._made.append(self.switch)
+        _sh(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+        _sh(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+        for i, (ns, addr) in enumerate(zip(self.hosts, self.addresses)):
+            _sh(["ip", "netns", "add", ns])
+            self._made.append(ns)
+            _sh(["ip", "link", "add", "rl0", "netns", ns, "type", "veth", "peer", "name", f"h{i}", "netns", self.switch])
+            _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "master", "br0"])
+            _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "up"])
+            _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "rl0"])
+            _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _sh(["ip", "-n", ns, "link", "set", "rl0", "up"])
+
+    def _ray_start(self, host: int, args: list[str], attempts: int = 3) -> None:
+        """`ray start` on a host; retried from scratch on that host because on a busy machine a
+        raylet can miss Ray's fixed 30 s registration deadline."""
+        res = json.dumps(self.resources[host]) if self.resources[host] else None
+        for attempt in range(attempts):
+            try:
+                self.run(host, [self.ray, "start", f"--node-ip-address={self.addresses[host]}", f"--num-cpus={self.cpus[host]}",
+                                f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS, *args,
+                                *([f"--resources={res}"] if res else [])], timeout=self.start_timeout_s)
+                return
+            except (ClusterError, subprocess.TimeoutExpired):
+                self._kill_in([self.hosts[host]])
+                if attempt == attempts - 1:
+                    raise
+
+    def _wait_for_nodes(self) -> None:
+        deadline, out = time.time() + self.start_timeout_s, ""
+        while time.time() < deadline:
+            proc = self.run(0, [self.ray, "status", f"--address={self.address}"], check=False, timeout=60)
+            out = proc.stdout
+            active = out.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in out else ""
+            if len(re.findall(r"node_[0-9a-f]+", active)) == len(self.hosts):
+                return
+            time.sleep(2)
+        raise ClusterError(f"{len(self.hosts)} Ray nodes did not come up in {self.start_timeout_s:.0f} s; last `ray status`:\n{out}")
+
+    # --- running things ------------------------------------------------------------------------
+
+    def run(self, host: int, args: list[str], env: dict | None = None, check: bool = True, timeout: float = 600,
+            cwd: str | Path | None = None, capture: bool = True) -> subprocess.CompletedProcess:
+        """Run a command on a host (in its namespace), with RAY_ADDRESS pointing at the head."""
+        full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})})
+        return _sh(["ip", "netns", "exec", self.hosts[host], *args], check=check, timeout=timeout, capture=capture,
+                   env=full_env, cwd=cwd)
+
+    def submit(self, entrypoint: list[str], working_dir: str | Path = ".", runtime_env: dict | None = None,
+               check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        """`ray job submit` from the head host; waits for the job and returns its output."""
+        args = [self.ray, "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}"]
+        if runtime_env:
+            args.append(f"--runtime-env-json={json.dumps(runtime_env)}")
+        return self.run(0, [*args, "--", *entrypoint], env={"RAY_ADDRESS": self.dashboard}, check=check, timeout=timeout)
+
+    def node_ids(self) -> dict[str, str]:
+        """Ray node id -> host address, from the cluster itself."""
+        code = ("import json, ray; ray.init(); "
+                "print(json.dumps({n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}))")
+        out = self.run(0, [sys.executable, "-c", code], timeout=120).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def shape(self, rate: str = "100mbit", burst: str = "32kbit", latency: str = "50ms") -> None:
+        """Limit every host's outgoing link with a token bucket (tc tbf); both directions of each
+        pair are then shaped. netem (delay, loss) may be missing from the kernel; tbf is not."""
+        for ns in self.hosts:
+            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "rl0", "root", "tbf",
+                 "rate", rate, "burst", burst, "latency", latency])
+
+    def unshape(self) -> None:
+        for ns in self.hosts:
+            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "rl0", "root"], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a cluster, run one command on its head host, tear everything down."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m raylowcomm.cluster", description=main.__doc__)
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--cpus", type=float, default=1)
+    p.add_argument("--shape", metavar="RATE", help="limit each host's link, e.g. 100mbit (tc tbf)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command, e.g. raylowcomm run cfg.yaml")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give a command after --")
+    with NamespaceCluster(args.hosts, args.cpus) as cluster:
+        if args.shape:
+            cluster.shape(args.shape)
+        print(f"cluster up: head {cluster.address}, hosts {cluster.addresses}", flush=True)
+        return cluster.run(0, command, check=False, timeout=24 * 3600, cwd=os.getcwd(), capture=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Interlocking backprop on Ray: stage actors apply exactly the n-way reference update, the
+driver only ever handles refs and small dicts, and full runs report bytes, heads and weights."""
+
+import copy
+
+import pytest
+import ray
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raylowcomm.config import ConfigError, OptimConfig, from_dict
+from raylowcomm.core.interlock import reference_gradients, resnet_aux_heads, split_timm_resnet
+from raylowcomm.data import Datasets
+from raylowcomm.ledger import Ledger
+from raylowcomm.models import ModelSpec
+from raylowcomm.run import prepare
+from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.interlocking import (DriverFetches, Interlocking, Source, StageActor, message_plan,
+                                                train_interlocked)
+from raylowcomm.tasks import CausalLM, ImageClassification
+from raylowcomm.training import batch_at
+from tests.core.test_interlock import NUM_CLASSES, tiny_resnet
+
+LR = 0.1
+
+
+@pytest.fixture(scope="module")
+def three_actors(ray_session):
+    """Three stage processes, reloaded per case (process start-up dominates small tests); a
+    third of a CPU each, so the full runs below still find CPUs while these are alive."""
+    actors = [StageActor.options(num_cpus=1 / 3).remote(1, 0) for _ in range(3)]
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+def test_message_plan_matches_routing():
+    # farthest n = 3, K = 4: stage 3 sends head 3 early; stage 2 sends head 2 early and relays 3.
+    assert message_plan(4, 3, "farthest") == [[set(), set()], [set(), {2}, set()], [{2}, {3}], [{3}]]
+    assert all(not any(m) for plan in message_plan(4, 1, "sum") for m in plan)
+    # farthest n = K is end-to-end: only the final head's gradient travels, relayed by every stage.
+    assert message_plan(3, 3, "farthest") == [[set(), set()], [set(), {2}], [{2}]]
+
+
+@pytest.mark.parametrize("n,rule", [(n, rule) for n in (1, 2, 3) for rule in ("farthest", "sum")])
+def test_ray_stages_apply_reference_update(three_actors, n, rule):
+    """K = 3 actors, 2 micro-batches, one SGD step: every stage's and aux head's new weights
+    equal w - lr * (gradient of its n-way objective on the whole batch, one autograd graph)."""
+    K, M = 3, 2
+    g = torch.Generator().manual_seed(3)
+    split = {"pixels": torch.randint(0, 256, (8, 16, 16), dtype=torch.uint8, generator=g),
+             "labels": torch.randint(0, NUM_CLASSES, (8,), generator=g)}
+    source = Source("image", split, {}, batch_size=8, seed=0, image_size=16)
+    batch = batch_at(split, 0, 8, 0)
+    x, y = ImageClassification(16).inputs(batch).double(), batch["labels"]
+    model = tiny_resnet().double().eval()  # eval BN: micro-batches see the same statistics as the batch
+    modules = split_timm_resnet(model, K)
+    heads = [h.double().eval() for h in resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))]
+    optim = OptimConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0)
+    actors = three_actors
+    ray.get([a.load.remote(k, K, n, rule, (modules[k], heads[k] if k < K - 1 else None), "cross_entropy", optim, M,
+                           source if k == 0 else None) for k, a in enumerate(actors)])
+    fetch = DriverFetches(Ledger())
+    run = train_interlocked(actors, K, n, rule, M, steps=1, fetch=fetch)
+    assert run["batches"] == 1 and fetch.tensors == 0, "the driver must only read small dicts"
+    got = ray.get([a.state.remote() for a in actors])
+
+    want_stages, want_heads = reference_gradients(modules, heads, (x, y), n, rule)
+    for k in range(K):
+        params = dict(modules[k].named_parameters())
+        for name, grad in want_stages[k].items():
+            want = params[name].detach() - LR * grad
+            assert torch.allclose(got[k][0][name], want, rtol=1e-9, atol=1e-12), f"stage {k} {name}"
+    for j in range(K - 1):
+        params = dict(heads[j].named_parameters())
+        for name, grad in want_heads[j].items():
+            assert torch.allclose(got[j][1][name], params[name].detach() - LR * grad, rtol=1e-9, atol=1e-12), f"head {j}"
+    assert any(not torch.equal(got[0][0][name], p) for name, p in modules[0].named_parameters())
+
+    if rule == "farthest" and n == K:  # end-to-end backprop of the unsplit model's loss
+        e2e = copy.deepcopy(model)
+        F.cross_entropy(e2e(x), y).backward()
+        stepped = {name: p.detach() - LR * p.grad for name, p in e2e.named_parameters()}
+        name_of = {id(p): name for name, p in model.named_parameters()}
+        for k in range(K):
+            for name, p in modules[k].named_parameters():
+                assert torch.allclose(got[k][0][name], stepped[name_of[id(p)]], rtol=1e-9, atol=1e-12)
+
+    # What the driver gets back from a forward is a ref to a ref: never tensor bytes.
+    h_ref, _ = actors[0].forward.remote(1, 0)
+    inner = ray.get(h_ref)
+    assert isinstance(inner, ray.ObjectRef)
+    h, targets = ray.get(inner)  # (test only) it does hold the activation, in stage 0's store
+    assert h.shape[0] == 4 and torch.equal(targets, batch_at(split, 1, 8, 0)["labels"][:4])
+
+
+def tiny_cfg(**interlocking):
+    return from_dict({
+        "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 256, "test_size": 200, "image_size": 16},
+        "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
+        "nodes": {"cpus": 1},
+        "strategies": ["interlocking"],
+        "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8], **interlocking},
+    })
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2])
+def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n):
+    cfg = tiny_cfg(n=n, rule="farthest")
+    ctx = prepare(cfg, tmp_path)
+    rec = Interlocking().run(ctx).to_dict()
+    d, kinds = rec["details"], rec["comm"]["by_kind"]
+    steps = 256 // 16
+    assert d["batches"] == steps and rec["samples_seen"] == steps * 16
+
+    # Activation bytes are exactly (stage 0 output per micro-batch) x micro-batches x steps.
+    probe = split_timm_resnet(copy.deepcopy(ctx.model), 2)[0]
+    x = ImageClassification(16).inputs(batch_at(ctx.data.train, 0, 8, cfg.seed))
+    h_bytes = probe(x).nbytes
+    assert kinds["train/activations"] == steps * 2 * h_bytes
+    assert kinds["train/targets"] == steps * 16 * 8
+    assert kinds.get("train/gradients", 0) == (steps * 2 * h_bytes if n == 2 else 0)
+
+    assert d["driver_fetched"]["train"]["tensors"] == 0 and d["driver_fetched"]["eval"]["tensors"] == 0
+    assert d["driver_fetched"]["train"]["bytes"] < 0.05 * kinds["train/activations"]
+    assert set(d["heads"]["test"]) == {"head0_aux", "head1_final"}
+    assert all(0 < b <= 1 for b in d["busy_fraction"]) and d["step_time_s"] > 0
+    assert {"id_accuracy", "id_loss", "shift_accuracy"} <= rec["metrics"].keys()
+
+    # The saved model is the stages' weights reassembled: it scores what the final head scored.
+    model = copy.deepcopy(ctx.model)
+    model.load_state_dict(load_file(rec["weights"]))
+    assert not torch.equal(next(model.parameters()), next(ctx.model.parameters()))
+    acc = ImageClassification(16).evaluate(model, ctx.data.test, 256)["accuracy"]
+    assert acc == pytest.approx(rec["metrics"]["id_accuracy"], abs=1e-9)
+    assert d["heads"]["test"]["head1_final"]["accuracy"] == rec["metrics"]["id_accuracy"]
+
+
+@pytest.mark.slow
+def test_decoder_run_unties_embeddings(ray_session, tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    cfg = from_dict({"model": {"family": "hf_causal_lm"}, "data": {"name": "hamlet", "max_length": 12},
+                     "optim": {"name": "adamw", "lr": 1e-2, "batch_size": 8, "epochs": 2}, "nodes": {"cpus": 1},
+                     "strategies": ["interlocking"],
+                     "interlocking": {"stages": 2, "n": 2, "rule": "sum", "micro_batches": 2}})
+    g = torch.Generator().manual_seed(1)
+    data = Datasets(train={"input_ids": torch.randint(0, 64, (64, 12), generator=g)},
+                    test={"input_ids": torch.randint(0, 64, (16, 12), generator=g)})
+    ctx = RunContext(cfg, model, ModelSpec("hf_causal_lm", hf_config=config), data, tmp_path)
+    rec = Interlocking().run(ctx).to_dict()
+    d = rec["details"]
+    assert d["lm_head_untied"] and model.lm_head.weight is model.model.embed_tokens.weight  # ctx.model untouched
+    assert {"id_loss", "id_perplexity"} <= rec["metrics"].keys()
+    assert rec["comm"]["by_kind"]["train/gradients"] == rec["comm"]["by_kind"]["train/activations"]  # sum, n=2: dL_1/dx_1
+    saved = load_file(rec["weights"])
+    assert not torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
+    untied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
+    untied.load_state_dict(saved)
+    assert CausalLM().evaluate(untied, data.test, 256)["loss"] == pytest.approx(rec["metrics"]["id_loss"], rel=1e-5)
+    assert d["heads"]["test"]["head0_aux"]["loss"] < 2 * rec["metrics"]["id_loss"]
+
+
+def test_validation_names_the_field():
+    with pytest.raises(ConfigError) as err:
+        tiny_cfg(stages=2, n=3)
+    assert err.value.field_name == "interlocking.n"
+    with pytest.raises(ConfigError) as err:
+        tiny_cfg(micro_batches=3)
+    assert err.value.field_name == "interlocking.micro_batches"
+    with pytest.raises(ConfigError) as err:
+        from_dict({"model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+                   "strategies": ["interlocking"]})
+    assert err.value.field_name == "model.name"
+    with pytest.raises(ConfigError) as err:
+        from_dict({"model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"}, "data": {"name": "rotten_tomatoes"},
+                   "strategies": ["interlocking"]})
+    assert err.value.field_name == "model.family"

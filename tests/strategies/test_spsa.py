@@ -1,0 +1,182 @@
+"""SPSA on Ray: replicas stay bit-identical from one byte per gradient, through leaves and
+joins; config errors surface before any actor; the prompt task scores label words exactly."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylowcomm.config import ConfigError, from_dict
+from raylowcomm.core import zo
+from raylowcomm.ledger import Ledger
+from raylowcomm.run import prepare
+from raylowcomm.strategies.spsa import LeaveEvent, ReplicaMismatch, Spsa, SpsaNode, check_replicas
+
+
+def tiny_config(steps=20, count=2, **spsa):
+    return from_dict({
+        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 320, "test_size": 100, "image_size": 16, "shift": "none"},
+        "optim": {"lr": 0.01, "batch_size": 16, "max_steps": steps, "epochs": 20},
+        "nodes": {"count": count, "cpus": 1}, "strategies": ["spsa"], "checkpoint_every": 4, "log_every": 1000,
+        "spsa": spsa,
+    })
+
+
+def final_hashes(rec):
+    return {n["node"]: n["final_hash"] for n in rec["nodes"] if n["final_hash"] is not None}
+
+
+# --- config, no Ray ------------------------------------------------------------------------------
+
+def test_membership_schedule_parses_into_dataclasses():
+    cfg = tiny_config(leave=[{"node": 1, "step": 5, "how": "kill"}], join=[{"step": 8}])
+    assert cfg.options["spsa"].leave == [LeaveEvent(node=1, step=5, how="kill")]
+    assert cfg.options["spsa"].join[0].step == 8
+
+
+@pytest.mark.parametrize("spsa, field", [
+    ({"leave": [{"node": 2, "step": 3}]}, "spsa.leave[0].node"),  # no node 2 at step 3
+    ({"leave": [{"node": 0, "step": 3}, {"node": 1, "step": 3}]}, "spsa.leave[1]"),  # nobody left
+    ({"leave": [{"node": 1, "step": 3}, {"node": 1, "step": 6}]}, "spsa.leave[1].node"),  # left twice
+    ({"join": [{"step": 0}]}, "spsa.join[0].step"),
+    ({"leave": [{"node": 1, "step": 2, "how": "crash"}]}, "spsa.leave[0].how"),
+    ({"codec": "log", "g_min": 10.0, "g_max": 1.0}, "spsa.g_min"),
+    ({"codec": "linear", "scale": 0.0}, "spsa.scale"),
+    ({"eps": 0.0}, "spsa.eps"),
+    ({"samples": 0}, "spsa.samples"),
+    ({"verify_every": 0}, "spsa.verify_every"),
+    ({"include": ["("]}, "spsa.include[0]"),
+])
+def test_bad_config_names_the_field(spsa, field):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(**spsa)
+    assert err.value.field_name == field
+
+
+def test_a_joiner_may_be_scheduled_to_leave():
+    tiny_config(join=[{"step": 2}], leave=[{"node": 2, "step": 4}, {"node": 0, "step": 4}])
+
+
+def test_events_past_the_last_step_fail_before_any_actor(tmp_path):
+    ctx = prepare(tiny_config(steps=6, join=[{"step": 6}]), tmp_path)
+    with pytest.raises(ConfigError) as err:
+        Spsa().run(ctx)  # raises before Ray is touched: no cluster in this test
+    assert err.value.field_name == "spsa.join[0].step"
+
+
+# --- the prompt task -----------------------------------------------------------------------------
+
+def test_prompt_classification_reads_the_last_real_token_whatever_the_padding():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raylowcomm.tasks import PromptClassification
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4)).eval()
+    rows = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.zeros(2, 8, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    choices = torch.tensor([[3, 4], [3, 4]])
+    batch = {"input_ids": ids, "attention_mask": mask, "choice_ids": choices, "labels": torch.tensor([0, 1])}
+    task = PromptClassification()
+    with torch.no_grad():
+        got = task.forward(model, batch)
+        for i, r in enumerate(rows):
+            full = model(input_ids=torch.tensor([r])).logits[0, -1]
+            torch.testing.assert_close(got[i], full[choices[i]], rtol=1e-5, atol=1e-5)
+        expected = torch.nn.functional.cross_entropy(got, batch["labels"])
+        torch.testing.assert_close(task.loss(model, batch), expected)
+
+
+def test_prompted_reviews_keep_the_template_and_single_token_label_words():
+    from transformers import AutoTokenizer
+
+    from raylowcomm import assets
+    from raylowcomm.data import LABEL_WORDS, PROMPT_TEMPLATE, _prompted_reviews
+
+    tok = AutoTokenizer.from_pretrained(str(assets.require("SmolLM2-135M")))
+    tok.pad_token = tok.eos_token
+    split = _prompted_reviews(None, tok, 16)  # short: most reviews are cut
+    template = tok(PROMPT_TEMPLATE, add_special_tokens=False)["input_ids"]
+    lengths = split["attention_mask"].sum(1)
+    assert lengths.max() == 16 and (split["attention_mask"][:, 0] == 1).all()
+    for i in range(0, len(lengths), 997):
+        row = split["input_ids"][i, : lengths[i]].tolist()
+        assert row[-len(template):] == template
+        assert (split["input_ids"][i, lengths[i]:] == tok.pad_token_id).all()
+    words = [tok(w, add_special_tokens=False)["input_ids"][0] for w in LABEL_WORDS]
+    assert split["choice_ids"][0].tolist() == words and set(split["labels"].tolist()) == {0, 1}
+
+
+# --- Ray -----------------------------------------------------------------------------------------
+
+def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session, tmp_path):
+    steps, samples = 20, 2
+    ctx = prepare(tiny_config(steps=steps, verify_every=1, samples=samples), tmp_path)
+    rec = Spsa().run(ctx).to_dict()
+    det = rec["details"]
+    assert [v["step"] for v in det["verified"]] == list(range(1, steps + 1))
+    assert all(v["nodes"] == [0, 1] for v in det["verified"])
+    assert len({v["hash"] for v in det["verified"]}) == steps, "the weights must change every step"
+    hashes = final_hashes(rec)
+    assert set(hashes) == {0, 1} and len(set(hashes.values())) == 1
+    # 2 nodes × 2 samples × 1 byte, each received by the one other node
+    assert rec["comm"]["by_kind"]["train/projected_grads"] == 2 * samples * 1 * steps
+    assert det["codec_bytes"] == 1 and det["payload_object_store_bytes"] >= samples
+    assert rec["comm"]["by_kind"]["setup/initial_weights"] > 0
+    train_kinds = {k for k in rec["comm"]["by_kind"] if k.startswith("train/")}
+    assert train_kinds == {"train/projected_grads", "train/control", "train/verify_hash"}, "no weights may move while training"
+    assert "id_accuracy" in det["step0_metrics"] and "id_accuracy" in rec["metrics"]
+    assert rec["samples_seen"] == 2 * steps * 16 and rec["peak_rss_bytes"] > 0
+    # the saved weights are the replicas' weights
+    model = ctx.model
+    model.load_state_dict(load_file(rec["weights"]))
+    assert zo.parameter_hash(list(model.named_parameters())) == hashes[0]
+
+
+@pytest.mark.slow
+def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
+    """Node 1 crashes at 5, node 2 joins at 9 (checkpoint of step 8 + log), node 0 is removed at
+    14, node 3 joins at 17 (checkpoint of 16 + log): each joiner's hash equals the running
+    node's on arrival, and the survivors end bit-identical."""
+    cfg = tiny_config(steps=22, verify_every=3, codec="float32", perturbation="gaussian",
+                      leave=[{"node": 1, "step": 5, "how": "kill"}, {"node": 0, "step": 14}],
+                      join=[{"step": 9}, {"step": 17}])
+    ctx = prepare(cfg, tmp_path)
+    initial = zo.parameter_hash(list(ctx.model.named_parameters()))
+    rec = Spsa().run(ctx).to_dict()
+    nodes = {n["node"]: n for n in rec["nodes"]}
+    assert (nodes[1]["left_step"], nodes[1]["left_how"]) == (5, "died")
+    assert (nodes[0]["left_step"], nodes[0]["left_how"]) == (14, "remove")
+    assert (nodes[2]["joined_step"], nodes[2]["joined_from_checkpoint_step"]) == (9, 8)
+    assert (nodes[3]["joined_step"], nodes[3]["joined_from_checkpoint_step"]) == (17, 16)
+    verified = {(v["step"], tuple(v["nodes"])) for v in rec["details"]["verified"]}
+    assert {(9, (0, 2)), (17, (2, 3)), (22, (2, 3))} <= verified
+    hashes = final_hashes(rec)
+    assert set(hashes) == {2, 3} and len(set(hashes.values())) == 1 and initial not in hashes.values()
+    by_kind = rec["comm"]["by_kind"]
+    assert by_kind["train/join_checkpoint"] > 0 and by_kind["train/join_log"] > 0
+    # float32: 4 bytes per gradient; each publisher's payload reaches every other running node
+    running = [2 if s < 5 else 1 if s < 9 else 2 if s < 14 else 1 if s < 17 else 2 for s in range(22)]
+    assert by_kind["train/projected_grads"] == sum(4 * n * (n - 1) for n in running)
+    assert rec["samples_seen"] == sum(running) * 16 and rec["details"]["shard_slots"] == 4
+    model = ctx.model
+    model.load_state_dict(load_file(rec["weights"]))
+    assert zo.parameter_hash(list(model.named_parameters())) == hashes[2]
+
+
+def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp_path):
+    ctx = prepare(tiny_config(steps=4), tmp_path)
+    state = {k: v.clone() for k, v in ctx.model.state_dict().items()}
+    shard = {k: v[:32] for k, v in ctx.data.train.items()}
+    bad = {k: v.clone() for k, v in state.items()}
+    name = next(k for k, v in bad.items() if v.is_floating_point())
+    bad[name].view(-1)[0] = torch.nextafter(bad[name].view(-1)[0], torch.tensor(1e9))  # one ulp
+    nodes = {k: SpsaNode.remote(k, ctx.spec, shard, ctx.cfg, weights=w) for k, w in ((0, state), (1, state), (2, bad))}
+    with pytest.raises(ReplicaMismatch, match=r"after step 7: nodes \[0, 1\] hash \w+; nodes \[2\]"):
+        check_replicas(nodes, 7, Ledger())
+    del nodes[2]
+    assert len(check_replicas(nodes, 7, Ledger())) == 64

@@ -1,0 +1,91 @@
+"""Sweep files are checked before Ray starts; a real sweep keeps each trial's node actors inside
+that trial's own placement group and picks the best trial."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raylowcomm.config import from_dict
+from raylowcomm.tune import SweepError, load_sweep, run_sweep, trial_bundles
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = {
+    "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+    "data": {"name": "mnist", "train_size": 256, "test_size": 100, "image_size": 16},
+    "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
+    "nodes": {"count": 2, "cpus": 1},
+    "strategies": ["lofi"], "log_every": 1000, "checkpoint_every": 1000,
+    "lofi": {"bn_recalibrate": False},
+}
+
+
+def write_sweep(tmp_path: Path, **changes) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+    sweep = {"base": "base.yaml", "space": {"optim.lr": {"grid": [0.001, 0.1]}}, "metric": "id_accuracy", "mode": "max",
+             "storage_path": str(tmp_path / "store"), **changes}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"spaces": {}}, "'spaces'"),
+    ({"space": {"optim.lrr": {"grid": [0.1]}}}, "optim.lrr"),
+    ({"space": {"optim.lr": {"grid": [0.1, -1]}}}, "space.optim.lr value -1"),
+    ({"space": {"optim.momentum": {"uniform": [0.5, 1.5]}}}, "space.optim.momentum value 1.5"),
+    ({"space": {"optim.lr": {"loguniform": [0, 1]}}}, "bounds must be > 0"),
+    ({"space": {"optim.lr": {"normal": [0, 1]}}}, "one of grid, choice, uniform, loguniform"),
+    ({"space": {"interlocking.n": {"grid": [1, 2]}}}, "which this sweep does not run"),
+    ({"space": {}}, "'space' is empty"),
+    ({"base": "missing.yaml"}, "no such file"),
+    ({"mode": "maximum"}, "'mode'"),
+    ({"set": {"strategies": ["lofi", "ddp"]}}, "e.g. lofi/id_accuracy"),
+    ({"set": {"nodes.placement": "STRICT"}}, "nodes.placement"),
+])
+def test_bad_sweep_files_fail_before_ray(tmp_path, changes, message):
+    with pytest.raises(SweepError) as err:
+        load_sweep(write_sweep(tmp_path, **changes))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tune_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_sweeps_validate(path):
+    sweep = load_sweep(path)
+    assert sweep.samples and len(sweep.cfg.strategies) == 1
+
+
+def test_trial_reserves_one_bundle_per_actor():
+    cfg = from_dict({**BASE, "nodes": {"count": 3, "cpus": 0.5, "resources": {"fast": 1}}})
+    inside, outside = trial_bundles(cfg)
+    assert inside == [{}] + [{"CPU": 0.5, "fast": 1.0}] * 3 and outside == []
+    # Ray Train places DDP's workers in its own placement group, outside the trial's
+    inside, outside = trial_bundles(from_dict({**BASE, "strategies": ["ddp"]}))
+    assert inside == [{}] and outside == [{"CPU": 1.0}] * 2
+
+
+@pytest.mark.slow
+def test_two_trial_sweep_keeps_actors_in_each_trials_reservation(ray_session, tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, name="two", asha={"metric": "train_loss", "mode": "min", "grace_period": 5}))
+    summary = run_sweep(sweep)
+
+    trials = summary["trials"]
+    assert len(trials) == 2 and all(t["status"] == "done" for t in trials)
+    assert summary["best"]["metric"] == max(t["metric"] for t in trials)
+    assert {t["values"]["optim.lr"] for t in trials} == {0.001, 0.1}
+    groups = set()
+    for t in trials:
+        trial_dir = Path(t["path"])
+        last = json.loads((trial_dir / "result.json").read_text().strip().splitlines()[-1])
+        assert last["training_iteration"] == 2 and "train_loss" in last  # progress, then the final metrics
+        record = json.loads((trial_dir / "run" / "results.json").read_text())[0]
+        assert record["metrics"]["id_accuracy"] == pytest.approx(last["id_accuracy"])
+        actors = record["nodes"]
+        assert len({a["pid"] for a in actors}) == 2
+        assert last["placement_group"] and all(a["placement_group"] == last["placement_group"] for a in actors)
+        groups.add(last["placement_group"])
+        assert (trial_dir / "progress.csv").exists()
+    assert len(groups) == 2, "each trial has its own reservation"
+    experiment = Path(summary["experiment"])
+    assert (experiment / "sweep.png").stat().st_size > 0 and (experiment / "summary.json").exists()
