@@ -63,7 +63,8 @@ def _train_worker(config: dict) -> None:
     # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
     model = prepare_model(model, parallel_strategy_kwargs={"broadcast_buffers": False})
     counter = {"bytes": 0, "buckets": 0}
-    model.register_comm_hook(None, counting_allreduce_hook(counter))
+    if hasattr(model, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
+        model.register_comm_hook(None, counting_allreduce_hook(counter))
     shard = ray.get(config["shards"][rank])
     task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus), data=cfg.data.name)
     optimizer = make_optimizer(cfg.optim, model)
@@ -81,7 +82,7 @@ def _train_worker(config: dict) -> None:
     metrics = {"workers": everyone, "gather_bytes": gather_bytes}
     if rank == 0:
         with tempfile.TemporaryDirectory() as tmp:
-            save_weights(Path(tmp) / "model.safetensors", state_dict_of(model.module))
+            save_weights(Path(tmp) / "model.safetensors", state_dict_of(getattr(model, "module", model)))
             train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
     else:
         train.report(metrics)
