@@ -195,12 +195,15 @@ class Lofi:
                 if opts.outer_optimizer == "nesterov" else None
             print(f"[lofi] {n} nodes x {steps} steps, averaging at steps {boundaries if averaging else [steps]}", flush=True)
 
-            train_clock, rounds = Stopwatch(), []
+            # Training time as DDP measures it: the nodes' own loop time (slowest node per round),
+            # plus the driver's averaging rounds; Ray call overhead is left out of both.
+            train_s, rounds = 0.0, []
             for i, until in enumerate(boundaries):
                 last = i == len(boundaries) - 1
                 phase = "final" if last else "train"
                 ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
                 rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until) for node in nodes]))
+                train_s += max(s["train_s"] for s in rounds[-1])
                 ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
                 for stats in rounds[-1]:
                     if stats["restored_from"] is not None:
@@ -208,13 +211,14 @@ class Lofi:
                         ledger.send("train", "recovery_refetch", initial)
                         ledger.send("train", "recovery_refetch", shards[stats["node"]])
                 if not last:
+                    round_clock = Stopwatch()
                     average = _stream_average(ledger, "train", [node.weights.remote() for node in nodes], weights)
                     if outer is not None:
                         average = outer.step(average)
                     ref = ray.put(average)
                     ledger.send("train", "global_weights", average, copies=n)
                     ray.get([node.load_weights.remote(ref) for node in nodes])
-            train_s = train_clock.elapsed()
+                    train_s += round_clock.elapsed()
 
             node_metrics = _collect(ledger, "final", "node_metrics", [node.evaluate.remote() for node in nodes])
             infos = _collect(ledger, "final", "node_info", [node.info.remote() for node in nodes])
