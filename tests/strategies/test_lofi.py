@@ -67,11 +67,12 @@ def test_averaging_rounds_are_counted(ray_session, tmp_path):
     assert kinds["train/global_weights"] == rounds * 2 * state_bytes
 
 
-def _kill_a_node_when_checkpointed(ckpt: str, killed: list):
+def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
+    """Kills one node's training process once every node has a checkpoint, whichever process it finds first."""
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            ready = load_file(ckpt) is not None
+            ready = all(load_file(str(ckpt_dir / f"node{k}.safetensors")) is not None for k in range(2))
         except Exception:
             ready = False
         if ready:
@@ -90,7 +91,7 @@ def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
     killer = threading.Thread(target=_kill_a_node_when_checkpointed,
-                              args=(str(tmp_path / "killed" / "lofi" / "checkpoints" / "node0.safetensors"), killed))
+                              args=(tmp_path / "killed" / "lofi" / "checkpoints", killed))
     killer.start()
     _, rec = run_lofi(cfg, tmp_path / "killed")
     killer.join()
