@@ -99,6 +99,9 @@ class RunConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     """Steps between node checkpoints (what a restarted node resumes from)."""
+    eval_every: int = 0
+    """Steps (per node; batches for interlocking) between the evaluations that make each
+    strategy's learning curve (`curve` in results.json); 0: the final evaluation only."""
     options: dict[str, Any] = field(default_factory=dict)
     """Per-strategy option dataclasses, keyed by strategy name (YAML: a section per strategy)."""
 
@@ -274,6 +277,8 @@ def validate(cfg: RunConfig) -> None:
     _positive("data.max_length", cfg.data.max_length)
     _positive("log_every", cfg.log_every)
     _positive("checkpoint_every", cfg.checkpoint_every)
+    if cfg.eval_every < 0:
+        raise ConfigError("eval_every", cfg.eval_every, "an integer >= 0 (0: evaluate at the end only)")
     if cfg.nodes.gpus > 0:
         import torch
 

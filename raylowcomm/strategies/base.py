@@ -62,6 +62,8 @@ class RunRecord:
     nodes: list[dict] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     weights_path: str | None = None
+    curve: list[dict] = field(default_factory=list)
+    """Learning-curve points (see `curve_point`), the final evaluation last."""
 
     def to_dict(self) -> dict:
         return {
@@ -76,7 +78,20 @@ class RunRecord:
             "nodes": self.nodes,
             "details": self.details,
             "weights": self.weights_path,
+            "curve": self.curve,
         }
+
+
+def curve_point(step: int, wall_s: float, samples: int, bytes_sent: int, metrics: dict) -> dict:
+    """One point of a learning curve, what the WAN report plots: training wall time so far (time
+    spent evaluating left out), training samples seen by all nodes, bytes sent so far in all
+    phases (the ledger's total at that point), and the evaluation metrics (id_*, shift_*)."""
+    return {"step": step, "wall_s": round(wall_s, 3), "samples": int(samples), "bytes": int(bytes_sent), **metrics}
+
+
+def eval_points(cfg: RunConfig, steps: int) -> list[int]:
+    """The steps before the last at which a strategy evaluates for its curve (cfg.eval_every)."""
+    return list(range(cfg.eval_every, steps, cfg.eval_every)) if cfg.eval_every else []
 
 
 class Strategy(Protocol):
