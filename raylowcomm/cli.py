@@ -1,4 +1,4 @@
-"""raylowcomm run | tune | assets."""
+"""raylowcomm run | tune | report | assets."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     tune_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the sweep's base config for every trial (repeatable)")
     tune_p.add_argument("--storage-path", help="where Tune writes the sweep (default: the sweep file's storage_path)")
+    report_p = sub.add_parser("report", help="rebuild report.md and the curve plots of a bench (or run) directory from its saved results")
+    report_p.add_argument("dir")
+    report_p.add_argument("--target-fraction", type=float, default=0.95,
+                          help="target = this fraction of DDP's final accuracy (for a loss: DDP's final / it)")
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
     assets_p.add_argument("action", choices=["list", "fetch"])
     assets_p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
@@ -42,6 +46,18 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
             else:
                 print(f"{name:20s} {a.kind:5s} {'cached' if a.ready() else 'not cached':10s} {a.about}")
+        return 0
+
+    if args.command == "report":
+        from raylowcomm.report import ReportError, write_report
+
+        try:
+            path = write_report(args.dir, args.target_fraction)
+        except (ReportError, OSError, ValueError, KeyError) as err:
+            print(f"error: cannot build a report from {args.dir}: {err}", file=sys.stderr)
+            return 2
+        print(path.read_text())
+        print(f"report: {path}")
         return 0
 
     if args.command == "tune":
