@@ -4,6 +4,10 @@ optimizer and number of steps as the lo-fi nodes.
 
 The bytes of the `train` phase are not a formula: a DDP communication hook adds up the gradient
 buckets each rank hands to all-reduce, step by step.
+
+Curve: at every `eval_every` step all ranks meet at a barrier while rank 0 scores its replica
+(the replicas are identical but for BN statistics, and rank 0's is the model that is saved);
+that time is taken out of the training time.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +30,7 @@ from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import build_model, state_dict_of
 from raylowcomm.runtime import device_for, setup_threads
-from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, node_bundle
+from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, curve_point, eval_points, node_bundle
 from raylowcomm.strategies.lofi import node_seed
 from raylowcomm.tasks import score_model, task_for
 from raylowcomm.training import make_optimizer, peak_rss_bytes, save_weights, total_steps, train_steps
@@ -69,8 +74,25 @@ def _train_worker(config: dict) -> None:
     task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus), data=cfg.data.name)
     optimizer = make_optimizer(cfg.optim, model)
     log = (lambda msg: print(f"[ddp rank 0] {msg}", flush=True)) if rank == 0 else None
+    points, curve, evaluating_s, started = set(eval_points(cfg, config["steps"])), [], 0.0, time.perf_counter()
+    eval_sets = ray.get(config["eval_sets"]) if rank == 0 and points else None
+
+    def on_step(step: int) -> None:
+        nonlocal evaluating_s
+        if step not in points:
+            return
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            metrics = score_model(task, getattr(model, "module", model), eval_sets["test"], eval_sets.get("shift"),
+                                  cfg.optim.eval_batch_size)
+            curve.append({"step": step, "train_s": t - started - evaluating_s, "allreduce_bytes": counter["bytes"], **metrics})
+        dist.barrier()
+        evaluating_s += time.perf_counter() - t
+
     stats = train_steps(model, task, optimizer, shard, 0, config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
-                        log=log, log_every=cfg.log_every)
+                        log=log, log_every=cfg.log_every, on_step=on_step)
+    stats["train_s"] -= evaluating_s
     ctx, pg = ray.get_runtime_context(), ray.util.get_current_placement_group()
     mine = {"rank": rank, "allreduce_bytes": counter["bytes"], "buckets": counter["buckets"], "samples": stats["samples"],
             "train_s": stats["train_s"], "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(),
@@ -79,7 +101,7 @@ def _train_worker(config: dict) -> None:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     gather_bytes = len(pickle.dumps(mine)) * dist.get_world_size()
-    metrics = {"workers": everyone, "gather_bytes": gather_bytes}
+    metrics = {"workers": everyone, "gather_bytes": gather_bytes, "curve": curve}
     if rank == 0:
         with tempfile.TemporaryDirectory() as tmp:
             save_weights(Path(tmp) / "model.safetensors", state_dict_of(getattr(model, "module", model)))
@@ -126,11 +148,14 @@ class Ddp:
         ledger.send("setup", "ddp_initial_broadcast", initial, copies=n - 1)
         for shard in shards:
             ledger.send("setup", "data_shard", shard)
+        eval_sets = {k: v for k, v in ctx.eval_sets().items() if k in ("test", "shift")}
+        if cfg.eval_every:
+            ledger.send("setup", "eval_sets", eval_sets)
         print(f"[ddp] {n} workers x {steps} steps, {backend}", flush=True)
         trainer = TorchTrainer(
             _train_worker,
             train_loop_config={"cfg": cfg, "spec": ctx.spec, "weights": ray.put(initial), "steps": steps,
-                               "shards": [ray.put(s) for s in shards]},
+                               "shards": [ray.put(s) for s in shards], "eval_sets": ray.put(eval_sets)},
             scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.nodes.gpus > 0, resources_per_worker=node_bundle(cfg),
                                          placement_strategy=cfg.nodes.placement),
             torch_config=TorchConfig(backend=backend),
@@ -139,6 +164,10 @@ class Ddp:
         result = trainer.fit()
         workers = result.metrics["workers"]
         ctx.report({"step": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
+        setup_bytes = ledger.bytes_by_phase["setup"]
+        curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n, setup_bytes + n * p["allreduce_bytes"],
+                             {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")})
+                 for p in result.metrics["curve"]]
         for w in workers:
             ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
@@ -150,7 +179,9 @@ class Ddp:
         task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
         metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
         weights_path = save_weights(out / "model.safetensors", state)
+        train_s = max(w["train_s"] for w in workers)
+        curve.append(curve_point(steps, train_s, sum(w["samples"] for w in workers), ledger.total_bytes, metrics))
         details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers]}
         return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(w["samples"] for w in workers),
-                         max(w["train_s"] for w in workers), max(w["peak_rss_bytes"] for w in workers),
-                         [{k: v for k, v in w.items()} for w in workers], details, weights_path)
+                         train_s, max(w["peak_rss_bytes"] for w in workers),
+                         [{k: v for k, v in w.items()} for w in workers], details, weights_path, curve)

@@ -20,6 +20,10 @@ optimizer inside the call that completes its last micro-batch, then starts the n
 later stages are still busy. The driver only keeps at most ``max_batches_ahead`` batches in
 flight (it waits for every stage's report of batch t - max_batches_ahead before submitting t).
 
+Curve: after every ``eval_every`` batches the driver lets the pipeline drain and scores every head
+on the test/shift sets through the chained stages; that time is not training time, and the
+activations those evaluations send are counted in the final phase, not the curve's bytes.
+
 Bytes (train phase): every activation, target and gradient tensor one stage sends another, by
 nbytes, counted in the sending actor. Not counted: the driver's control calls and the ObjectRef
 handles (tens of bytes each).
@@ -48,7 +52,7 @@ from raylowcomm.data import Split, eval_batches, num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.runtime import actor_options, device_for, setup_threads
-from raylowcomm.strategies.base import node_bundle, RunContext, RunRecord, Stopwatch
+from raylowcomm.strategies.base import curve_point, eval_points, node_bundle, RunContext, RunRecord, Stopwatch
 from raylowcomm.tasks import ImageClassification
 from raylowcomm.training import batch_at, peak_rss_bytes, save_weights, total_steps
 
@@ -302,22 +306,35 @@ def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micr
 
 
 def train_interlocked(actors: list, num_stages: int, n: int, rule: str, micro_batches: int, steps: int,
-                      fetch: DriverFetches, time_budget_s: float | None = None, max_ahead: int = 2) -> dict:
-    """Run up to ``steps`` batches (or until ``time_budget_s``); returns per-stage losses per
-    batch, busy seconds, message sizes, the batches run and the wall time."""
+                      fetch: DriverFetches, time_budget_s: float | None = None, max_ahead: int = 2,
+                      on_reports=None, eval_at: frozenset[int] = frozenset(), evaluate=None) -> dict:
+    """Run up to ``steps`` batches (or until ``time_budget_s`` of training); returns per-stage
+    losses per batch, busy seconds, message sizes, the batches run and the training time.
+    ``on_reports(batch_reports)`` sees each batch's stage reports as they arrive. After batch b in
+    ``eval_at`` the pipeline drains and ``evaluate(b, train_s_so_far)`` runs off the clock."""
     plan = message_plan(num_stages, n, rule)
     clock, pending, reports = Stopwatch(), [], []
-    batches = 0
-    for step in range(steps):
-        if time_budget_s is not None and clock.elapsed() >= time_budget_s:
-            break
-        while len(pending) > max_ahead:
+    batches, evaluating_s = 0, 0.0
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
             reports.append(fetch.get(pending.pop(0), "train", "stage_reports"))
+            if on_reports is not None:
+                on_reports(reports[-1])
+
+    for step in range(steps):
+        if time_budget_s is not None and clock.elapsed() - evaluating_s >= time_budget_s:
+            break
+        drain(max_ahead)
         pending.append(submit_batch(actors, plan, step, micro_batches))
         batches += 1
-    for refs in pending:
-        reports.append(fetch.get(refs, "train", "stage_reports"))
-    return {"reports": reports, "batches": batches, "train_s": clock.elapsed()}
+        if evaluate is not None and batches in eval_at:
+            drain(0)
+            started = time.perf_counter()
+            evaluate(batches, clock.elapsed() - evaluating_s)
+            evaluating_s += time.perf_counter() - started
+    drain(0)
+    return {"reports": reports, "batches": batches, "train_s": clock.elapsed() - evaluating_s}
 
 
 def evaluate_chained(actors: list, eval_sets: dict[str, Split], batch_size: int, fetch: DriverFetches,
@@ -345,6 +362,15 @@ def evaluate_chained(actors: list, eval_sets: dict[str, Split], batch_size: int,
             else:
                 out[name].append({"accuracy": total["correct"] / total["count"], "loss": total["loss_sum"] / total["count"]})
     return out, sent
+
+
+_PREFIX = {"test": "id", "shift": "shift"}
+
+
+def _final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
+    """The last stage's head on the test (id_*) and shift (shift_*) sets: the model's metrics."""
+    return {f"{_PREFIX[name]}_{key}": value for name, heads in per_set.items() if name in _PREFIX
+            for key, value in heads[-1].items()}
 
 
 def _split(model: nn.Module, family: str, num_stages: int, balance) -> list[nn.Module]:
@@ -434,10 +460,9 @@ class Interlocking:
         units = [len(m) - (k == K - 1) if family == "timm" else len(m.layers) for k, m in enumerate(modules)]
         print(f"[interlocking] K={K} n={opts.n} rule={opts.rule} units per stage {units}, {steps} steps x {M} micro-batches"
               + (f", budget {opts.time_budget_s}s" if opts.time_budget_s else ""), flush=True)
-        trained = train_interlocked(actors, K, opts.n, opts.rule, M, steps, fetch, opts.time_budget_s, opts.max_batches_ahead)
-        train_s, batches = trained["train_s"], trained["batches"]
         stage_losses, busy = [[] for _ in range(K)], [0.0] * K
-        for batch_reports in trained["reports"]:
+
+        def absorb(batch_reports: list[dict]) -> None:
             for r in batch_reports:
                 k = r["stage"]
                 if r["losses"]:
@@ -446,6 +471,20 @@ class Interlocking:
                 for what, sizes in r["sent"].items():
                     for size in sizes:
                         ledger.record("train", what, size)
+            ctx.report({"step": len(stage_losses[K - 1]), "train_loss": stage_losses[K - 1][-1]})
+
+        curve = []
+        curve_sets = {name: split for name, split in source.eval_sets.items() if name in _PREFIX}
+
+        def evaluate(batch: int, train_s: float) -> None:
+            per_set, sent = evaluate_chained(actors, curve_sets, cfg.optim.eval_batch_size, fetch, loss)
+            ledger.record("final", "curve_eval_activations", sent)
+            trained_bytes = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
+            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, trained_bytes, _final_head_metrics(per_set)))
+
+        trained = train_interlocked(actors, K, opts.n, opts.rule, M, steps, fetch, opts.time_budget_s, opts.max_batches_ahead,
+                                    absorb, frozenset(eval_points(cfg, steps)), evaluate)
+        train_s, batches = trained["train_s"], trained["batches"]
         for k in range(K):
             if cfg.log_every and stage_losses[k]:
                 print(f"[interlocking] stage {k} head loss: first {stage_losses[k][0]:.4f} last {stage_losses[k][-1]:.4f}", flush=True)
@@ -462,9 +501,8 @@ class Interlocking:
         for a in actors:
             ray.kill(a)
 
-        prefix = {"test": "id", "shift": "shift"}
-        metrics = {f"{prefix[name]}_{key}": value for name, heads_m in per_set.items() if name in prefix
-                   for key, value in heads_m[-1].items()}
+        metrics = _final_head_metrics(per_set)
+        curve.append(curve_point(batches, train_s, batches * cfg.optim.batch_size, ledger.total_bytes, metrics))
         steady = [i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None]
         details = {
             "stages": K, "n": opts.n, "rule": opts.rule, "micro_batches": M, "micro_batch_size": cfg.optim.batch_size // M,
@@ -482,7 +520,7 @@ class Interlocking:
             details["measured_unit_costs_s"] = balance
         node_records = [{**i, "busy_s": b} for i, b in zip(infos, busy)]
         return RunRecord(self.name, metrics, ledger, clock.elapsed(), batches * cfg.optim.batch_size, train_s,
-                         max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path)
+                         max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path, curve)
 
     @staticmethod
     def _measure(model: nn.Module, family: str, source: Source, micro_batches: int) -> list[float]:

@@ -4,6 +4,14 @@ communication; the driver averages the weights once at the end.
 What crosses: initial weights and each node's shard (setup); with `average_every`, each round's
 node weights and the re-broadcast average (train); final weights, metrics and, for BatchNorm
 models, the averaged model out and its recomputed BN statistics back (final).
+
+Curve without communicating: at every `eval_every` step a node saves a snapshot of its weights
+on its own disk and notes its training time. After training, the driver averages snapshot s
+across nodes and scores it; the point's time is the slowest node's training time at s plus the
+measured time of the final collection (fetching and averaging the N models, as that link
+costs), and its bytes are the bytes sent up to s plus one collection of the N models. Snapshot
+averages are plain (or by-examples) averages: no BN recalibration, soup or outer step; only the
+final point has those. Fetching the snapshots is measurement, outside the run's ledger.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +27,7 @@ from typing import ClassVar, Literal
 
 import ray
 import torch
+from safetensors.torch import load_file
 
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.averaging import OuterNesterov, StreamingAverage, batchnorm_layers, combine_bn_statistics, greedy_soup, measure_bn_statistics
@@ -25,7 +35,7 @@ from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import ModelSpec, build_model, state_dict_of
 from raylowcomm.runtime import actor_options, device_for, setup_threads
-from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch
+from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, curve_point, eval_points
 from raylowcomm.tasks import score_model, task_for
 from raylowcomm.training import (batch_at, load_checkpoint, make_optimizer, peak_rss_bytes, save_checkpoint, save_weights,
                                  steps_per_epoch, total_steps, train_steps)
@@ -80,17 +90,33 @@ class LofiNode:
     def _save(self, step: int) -> None:
         save_checkpoint(self.checkpoint, self.model, self.optimizer, step)
 
-    def train(self, until: int) -> dict:
-        every = self.cfg.checkpoint_every
+    def _snapshot_path(self, step: int) -> Path:
+        return self.checkpoint.parent / "snapshots" / f"{self.checkpoint.stem}_step{step}.safetensors"
+
+    def train(self, until: int, snapshot_at: list[int]) -> dict:
+        """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
+        training time so far in this call (the snapshot's own saving time left out)."""
+        every, snaps = self.cfg.checkpoint_every, set(snapshot_at)
+        started, saving_s, snapshot_s = time.perf_counter(), 0.0, {}
 
         def on_step(step):
+            nonlocal saving_s
             if step % every == 0 or step == until:
                 self._save(step)
+            if step in snaps:
+                t = time.perf_counter()
+                snapshot_s[step] = t - started - saving_s
+                save_weights(self._snapshot_path(step), state_dict_of(self.model))
+                saving_s += time.perf_counter() - t
 
         stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
                             self.seed, log=self._log, log_every=self.cfg.log_every, on_step=on_step)
+        stats["train_s"] -= saving_s
         self.step, restored, self.restored_from = until, self.restored_from, None
-        return {"node": self.node, "step": until, "restored_from": restored, **stats}
+        return {"node": self.node, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
+
+    def snapshot(self, step: int) -> dict:
+        return load_file(str(self._snapshot_path(step)))
 
     def weights(self) -> dict:
         return state_dict_of(self.model)
@@ -138,6 +164,20 @@ def _stream_average(ledger: Ledger, phase: str, refs: list, weights: list[float]
         avg.add(state, pending.pop(ready))
         del state
     return avg.result()
+
+
+def _snapshot_curve(nodes: list, snapshots: list[tuple[int, float, int]], weights: list[float], model, task, ctx: RunContext,
+                    collect_s: float, collect_bytes: int) -> list[dict]:
+    """Score the average of the nodes' snapshots at each curve step (see the module docstring);
+    `model` is scratch space, loaded with the final average again by the caller."""
+    cfg, curve, batch = ctx.cfg, [], ctx.cfg.optim.batch_size
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    for step, train_s, sent in snapshots:
+        model.load_state_dict(_stream_average(Ledger(), "final", [node.snapshot.remote(step) for node in nodes], weights))
+        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+        curve.append(curve_point(step, train_s + collect_s, step * batch * len(nodes), sent + collect_bytes, metrics))
+    model.load_state_dict(final)
+    return curve
 
 
 def _better(metric: str, a: float, b: float) -> bool:
@@ -197,12 +237,17 @@ class Lofi:
 
             # Training time as DDP measures it: the nodes' own loop time (slowest node per round),
             # plus the driver's averaging rounds; Ray call overhead is left out of both.
-            train_s, rounds = 0.0, []
+            train_s, rounds, snapshots = 0.0, [], []  # snapshots: (step, train_s at step, bytes sent by then)
+            points = eval_points(cfg, steps)
             for i, until in enumerate(boundaries):
                 last = i == len(boundaries) - 1
                 phase = "final" if last else "train"
                 ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
-                rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until) for node in nodes]))
+                start = boundaries[i - 1] if i else 0
+                due = [s for s in points if start < s <= until]
+                sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
+                rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until, due) for node in nodes]))
+                snapshots += [(s, train_s + max(r["snapshot_s"][s] for r in rounds[-1]), sent) for s in due]
                 train_s += max(s["train_s"] for s in rounds[-1])
                 ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
                 for stats in rounds[-1]:
@@ -225,6 +270,7 @@ class Lofi:
             task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
             metric = task.metric
             soup_kept = list(range(n))
+            collect_clock = Stopwatch()
             if opts.soup == "greedy":
                 order = sorted(range(n), key=lambda k: node_metrics[k]["val_" + metric], reverse=(metric == "accuracy"))
                 refs = [nodes[k].weights.remote() for k in order]
@@ -239,22 +285,34 @@ class Lofi:
 
                 average, kept, _ = greedy_soup([load(r) for r in refs], score)
                 soup_kept = [order[j] for j in kept]
+                collect_s = collect_clock.elapsed()
             else:
                 average = _stream_average(ledger, "final", [node.weights.remote() for node in nodes], weights)
+                collect_s = collect_clock.elapsed()
             if outer is not None:
                 average = outer.step(average)
 
             model = build_model(ctx.spec)
             model.load_state_dict(average)
             details = {"steps_per_node": steps, "averaging_steps": boundaries if averaging else [steps], "soup_nodes": soup_kept}
+            curve = _snapshot_curve(nodes, snapshots, weights, model, task, ctx, collect_s, n * payload_nbytes(average))
             if opts.bn_recalibrate and batchnorm_layers(model):
                 details["average_without_bn_recalibration"] = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+                bn_clock = Stopwatch()
                 ref = ray.put(average)
                 ledger.send("final", "averaged_weights_for_bn", average, copies=n)
                 per_node = _collect(ledger, "final", "bn_statistics", [node.bn_statistics.remote(ref, opts.bn_batches) for node in nodes])
                 average.update(combine_bn_statistics(per_node))
                 model.load_state_dict(average)
+                collect_s += bn_clock.elapsed()
             metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
+            samples = sum(s["samples"] for r in rounds for s in r)
+            curve.append(curve_point(steps, train_s + collect_s, samples, ledger.total_bytes, metrics))
+            details["collect_s"] = collect_s
+            details["curve_note"] = (f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
+                                     f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
+                                     f"average the {n} final models" + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
+                                     + "; bytes include that collection")
 
             node_records = [{**info, "metrics": m, "train": [r[k] for r in rounds]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
             node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / n
@@ -265,8 +323,8 @@ class Lofi:
                 warnings.warn(msg, stacklevel=1)
                 details["warning"] = msg
             weights_path = save_weights(out / "model.safetensors", average)
-            return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(s["samples"] for r in rounds for s in r), train_s,
-                             max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path)
+            return RunRecord(self.name, metrics, ledger, clock.elapsed(), samples, train_s,
+                             max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path, curve)
         finally:
             for node in nodes:
                 ray.kill(node)

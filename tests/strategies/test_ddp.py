@@ -13,13 +13,19 @@ from tests.strategies.test_lofi import tiny_config
 @pytest.mark.slow
 def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
     cfg = tiny_config()
-    cfg.strategies = ["ddp"]
+    cfg.strategies, cfg.eval_every = ["ddp"], 10
     ctx = prepare(cfg, tmp_path)
     rec = Ddp().run(ctx).to_dict()
     steps = rec["details"]["steps_per_worker"]
     grad_bytes = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.requires_grad)
     # every step each of the 2 ranks hands every gradient to all-reduce, once
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == steps * 2 * grad_bytes
+    # the curve's bytes are the setup plus the gradients all-reduced up to each point
+    curve, setup = rec["curve"], rec["comm"]["by_phase"]["setup"]
+    assert [p["step"] for p in curve] == [10, 20, 30, steps]
+    assert [p["bytes"] for p in curve[:-1]] == [setup + s * 2 * grad_bytes for s in (10, 20, 30)]
+    assert curve[-1]["bytes"] == rec["comm"]["total_bytes"] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
+    assert all(a["wall_s"] < b["wall_s"] for a, b in zip(curve, curve[1:])) and curve[-1]["wall_s"] == rec["train_s"]
     assert rec["comm"]["by_kind"]["setup/initial_weights"] == 2 * payload_nbytes(state_dict_of(ctx.model))
     assert rec["samples_seen"] == 2 * steps * cfg.optim.batch_size
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()

@@ -111,6 +111,7 @@ def tiny_cfg(**interlocking):
 @pytest.mark.parametrize("n", [1, 2])
 def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n):
     cfg = tiny_cfg(n=n, rule="farthest")
+    cfg.eval_every = 5  # curve evaluations must not change what training sends
     ctx = prepare(cfg, tmp_path)
     rec = Interlocking().run(ctx).to_dict()
     d, kinds = rec["details"], rec["comm"]["by_kind"]
@@ -138,6 +139,14 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     acc = ImageClassification(16).evaluate(model, ctx.data.test, 256)["accuracy"]
     assert acc == pytest.approx(rec["metrics"]["id_accuracy"], abs=1e-9)
     assert d["heads"]["test"]["head1_final"]["accuracy"] == rec["metrics"]["id_accuracy"]
+
+    curve = rec["curve"]
+    assert [p["step"] for p in curve] == [5, 10, 15, 16] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
+    assert [p["samples"] for p in curve] == [5 * 16, 10 * 16, 15 * 16, 16 * 16]
+    train_per_batch = (kinds["train/activations"] + kinds["train/targets"] + kinds.get("train/gradients", 0)) / steps
+    setup = rec["comm"]["by_phase"]["setup"]
+    for p in curve[:-1]:  # by then: setup + that many batches' messages + the driver's reads of the stage reports
+        assert setup + p["step"] * train_per_batch <= p["bytes"] <= setup + p["step"] * train_per_batch * 1.05
 
 
 @pytest.mark.slow

@@ -67,6 +67,24 @@ def test_averaging_rounds_are_counted(ray_session, tmp_path):
     assert kinds["train/global_weights"] == rounds * 2 * state_bytes
 
 
+@pytest.mark.slow
+def test_curve_point_is_the_average_a_shorter_run_would_have_made(ray_session, tmp_path):
+    one_epoch = tiny_config(bn_recalibrate=False)
+    one_epoch.optim.epochs = 1
+    _, short = run_lofi(one_epoch, tmp_path / "short")
+    two_epochs = tiny_config(bn_recalibrate=False)
+    two_epochs.eval_every = 16  # one epoch = 256 / 16 steps
+    _, long = run_lofi(two_epochs, tmp_path / "long")
+    curve = long["curve"]
+    assert [p["step"] for p in curve] == [16, 32]
+    # the snapshot average at step 16 scores exactly what stopping there and averaging scores
+    assert {k: curve[0][k] for k in short["metrics"]} == short["metrics"]
+    assert curve[-1]["bytes"] == long["comm"]["total_bytes"] and curve[-1]["wall_s"] > curve[0]["wall_s"]
+    # lo-fi sends nothing while training: a point costs the setup plus one collection of the nodes' models
+    assert curve[0]["bytes"] == long["comm"]["by_phase"]["setup"] + long["comm"]["by_kind"]["final/node_weights"]
+    assert curve[0]["samples"] == 2 * 16 * 16
+
+
 def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
     """Kills one node's training process once every node has a checkpoint, whichever process it finds first."""
     deadline = time.time() + 120
