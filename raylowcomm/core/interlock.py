@@ -159,6 +159,38 @@ def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blo
     return [nn.Sequential(*g) for g in groups]
 
 
+def split_timm_efficientnet(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[nn.Sequential]:
+    """The same for timm's EfficientNet / MobileNet family: units are the stem (conv_stem, bn1)
+    and every block of ``model.blocks``; the last stage ends with conv_head, bn2, pool and
+    classifier (timm ``forward_head``)."""
+    stem = nn.Sequential(model.conv_stem, model.bn1)
+    blocks = [b for stage in model.blocks for b in stage]
+    units: list[nn.Module] = [stem, *blocks]
+    head = nn.Sequential(model.conv_head, model.bn2, _ResNetHead(model.global_pool, model.classifier, float(model.drop_rate)))
+    costs = _unit_costs(units, balance)
+    if balance == "params":
+        costs[-1] += sum(p.numel() for p in head.parameters())
+    groups = _chunks(units, balanced_sizes(costs, num_stages))
+    groups[-1].append(head)
+    return [nn.Sequential(*g) for g in groups]
+
+
+def split_timm_cnn(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[nn.Sequential]:
+    """A timm ResNet or EfficientNet-style model (``conv_stem`` + ``blocks``), split as above."""
+    if hasattr(model, "layer1"):
+        return split_timm_resnet(model, num_stages, balance)
+    if hasattr(model, "conv_stem") and hasattr(model, "blocks"):
+        return split_timm_efficientnet(model, num_stages, balance)
+    raise ValueError(f"cannot split {type(model).__name__}: interlocking splits timm ResNets and EfficientNet/MobileNet models")
+
+
+def timm_cnn_units(model: nn.Module) -> int:
+    """How many units (stem + blocks) `split_timm_cnn` can put into stages."""
+    if hasattr(model, "layer1"):
+        return 1 + sum(len(getattr(model, name)) for name in ("layer1", "layer2", "layer3", "layer4"))
+    return 1 + sum(len(stage) for stage in model.blocks)
+
+
 class DecoderStage(nn.Module):
     """A contiguous group of decoder layers of a Llama-style causal LM.
 

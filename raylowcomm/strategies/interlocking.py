@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from raylowcomm.config import ConfigError, OptimConfig, RunConfig
 from raylowcomm.core.interlock import (InterlockStage, causal_lm_loss, decoder_aux_heads, measure_unit_costs,
-                                       resnet_aux_heads, split_hf_decoder, split_timm_resnet, untie_lm_head,
+                                       resnet_aux_heads, split_hf_decoder, split_timm_cnn, timm_cnn_units, untie_lm_head,
                                        upstream_heads)
 from raylowcomm.data import Split, eval_batches, num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
@@ -374,13 +374,11 @@ def _final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
 
 
 def _split(model: nn.Module, family: str, num_stages: int, balance) -> list[nn.Module]:
-    return split_timm_resnet(model, num_stages, balance) if family == "timm" else split_hf_decoder(model, num_stages, balance)
+    return split_timm_cnn(model, num_stages, balance) if family == "timm" else split_hf_decoder(model, num_stages, balance)
 
 
 def _num_units(model: nn.Module, family: str) -> int:
-    if family == "timm":
-        return 1 + sum(len(getattr(model, name)) for name in ("layer1", "layer2", "layer3", "layer4"))
-    return model.config.num_hidden_layers
+    return timm_cnn_units(model) if family == "timm" else model.config.num_hidden_layers
 
 
 class Interlocking:
@@ -411,13 +409,14 @@ class Interlocking:
         if not o.aux_widths or any(w < 1 for w in o.aux_widths):
             raise ConfigError("interlocking.aux_widths", o.aux_widths, "must be a non-empty list of positive widths")
         if cfg.model.family == "hf_classifier":
-            raise ConfigError("model.family", cfg.model.family, "interlocking splits timm ResNets and causal LMs (hf_causal_lm)")
+            raise ConfigError("model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
         if cfg.model.family == "hf_causal_lm" and cfg.data.name not in ("hamlet", "speeches"):
             raise ConfigError("data.name", cfg.data.name, "interlocking trains a causal LM on plain text: hamlet or speeches")
         if cfg.model.family == "timm":
             arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
-            if "resnet" not in arch:
-                raise ConfigError("model.name", cfg.model.name, "interlocking splits timm ResNets (e.g. resnet10t, resnet18)")
+            if not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
+                raise ConfigError("model.name", cfg.model.name,
+                                  "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18, efficientnet_lite0)")
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]

@@ -19,7 +19,9 @@ from raylowcomm.core.interlock import (
     resnet_aux_heads,
     run_interlocked_batch,
     split_hf_decoder,
+    split_timm_cnn,
     split_timm_resnet,
+    timm_cnn_units,
     update_heads,
     upstream_heads,
 )
@@ -153,6 +155,26 @@ def test_resnet_split_inside_layers(balance):
         assert sum(len(list(s.parameters())) for s in stages) == len(list(model.parameters()))
     with pytest.raises(ValueError):
         split_timm_resnet(model, 10)
+
+
+def test_efficientnet_split_composes_to_model_and_gets_aux_heads():
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet", pretrained=False, num_classes=NUM_CLASSES).eval()
+    x, _ = image_batch()
+    units = timm_cnn_units(model)
+    for num_stages in (1, 2, 3, units):
+        stages = split_timm_cnn(model, num_stages)
+        heads = resnet_aux_heads(stages, NUM_CLASSES, (8,))
+        h = x
+        with torch.no_grad():
+            for k, s in enumerate(stages):
+                h = s(h)
+                if k < num_stages - 1:  # every aux head fits its stage's output
+                    assert heads[k].eval()(h).shape == (len(x), NUM_CLASSES)
+            assert torch.allclose(h, model(x), atol=1e-6)
+        assert {id(p) for s in stages for p in s.parameters()} == {id(p) for p in model.parameters()}
+    with pytest.raises(ValueError):
+        split_timm_cnn(model, units + 1)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
