@@ -121,7 +121,7 @@ def load_bench(bench_dir: str | Path) -> dict:
         bench = {"mode": "local", "config": None, "runs": []}
     else:
         raise ReportError(f"{bench_dir} has no bench.json, results.json or benchmarks/ to report on")
-    for run in bench.get("runs", []):
+    for run in bench.setdefault("runs", []):
         path = bench_dir / run.get("dir", run["label"]) / "results.json"
         run["records"] = json.loads(path.read_text()) if path.exists() else None
     return bench
@@ -143,15 +143,15 @@ def plot_curves(bench: dict, metric: str, axis: str, path: Path, targets: list[f
     fig = Figure(figsize=(5.5 * len(runs), 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
-    colours: dict[str, Any] = {}
+    names = sorted({r["strategy"] for run in runs for r in run.get("records") or [] if "strategy" in r}, key=lambda n: (n != "ddp", n))
+    colours = {name: f"C{i % 10}" for i, name in enumerate(names)}  # DDP always blue
     for ax, run, target in zip(axes, runs, targets + [None] * len(runs)):
         drawn = 0
         for r in run.get("records") or []:
             pts = [p for p in r.get("curve") or [] if metric in p and axis in p and (axis != "bytes" or p[axis] > 0)]
             if "error" in r or not pts:
                 continue
-            colour = colours.setdefault(r["strategy"], f"C{len(colours)}")
-            ax.plot([p[axis] for p in pts], [p[metric] for p in pts], marker="o", ms=3, color=colour, label=r["strategy"])
+            ax.plot([p[axis] for p in pts], [p[metric] for p in pts], marker="o", ms=3, color=colours[r["strategy"]], label=r["strategy"])
             drawn += 1
         if target is not None:
             ax.axhline(target, color="grey", ls="--", lw=1, label="target")
@@ -214,7 +214,7 @@ def run_section(run: dict, summary: dict | None, fraction: float) -> list[str]:
         reach = "no curve" if not row["curve_points"] else "not reached"
         ttt = row["time_to_target_s"]
         rows.append([row["strategy"], _num(row["final"])] + ([_num(row["metrics"].get(shift))] if has_shift else []) + [
-            "-" if target is None else (f"{ttt:.1f} s" if ttt is not None else reach),
+            "-" if target is None else (f"{ttt:.3g} s" if ttt is not None and ttt < 100 else f"{ttt:.0f} s" if ttt is not None else reach),
             _num(row["speedup_vs_ddp"], ".2f") + ("×" if row["speedup_vs_ddp"] is not None else ""),
             human_bytes(row["total_bytes"]), _num(row["bytes_vs_ddp"], ".3g"),
             "-" if target is None else (human_bytes(row["bytes_to_target"]) if row["bytes_to_target"] is not None else reach),
@@ -235,7 +235,7 @@ def _cell(v: Any) -> str:
     if isinstance(v, bool):
         return str(v)
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:,.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, dict):
@@ -267,7 +267,8 @@ def benchmark_section(name: str, data: Any) -> list[str]:
         elif isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()) and key != "config":
             lines += [f"**{key}**", ""] + _dict_rows([{"": k, **x} for k, x in v.items()]) + [""]
         elif isinstance(v, (dict, list)):
-            lines += [f"**{key}**: `{json.dumps(v)}`", ""]
+            flat = all(not isinstance(x, (dict, list)) for x in (v.values() if isinstance(v, dict) else v))
+            lines += [f"**{key}**: " + (_cell(v) if flat else f"`{json.dumps(v)}`"), ""]
     return lines
 
 
@@ -286,14 +287,15 @@ def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> st
         lines.append("Mode **wan**: two Ray nodes in network namespaces, the link between them shaped in both directions to each run's rate.")
     else:
         lines.append("Mode **local**: one machine's embedded Ray, no link shaping.")
+    lines.append("")
     cfg = bench.get("config") or {}
     if cfg:
         model, data, nodes = cfg.get("model", {}), cfg.get("data", {}), cfg.get("nodes", {})
-        lines.append(f"Model `{model.get('name')}`, data `{data.get('name')}` ({data.get('train_size')} training examples), "
+        lines += [f"Model `{model.get('name')}`, data `{data.get('name')}` ({data.get('train_size')} training examples), "
                      f"{nodes.get('count')} nodes; strategies {', '.join(cfg.get('strategies', []))}; "
-                     f"evaluation every {cfg.get('eval_every') or '— (end only)'} steps. Full config at the end.")
+                     f"evaluation every {cfg.get('eval_every') or '— (end only)'} steps. Full config at the end.", ""]
     if bench["runs"]:
-        lines += ["", f"Metric: **{metric}** ({'higher' if higher_is_better(metric) else 'lower'} is better). Time to target: "
+        lines += [f"Metric: **{metric}** ({'higher' if higher_is_better(metric) else 'lower'} is better). Time to target: "
                   "the curve's training wall time (evaluation excluded), linearly interpolated between evaluations; "
                   "speed-up over DDP = DDP's time to target ÷ the strategy's; bytes are everything sent in all "
                   "phases, as counted by the byte ledger.", "",
