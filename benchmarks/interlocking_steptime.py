@@ -36,7 +36,7 @@ def base_config(stages: int, micro_batches: int, batch_size: int, balance: str) 
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=4)
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--balance", default="measured", choices=["blocks", "params", "measured"])
     ap.add_argument("--budget", type=float, default=60.0, help="seconds of training per n")
     ap.add_argument("--out", default="runs/interlocking_steptime.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     raw = base_config(args.stages, args.micro_batches, args.batch_size, args.balance)
     raw["interlocking"]["time_budget_s"] = args.budget

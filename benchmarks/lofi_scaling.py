@@ -1,8 +1,8 @@
 """lo-fi vs DDP on one workload with N = 1 and 2 actors: throughput, scaling, bytes by phase.
 
-    python -m benchmarks.lofi_scaling [--steps 30] [--out runs/bench]
+    python -m benchmarks.lofi_scaling [--steps 30] [--out runs/bench/lofi_scaling.json]
 
-Prints a table and writes lofi_scaling.json. A benchmark: it reports figures, it asserts none.
+Prints a table and writes the JSON (the runs go to a folder beside it). A benchmark: it reports figures, it asserts none.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ def workload(nodes: int, steps: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--out", default="runs/bench")
-    args = parser.parse_args()
-    out = Path(args.out)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per actor")
+    parser.add_argument("--out", default="runs/bench/lofi_scaling.json", help="the JSON to write")
+    args = parser.parse_args(argv)
+    path = Path(args.out)
+    out = path.parent
     init_ray()
     rows = []
     for strategy in ("lofi", "ddp"):
@@ -56,8 +57,9 @@ def main() -> None:
         p = r["by_phase"]
         print(f"{r['strategy']:8s} {r['nodes']:>2d} {r['samples_per_s']:>10.1f} {r['scaling_efficiency']:>6.2f} {p['setup'] / 1e6:>9.2f} "
               f"{p['train'] / 1e6:>9.2f} {p['final'] / 1e6:>9.2f} {r['total_bytes'] / 1e6:>9.2f} {r['bytes_vs_ddp']:>9.3f}")
-    (out / "lofi_scaling.json").write_text(json.dumps({"steps_per_actor": args.steps, "rows": rows}, indent=2))
-    print(f"saved {out / 'lofi_scaling.json'}")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"steps_per_actor": args.steps, "rows": rows}, indent=2))
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

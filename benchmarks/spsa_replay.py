@@ -126,14 +126,14 @@ def exchange(samples_list: list[int], steps: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads (an SPSA node actor with nodes.cpus=1 has 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="SPSA steps per exchange measurement")
     p.add_argument("--out", default="runs/bench_spsa.json")
     p.add_argument("--probe", choices=["spsa", "inference", "backprop_adamw"], help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.probe:
         print(json.dumps(memory_probe(args.probe, args.threads)))
         return
