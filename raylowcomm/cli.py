@@ -1,10 +1,11 @@
-"""raylowcomm run | tune | report | assets."""
+"""raylowcomm run | tune | bench | report | assets."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from raylowcomm import assets
 from raylowcomm.config import ConfigError, load_config
@@ -23,6 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     tune_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the sweep's base config for every trial (repeatable)")
     tune_p.add_argument("--storage-path", help="where Tune writes the sweep (default: the sweep file's storage_path)")
+    bench_p = sub.add_parser("bench", help="every strategy of a config on identical inputs, curves and a report: "
+                                           "over a shaped 2-host link (wan, needs root) or on local Ray")
+    bench_p.add_argument("mode", choices=["wan", "local"])
+    bench_p.add_argument("config")
+    bench_p.add_argument("--rate", dest="rates", action="append", default=[], metavar="RATE",
+                         help="wan: link rate, e.g. 100mbit or 1gbit (repeatable; default 100mbit)")
+    bench_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config field (repeatable)")
+    bench_p.add_argument("--out", help="output directory (default: the config's out_dir)")
     report_p = sub.add_parser("report", help="rebuild report.md and the curve plots of a bench (or run) directory from its saved results")
     report_p.add_argument("dir")
     report_p.add_argument("--target-fraction", type=float, default=0.95,
@@ -47,6 +57,31 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{name:20s} {a.kind:5s} {'cached' if a.ready() else 'not cached':10s} {a.about}")
         return 0
+
+    if args.command == "bench":
+        from raylowcomm.bench import bench_local, bench_wan, check_wan_prerequisites
+        from raylowcomm.cluster import ClusterError
+
+        try:
+            cfg = load_config(args.config, args.overrides)
+            out = Path(args.out or cfg.out_dir)
+            if args.mode == "wan":
+                check_wan_prerequisites()
+                meta = bench_wan(cfg, args.rates or ["100mbit"], out)
+            else:
+                if args.rates:
+                    raise ConfigError("--rate", args.rates, "only `bench wan` shapes a link; drop --rate for `bench local`")
+                meta = bench_local(cfg, out)
+        except (ConfigError, assets.AssetError, PermissionError, FileNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except ClusterError as err:
+            print(f"error: the cluster failed (it has been torn down): {err}", file=sys.stderr)
+            return 1
+        failed = [r["label"] for r in meta["runs"] if r["returncode"] != 0]
+        if failed:
+            print(f"error: the run failed at {', '.join(failed)}: see its output above and results.json", file=sys.stderr)
+        return 1 if failed else 0
 
     if args.command == "report":
         from raylowcomm.report import ReportError, write_report

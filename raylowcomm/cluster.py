@@ -19,6 +19,7 @@ cluster and namespaces go away also on failure:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -87,6 +88,8 @@ class NamespaceCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
         env.setdefault("RAY_AUTH_MODE", "disabled")
+        # The hostname resolves to 127.0.0.1 in every namespace: make gloo (DDP) use the host's link.
+        env["GLOO_SOCKET_IFNAME"] = "rl0"
         env.update(extra or {})
         return env
 
@@ -172,7 +175,7 @@ class NamespaceCluster:
         res = json.dumps(self.resources[host]) if self.resources[host] else None
         for attempt in range(attempts):
             try:
-                self.run(host, [self.ray, "start", f"--node-ip-address={self.addresses[host]}", f"--num-cpus={self.cpus[host]}",
+                self.run(host, [self.ray, "start", f"--node-ip-address={self.addresses[host]}", f"--num-cpus={math.ceil(self.cpus[host])}",
                                 f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS, *args,
                                 *([f"--resources={res}"] if res else [])], timeout=self.start_timeout_s)
                 return

@@ -193,6 +193,10 @@ def run_section(run: dict, summary: dict | None, fraction: float) -> list[str]:
     lines = [f"## {title}", ""]
     if run.get("collect_note"):
         lines += [run["collect_note"], ""]
+    if run.get("link"):
+        link = run["link"]
+        lines += [f"Link measured before the run: {link['mbit_per_s']} Mbit/s ({link['bytes'] / 1e6:.0f} MB host 1 → host 0 "
+                  f"in {link['seconds']} s over TCP).", ""]
     if summary is None:
         return lines + [f"No results.json in `{run.get('dir', run['label'])}/`.", ""]
     metric, target = summary["metric"], summary["target"]

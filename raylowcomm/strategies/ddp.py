@@ -110,6 +110,21 @@ def _train_worker(config: dict) -> None:
         train.report(metrics)
 
 
+def _release_leaked_placement_groups(before: set[str], bundles: list[dict]) -> None:
+    """When a Train run fails while it starts (e.g. gloo cannot connect), Ray Train 2.60 can leave
+    its workers' placement group reserved, and the strategies after it would wait forever for
+    those CPUs. Remove the groups with exactly our bundles that appeared during the failed fit."""
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+    from ray._raylet import PlacementGroupID
+
+    want = [{k: float(v) for k, v in b.items()} for b in bundles]
+    for pg_id, info in ray.util.placement_group_table().items():
+        if pg_id in before or info["state"] == "REMOVED" or list(info["bundles"].values()) != want:
+            continue
+        print(f"[ddp] releasing placement group {pg_id} that the failed Train run left behind", flush=True)
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+
+
 class Ddp:
     name: ClassVar[str] = "ddp"
     Config: ClassVar[type] = DdpConfig
@@ -161,7 +176,12 @@ class Ddp:
             torch_config=TorchConfig(backend=backend),
             run_config=TrainRunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str((out / "ray_train").resolve())),
         )
-        result = trainer.fit()
+        before = set(ray.util.placement_group_table())
+        try:
+            result = trainer.fit()
+        except Exception:
+            _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
+            raise
         workers = result.metrics["workers"]
         ctx.report({"step": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
         setup_bytes = ledger.bytes_by_phase["setup"]

@@ -1,0 +1,168 @@
+"""The comparison harness: every strategy of one config on identical model, data and
+hyper-parameters, then a report (raylowcomm/report.py).
+
+`wan`: for each rate, two hosts in network namespaces joined by a link shaped to that rate in
+both directions (tc tbf), a 2-node Ray cluster on them, the run's driver on the head host and
+one node actor (or stage) per host; torn down after each rate, also on failure or Ctrl-C.
+`local`: the same run on the local embedded Ray, no shaping, for anyone without root.
+
+    raylowcomm bench wan examples/wan_compare.yaml --rate 100mbit --rate 1gbit --out runs/wan
+    raylowcomm bench local examples/wan_compare.yaml --out runs/wan_local
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from raylowcomm.config import ConfigError, RunConfig
+
+LINK_PROBE_BYTES = 20_000_000
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bits(rate: str) -> float:
+    """'100mbit' -> 1e8; a tc rate in kbit/mbit/gbit."""
+    m = _RATE.match(rate)
+    if not m:
+        raise ConfigError("--rate", rate, "a tc rate such as 100mbit, 1gbit or 500kbit")
+    return float(m.group(1)) * _BITS[m.group(2)]
+
+
+def tbf_burst(rate: str) -> str:
+    """A token bucket big enough for the rate at the kernel's timer granularity (rate / 250 Hz),
+    and at least 32 kbit, so the link really reaches the rate asked for."""
+    return f"{max(32_000, int(rate_bits(rate) / 250)) // 1000}kbit"
+
+
+def check_wan_prerequisites() -> None:
+    """Fail before anything starts, saying what is missing."""
+    if os.geteuid() != 0:
+        raise PermissionError("`raylowcomm bench wan` makes network namespaces and shapes their link with tc: it needs root "
+                              "(run it with sudo). `raylowcomm bench local CONFIG` runs the same harness without root, unshaped.")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise FileNotFoundError(f"`raylowcomm bench wan` needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2")
+
+
+def wan_config(cfg: RunConfig) -> RunConfig:
+    """One actor per host: two node actors (or two stages), spread over the two hosts."""
+    if cfg.nodes.count != 2:
+        raise ConfigError("nodes.count", cfg.nodes.count, "the WAN bench runs one node actor per host on 2 hosts: set nodes.count: 2")
+    if "interlocking" in cfg.strategies and cfg.options["interlocking"].stages != 2:
+        raise ConfigError("interlocking.stages", cfg.options["interlocking"].stages, "the WAN bench puts one stage per host: set 2")
+    cfg.nodes.placement = "SPREAD"
+    return cfg
+
+
+_PROBE_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+c, _ = s.accept(); n, t0 = 0, None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    t0 = t0 or time.perf_counter(); n += len(b)
+print(n, time.perf_counter() - t0)
+"""
+_PROBE_CLIENT = """
+import socket, sys, time
+for _ in range(100):
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
+    except OSError:
+        time.sleep(0.1)
+block = b"x" * (1 << 20)
+for _ in range(int(sys.argv[3]) >> 20): c.sendall(block)
+c.close()
+"""
+
+
+def measure_link(cluster, nbytes: int = LINK_PROBE_BYTES, port: int = 5999) -> dict:
+    """Throughput from host 1 to host 0 over the shaped link, measured with a plain TCP stream."""
+    import subprocess
+
+    server = subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0], sys.executable, "-c", _PROBE_SERVER,
+                               cluster.addresses[0], str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        cluster.run(1, [sys.executable, "-c", _PROBE_CLIENT, cluster.addresses[0], str(port), str(nbytes)], timeout=600)
+        received, seconds = server.communicate(timeout=600)[0].split()
+    finally:
+        server.kill()
+    return {"bytes": int(received), "seconds": round(float(seconds), 3),
+            "mbit_per_s": round(int(received) * 8 / float(seconds) / 1e6, 1)}
+
+
+def _write_config(cfg: RunConfig, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
+    """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down."""
+    from raylowcomm.cluster import NamespaceCluster
+    from raylowcomm.run import prepare
+
+    check_wan_prerequisites()
+    for rate in rates:
+        rate_bits(rate)
+    cfg = wan_config(cfg)
+    prepare(cfg, out)  # bad input and missing assets fail here, before any namespace or cluster exists
+    config_path = out / "config.yaml"
+    meta = {"mode": "wan", "config": cfg.to_dict(), "runs": []}
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
+    try:
+        for rate in rates:
+            label = rate
+            print(f"=== {rate}: starting a 2-host cluster ===", flush=True)
+            started = time.time()
+            with NamespaceCluster(hosts=2, cpus=cfg.nodes.cpus) as cluster:
+                cluster.shape(rate, burst=tbf_burst(rate))
+                link = measure_link(cluster)
+                print(f"[bench] link {rate}: measured {link['mbit_per_s']} Mbit/s ({link['bytes'] / 1e6:.0f} MB in {link['seconds']} s)",
+                      flush=True)
+                proc = cluster.run(0, [sys.executable, "-m", "raylowcomm.cli", "run", str(config_path.resolve()),
+                                       "--out", str((out / label).resolve())],
+                                   check=False, timeout=24 * 3600, cwd=os.getcwd(), capture=False)
+            meta["runs"].append({"label": label, "rate": rate, "dir": label, "link": link, "returncode": proc.returncode,
+                                 "wall_s": round(time.time() - started, 1)})
+            (out / "bench.json").write_text(json.dumps(meta, indent=2))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _report(out)
+    return meta
+
+
+def bench_local(cfg: RunConfig, out: Path) -> dict:
+    """The same comparison on the local embedded Ray (or RAY_ADDRESS), no shaping."""
+    from raylowcomm.run import run
+
+    out.mkdir(parents=True, exist_ok=True)
+    _write_config(cfg, out / "config.yaml")
+    started = time.time()
+    records = run(cfg, out / "local")
+    meta = {"mode": "local", "config": cfg.to_dict(),
+            "runs": [{"label": "local", "rate": None, "dir": "local", "returncode": int(any("error" in r for r in records)),
+                      "wall_s": round(time.time() - started, 1)}]}
+    (out / "bench.json").write_text(json.dumps(meta, indent=2))
+    _report(out)
+    return meta
+
+
+def _report(out: Path) -> None:
+    from raylowcomm.report import write_report
+
+    print(f"report: {write_report(out)}", flush=True)

@@ -1,0 +1,85 @@
+"""The comparison harness end to end: a tiny model, every strategy, on a real 2-host cluster with
+a shaped link (root only) and on the session's local Ray; the report, plots and curves exist,
+and the bytes the report gives DDP are the gradients its all-reduce hook counted."""
+
+import json
+import os
+import shutil
+
+import pytest
+import timm
+import yaml
+
+from raylowcomm.cli import main
+from raylowcomm.report import summarize_run
+
+TINY = {
+    "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+    "data": {"name": "mnist", "train_size": 256, "test_size": 100, "image_size": 16},
+    "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
+    "nodes": {"count": 2, "cpus": 1},
+    "strategies": ["ddp", "lofi", "spsa", "interlocking"],
+    "eval_every": 4, "log_every": 1000, "checkpoint_every": 1000,
+    "spsa": {"lr": 0.001, "samples": 2},
+    "interlocking": {"stages": 2, "micro_batches": 1, "aux_widths": [8]},
+}
+
+
+def _check_bench(out, labels, strategies):
+    bench = json.loads((out / "bench.json").read_text())
+    assert [r["label"] for r in bench["runs"]] == labels and all(r["returncode"] == 0 for r in bench["runs"])
+    for name in ("report.md", "curves_time.png", "curves_bytes.png"):
+        assert (out / name).stat().st_size > 0
+    report = (out / "report.md").read_text()
+    grad_bytes = sum(p.numel() * p.element_size() for p in timm.create_model("test_efficientnet", num_classes=10).parameters())
+    for label in labels:
+        records = json.loads((out / label / "results.json").read_text())
+        assert [r["strategy"] for r in records] == strategies and not any("error" in r for r in records)
+        for r in records:
+            assert len(r["curve"]) >= 2 and r["curve"][-1]["bytes"] == r["comm"]["total_bytes"]
+            assert len({n["ray_node_id"] for n in r["nodes"]}) == (2 if label != "local" else 1)
+        ddp = next(r for r in records if r["strategy"] == "ddp")
+        steps = ddp["details"]["steps_per_worker"]
+        assert ddp["comm"]["by_kind"]["train/gradient_allreduce"] == steps * 2 * grad_bytes
+        row = next(row for row in summarize_run(records, "id_accuracy")["rows"] if row["strategy"] == "ddp")
+        assert row["total_bytes"] == ddp["comm"]["total_bytes"]
+        assert f"## {label}" in report
+    return bench
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root, iproute2 and tc")
+def test_wan_bench_on_two_hosts_at_one_rate(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "wan"
+    namespaces = set(os.listdir("/var/run/netns")) if os.path.isdir("/var/run/netns") else set()
+    assert main(["bench", "wan", str(config), "--rate", "100mbit", "--out", str(out)]) == 0
+    bench = _check_bench(out, ["100mbit"], TINY["strategies"])
+    link = bench["runs"][0]["link"]
+    assert 50 < link["mbit_per_s"] < 110  # the link was really shaped to about 100 Mbit/s
+    assert set(os.listdir("/var/run/netns")) <= namespaces  # hosts and switch torn down
+
+
+@pytest.mark.slow
+def test_local_bench_writes_the_same_report(ray_session, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "strategies": ["ddp", "lofi"]}))
+    out = tmp_path / "local"
+    assert main(["bench", "local", str(config), "--out", str(out)]) == 0
+    _check_bench(out, ["local"], ["ddp", "lofi"])
+
+
+def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "nodes": {"count": 3, "cpus": 1}}))
+    if os.geteuid() == 0 and shutil.which("tc"):
+        assert main(["bench", "wan", str(config), "--out", str(tmp_path / "x")]) == 2
+        assert "nodes.count" in capsys.readouterr().err
+        config.write_text(yaml.safe_dump(TINY))
+        assert main(["bench", "wan", str(config), "--rate", "fast", "--out", str(tmp_path / "x")]) == 2
+        assert "--rate" in capsys.readouterr().err
+    else:
+        assert main(["bench", "wan", str(config), "--out", str(tmp_path / "x")]) == 2
+        assert "root" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
