@@ -5,7 +5,8 @@
 2. Peak memory (ru_maxrss, each in its own subprocess): an SPSA node's step, inference alone,
    and a backprop + AdamW step on the same batch.
 3. Exchange: the real `spsa` strategy on Ray (2 nodes) for a few steps with 1 and 4 samples per
-   node per step: the step's wall time beside the nodes' compute and replay.
+   node per step: the step's wall time beside the nodes' compute and replay, and the bytes of
+   codes per step beside the wire bytes of the messages carrying them.
 
     python benchmarks/spsa_replay.py [--threads 1] [--out runs/bench_spsa.json]
 """
@@ -122,7 +123,7 @@ def exchange(samples_list: list[int], steps: int) -> list[dict]:
             rows.append({"samples": samples, "nodes": 2, "step_ms": 1e3 * det["mean_step_s"],
                          "compute_ms": 1e3 * det["mean_compute_s"], "replay_ms": 1e3 * det["mean_replay_s"],
                          "exchange_ms": 1e3 * det["mean_exchange_s"], "exchange_ms_per_sample": 1e3 * det["mean_exchange_s"] / samples,
-                         "grad_bytes_per_step": det["grad_bytes"] // steps})
+                         "grad_bytes_per_step": det["payload_bytes_per_step"], "wire_bytes_per_step": det["wire_bytes_per_step"]})
     return rows
 
 
@@ -154,10 +155,11 @@ def main(argv: list[str] | None = None) -> None:
 
     ex = exchange([1, 4], args.steps)
     print(f"\nExchange on Ray, 2 nodes, {args.steps} steps (means per step)")
-    print(f"{'samples':>7}{'step ms':>10}{'compute ms':>12}{'replay ms':>11}{'exchange ms':>13}{'per sample':>12}{'grad B/step':>13}")
+    print(f"{'samples':>7}{'step ms':>10}{'compute ms':>12}{'replay ms':>11}{'exchange ms':>13}{'per sample':>12}"
+          f"{'grad B/step':>13}{'wire B/step':>13}")
     for r in ex:
         print(f"{r['samples']:>7}{r['step_ms']:>10.0f}{r['compute_ms']:>12.0f}{r['replay_ms']:>11.0f}{r['exchange_ms']:>13.1f}"
-              f"{r['exchange_ms_per_sample']:>12.1f}{r['grad_bytes_per_step']:>13}")
+              f"{r['exchange_ms_per_sample']:>12.1f}{r['grad_bytes_per_step']:>13.0f}{r['wire_bytes_per_step']:>13.0f}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

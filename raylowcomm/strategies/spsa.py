@@ -2,11 +2,14 @@
 node sends one byte per perturbation per step; no weights or gradients ever move.
 
 Each step every node measures g = (L(θ+εz) − L(θ−εz)) / 2ε on its own batch, for `samples`
-seeds derived from (run seed, step, node, sample), quantises g to a byte and `ray.put`s the
-bytes from inside the actor. The driver hands every node the step's ObjectRefs (it never
-fetches the payloads); each node `ray.get`s them and replays all updates in (node, sample)
-order with the DECODED values, so every replica (the publisher too) holds the same weights,
-checked every `verify_every` steps by an exact hash.
+seeds derived from (run seed, step, node, sample), and quantises g to a byte. Its step message,
+the codes plus its mean loss as a float32 (for progress reports), returns inline in the task's
+reply; the driver relays to every node the other nodes' codes, inline in the `apply` call. Each
+node replays all updates in (node, sample) order with the DECODED values, so every replica (the
+publisher too) holds the same weights, checked every `verify_every` steps by an exact hash.
+Payloads travel inline rather than through the object store because an ObjectRef costs ~250 B
+of wire metadata, where Ray frames raw bytes with 3 B; and the driver holding the bytes means no
+payload can be lost with its publisher.
 
 Membership: nodes leave (removed, or their actor dies) and join at step boundaries. A joiner
 starts from the latest safetensors checkpoint (written by the lowest-id live node every
@@ -17,20 +20,23 @@ slots; node ids are slots (initial nodes 0..count−1, the i-th joiner count+i),
 brings fresh data and no two nodes ever share a seed. Without joins the shards are exactly
 `RunContext.shards()`.
 
-Bytes (ledger): `train/projected_grads` counts each payload once per receiving node other
-than its publisher (the publisher reads its own object locally): N(N−1)·samples·codec bytes
-per step, which is N·samples for N = 2. `train/control` counts the step numbers and
-ObjectRefs the driver exchanges with the nodes (a serialised ObjectRef is ~260 B, far more
-than the byte it points to). `details` also gives the payload's serialised object-store size.
+Curve: every `eval_every` steps (and at the end) the lowest-id running node scores its replica
+(they are bit-identical) on the evaluation sets, which it fetched once; the metrics come back.
+
+Bytes (ledger): `train/projected_grads` counts what the nodes publish, N·samples·codec bytes per
+step; `train/projected_grads_relay` what the driver forwards, each payload to the N−1 other
+nodes; `train/train_loss` the 4-byte losses; `train/control` the step numbers and publisher
+lists. `details` gives the wire size per step: Ray's serialised size of every message that
+carries codes (up and down), measured with Ray's serialiser, beside the payload bytes.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import shutil
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +50,14 @@ from raylowcomm.data import num_examples, shard_indices, take
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec, build_model, state_dict_of
 from raylowcomm.runtime import actor_options, device_for, setup_threads
-from raylowcomm.strategies.base import node_bundle, RunContext, RunRecord, Stopwatch
+from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, curve_point, eval_points, node_bundle
 from raylowcomm.strategies.lofi import node_seed
 from raylowcomm.tasks import score_model, task_for
 from raylowcomm.training import batch_at, load_checkpoint, peak_rss_bytes, save_checkpoint, save_weights, total_steps
+
+LOSS_FORMAT = "<f"  # a format, not a struct.Struct: Ray pickles the globals the actor's methods use
+"""The mean loss closing a node's step message: a float32, enough for a progress report."""
+LOSS_BYTES = struct.calcsize(LOSS_FORMAT)
 
 
 @dataclass
@@ -144,7 +154,9 @@ class SpsaNode:
         self.lr = opts.lr if opts.lr is not None else cfg.optim.lr
         self.log = zo.ReplayLog()
         self.step, self.joined, self.losses = until, until, []
-        self.times = {"compute_s": 0.0, "fetch_s": 0.0, "replay_s": 0.0}
+        self.published: tuple[int, bytes] | None = None
+        self.eval_sets: tuple | None = None
+        self.times = {"compute_s": 0.0, "replay_s": 0.0}
         if checkpoint is None:
             self.model.load_state_dict(weights)
         else:
@@ -159,9 +171,9 @@ class SpsaNode:
     def _log(self, msg: str) -> None:
         print(f"[spsa node {self.node}] {msg}", flush=True)
 
-    def compute(self, step: int) -> list:
-        """Measure this node's projected gradients at `step` and publish their bytes; returns
-        [ObjectRef] (nested, so the caller gets the reference, not the bytes)."""
+    def compute(self, step: int) -> bytes:
+        """Measure this node's projected gradients at `step`; returns the step message (codes,
+        then the mean loss) and keeps the codes to replay with the others'."""
         if step != self.step:
             raise RuntimeError(f"node {self.node} is at step {self.step}, asked to compute step {step}")
         t0 = time.perf_counter()
@@ -170,6 +182,7 @@ class SpsaNode:
         pairs = zo.spsa_losses(self.model, self.params, self.task.loss, batch, seeds, self.opts.eps, self.opts.perturbation)
         grads = [(lp - lm) / (2 * self.opts.eps) for lp, lm in pairs]
         payload = self.codec.to_bytes(grads)
+        self.published = (step, payload)
         self.losses.append(sum(lp + lm for lp, lm in pairs) / (2 * len(pairs)))
         self.times["compute_s"] += time.perf_counter() - t0
         every = self.cfg.log_every
@@ -177,27 +190,27 @@ class SpsaNode:
             decoded = ", ".join(f"{g:+.4g}" for g in self.codec.from_bytes(payload))
             self._log(f"step {step + 1} loss {sum(self.losses[-every:]) / len(self.losses[-every:]):.4f} "
                       f"(L+ {pairs[0][0]:.4f} L- {pairs[0][1]:.4f}) g {decoded}")
-        return [ray.put(payload)]
+        return payload + struct.pack(LOSS_FORMAT, self.losses[-1])
 
-    def apply(self, step: int, publishers: list[int], refs: list) -> bool:
-        """Fetch every publisher's bytes, then replay them in (node, sample) order. False, with
-        the weights untouched, when a payload was lost (its publisher died before we got it)."""
+    def apply(self, step: int, publishers: list[int], others: bytes) -> None:
+        """Replay the step's codes in (node, sample) order: ours kept by `compute`, the other
+        publishers' concatenated in publisher order (every message has the same length)."""
         t0 = time.perf_counter()
-        try:
-            payloads = ray.get(refs)
-        except ray.exceptions.ObjectLostError:
-            return False
-        t1 = time.perf_counter()
-        rows = [(step, node, sample, code) for node, data in zip(publishers, payloads)
-                for sample, code in enumerate(self.codec.unpack(data))]
+        if self.published is None or self.published[0] != step or self.node not in publishers:
+            raise RuntimeError(f"node {self.node} did not publish step {step}, asked to apply it")
+        own, size = self.published[1], len(self.published[1])
+        parts = iter(others[i : i + size] for i in range(0, len(others), size))
+        rows = [(step, node, sample, code) for node in publishers
+                for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts)))]
         self._replay(step, rows)
-        self.times["fetch_s"] += t1 - t0
-        self.times["replay_s"] += time.perf_counter() - t1
-        return True
+        self.times["replay_s"] += time.perf_counter() - t0
 
-    def apply_log(self, step: int, log: bytes) -> None:
-        """Recovery: the step's entries from a peer's log, when our fetch lost a payload."""
-        self._replay(step, [r for r in zo.ReplayLog.from_bytes(log).rows(step) if r[0] == step])
+    def evaluate(self, sets: list) -> dict:
+        """Score this replica; `sets` = [ref to (test, shift)], nested so that it is fetched once."""
+        if self.eval_sets is None:
+            self.eval_sets = ray.get(sets[0])
+        test, shift = self.eval_sets
+        return score_model(self.task, self.model, test, shift, self.cfg.optim.eval_batch_size)
 
     def _replay(self, step: int, rows: list) -> None:
         if step != self.step:
@@ -328,11 +341,10 @@ class Spsa:
         print(f"[spsa] {count} nodes x {steps} steps, {opts.samples} x {codec.nbytes} B per node per step "
               f"({opts.codec}, {opts.perturbation}), verify every {opts.verify_every}", flush=True)
 
-        ref_bytes = self._ref_wire_bytes()
-        payload_wire = _wire_bytes(b"\0" * (opts.samples * codec.nbytes))
         ckpt_step, ckpt_size = 0, ray.get(nodes[0].save.remote(str(ckpt)))
-        samples_seen, verified, wire_total, recoveries = 0, [], 0, []
-        infos: dict[int, dict] = {}
+        samples_seen, verified, infos, curve = 0, [], {}, []
+        payload_steps, wire_steps = [], []  # per step: code bytes published, wire bytes of the messages carrying codes
+        eval_ref, has_eval_sets, points = ray.put((ctx.data.test, ctx.data.shift)), set(), set(eval_points(cfg, steps))
 
         def leave(k: int, step: int, how: str) -> None:
             if how == "remove":
@@ -348,7 +360,28 @@ class Spsa:
             verified.append({"step": step, "nodes": sorted(nodes), "hash": digest})
             print(f"[spsa] step {step}: {len(nodes)} replicas bit-identical ({digest[:16]})", flush=True)
 
-        train_clock, step_walls = Stopwatch(), []
+        def evaluate(step: int, trained_s: float) -> dict:
+            """Score the lowest-id running replica and add the curve point; returns the metrics."""
+            while True:
+                if not nodes:
+                    raise RuntimeError(f"step {step}: every node has left")
+                k = min(nodes)
+                if k not in has_eval_sets:
+                    for split in (ctx.data.test, ctx.data.shift):
+                        if split is not None:
+                            ledger.send("setup", "eval_sets", split)
+                    has_eval_sets.add(k)
+                try:
+                    metrics = ray.get(nodes[k].evaluate.remote([eval_ref]))
+                    break
+                except ray.exceptions.RayActorError:
+                    leave(k, step, "died")
+            ledger.send("final", "eval_metrics", metrics)
+            curve.append(curve_point(step, trained_s, samples_seen, ledger.total_bytes, metrics))
+            print(f"[spsa] step {step}: {metrics} (node {k}, {trained_s:.1f}s of training)", flush=True)
+            return metrics
+
+        train_clock, step_walls, eval_s = Stopwatch(), [], 0.0
         for step in range(steps):
             for ev in opts.leave:
                 if ev.step == step:
@@ -372,38 +405,51 @@ class Spsa:
 
             t0 = time.perf_counter()
             calls = {k: n.compute.remote(step) for k, n in nodes.items()}
-            published = {}
+            ledger.send("train", "control", step, copies=len(calls))
+            messages = {}
             for k, call in calls.items():
                 try:
-                    published[k] = ray.get(call)[0]
+                    messages[k] = ray.get(call)
                 except ray.exceptions.RayActorError:
                     leave(k, step, "died")
             if not nodes:
                 raise RuntimeError(f"step {step}: every node has left")
-            pubs = sorted(published)
-            refs = [published[k] for k in pubs]
-            ledger.record("train", "control", ref_bytes * len(pubs) + len(pickle.dumps(step)) * len(calls))
-            applies = {k: nodes[k].apply.remote(step, pubs, refs) for k in nodes}
-            ledger.record("train", "control", len(nodes) * (len(pickle.dumps((step, pubs))) + ref_bytes * len(refs)))
-            done, lost = [], []
+            pubs = sorted(messages)  # == sorted(nodes): whoever did not publish has left
+            codes = {k: m[:-LOSS_BYTES] for k, m in messages.items()}
+            losses = [struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()]
+            wire = sum(_wire_bytes(m) for m in messages.values())
+            for k in pubs:
+                ledger.record("train", "projected_grads", len(codes[k]))
+                ledger.record("train", "train_loss", LOSS_BYTES)
+            applies = {}
+            for k in pubs:
+                others = b"".join(codes[j] for j in pubs if j != k)
+                ledger.record("train", "projected_grads_relay", len(others))
+                wire += _wire_bytes(others)
+                applies[k] = nodes[k].apply.remote(step, pubs, others)
+            ledger.send("train", "control", (step, pubs), copies=len(applies))
             for k, call in applies.items():
                 try:
-                    (done if ray.get(call) else lost).append(k)
+                    ray.get(call)
                 except ray.exceptions.RayActorError:
-                    leave(k, step + 1, "died")
-            if lost:
-                self._recover(step, pubs, refs, done, lost, nodes, ledger, recoveries)
-            receivers = set(nodes)
-            for k in pubs:
-                ledger.record("train", "projected_grads", opts.samples * codec.nbytes, copies=len(receivers - {k}))
-                wire_total += payload_wire * len(receivers - {k})
+                    leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
             samples_seen += len(pubs) * cfg.optim.batch_size
+            payload_steps.append(sum(len(c) for c in codes.values()))
+            wire_steps.append(wire)
             step_walls.append(time.perf_counter() - t0)
             if (step + 1) % opts.verify_every == 0 or step + 1 == steps:
                 verify(step + 1)
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
                 ckpt_step, ckpt_size = step + 1, ray.get(nodes[min(nodes)].save.remote(str(ckpt)))
-        train_s = train_clock.elapsed()
+            progress = {"step": step + 1, "train_loss": sum(losses) / len(losses)}
+            if step + 1 in points:
+                t1 = time.perf_counter()
+                progress.update(evaluate(step + 1, t1 - train_clock.start - eval_s))
+                eval_s += time.perf_counter() - t1
+            ctx.report(progress)
+        train_s = train_clock.elapsed() - eval_s
+        metrics = evaluate(steps, train_s)
+        print(f"[spsa] after {steps} steps: {metrics} (step 0: {step0})", flush=True)
 
         final_hashes = dict(zip(nodes, ray.get([n.hash.remote() for n in nodes.values()])))
         for k, info in zip(nodes, ray.get([n.info.remote() for n in nodes.values()])):
@@ -411,10 +457,6 @@ class Spsa:
             ledger.send("final", "node_info", info)
         state = ray.get(nodes[min(nodes)].weights.remote())
         ledger.send("final", "model_weights", state)
-        model = build_model(ctx.spec)
-        model.load_state_dict(state)
-        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
-        print(f"[spsa] after {steps} steps: {metrics} (step 0: {step0})", flush=True)
         weights_path = save_weights(out / "model.safetensors", state)
 
         node_records = [{**records[k], **infos.get(k, {}), "final_hash": final_hashes.get(k)} for k in sorted(records)]
@@ -424,38 +466,13 @@ class Spsa:
             "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": codec.nbytes,
             "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "lr": opts.lr or cfg.optim.lr,
             "eps": opts.eps, "shard_slots": slots, "verified": verified,
-            "grad_bytes": ledger.bytes_by_kind.get("train/projected_grads", 0),
-            "payload_object_store_bytes": payload_wire,
-            "grad_wire_bytes": wire_total, "objectref_wire_bytes": ref_bytes,
-            "mean_step_s": sum(step_walls) / len(step_walls),
+            "grad_bytes": sum(payload_steps),
+            "grad_relay_bytes": ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
+            "grad_wire_bytes": sum(wire_steps),
+            "payload_bytes_per_step": sum(payload_steps) / steps, "wire_bytes_per_step": sum(wire_steps) / steps,
+            "mean_step_s": sum(step_walls) / len(step_walls), "curve_eval_s": eval_s,
             "mean_compute_s": compute / steps, "mean_replay_s": replay / steps,
             "mean_exchange_s": max(0.0, (sum(step_walls) - compute - replay) / steps),
-            "recoveries": recoveries,
         }
         return RunRecord(self.name, metrics, ledger, clock.elapsed(), samples_seen, train_s,
-                         max(i["peak_rss_bytes"] for i in infos.values()), node_records, details, weights_path)
-
-    @staticmethod
-    def _ref_wire_bytes() -> int:
-        """What one ObjectRef costs inside a message (its id plus its owner's address)."""
-        ref = ray.put(b"")
-        ctx = ray._private.worker.global_worker.get_serialization_context()
-        size = ctx.serialize([ref]).total_bytes - ctx.serialize([]).total_bytes
-        ctx.get_and_clear_contained_object_refs()
-        return size
-
-    @staticmethod
-    def _recover(step, pubs, refs, done, lost, nodes, ledger, recoveries) -> None:
-        """A publisher died before every node fetched its bytes: nodes that got them share the
-        step's log entries; if none did, everyone applies the payloads that survive."""
-        if done:
-            log = ray.get(nodes[done[0]].log_bytes.remote(step))
-            ledger.send("train", "recovery_log", log, copies=len(lost))
-            ray.get([nodes[k].apply_log.remote(step, log) for k in lost])
-            recoveries.append({"step": step, "from_peer_log": lost})
-            return
-        alive = [(k, r) for k, r in zip(pubs, refs) if k in nodes]
-        ok = ray.get([nodes[k].apply.remote(step, [a for a, _ in alive], [r for _, r in alive]) for k in lost])
-        if not all(ok) or not alive:
-            raise RuntimeError(f"step {step}: payloads lost and no node holds them")
-        recoveries.append({"step": step, "dropped_publishers": sorted(set(pubs) - set(nodes))})
+                         max(i["peak_rss_bytes"] for i in infos.values()), node_records, details, weights_path, curve)

@@ -12,13 +12,13 @@ from raylowcomm.run import prepare
 from raylowcomm.strategies.spsa import LeaveEvent, ReplicaMismatch, Spsa, SpsaNode, check_replicas
 
 
-def tiny_config(steps=20, count=2, **spsa):
+def tiny_config(steps=20, count=2, eval_every=0, **spsa):
     return from_dict({
         "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
         "data": {"name": "mnist", "train_size": 320, "test_size": 100, "image_size": 16, "shift": "none"},
         "optim": {"lr": 0.01, "batch_size": 16, "max_steps": steps, "epochs": 20},
         "nodes": {"count": count, "cpus": 1}, "strategies": ["spsa"], "checkpoint_every": 4, "log_every": 1000,
-        "spsa": spsa,
+        "eval_every": eval_every, "spsa": spsa,
     })
 
 
@@ -123,12 +123,17 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     assert len({v["hash"] for v in det["verified"]}) == steps, "the weights must change every step"
     hashes = final_hashes(rec)
     assert set(hashes) == {0, 1} and len(set(hashes.values())) == 1
-    # 2 nodes × 2 samples × 1 byte, each received by the one other node
-    assert rec["comm"]["by_kind"]["train/projected_grads"] == 2 * samples * 1 * steps
-    assert det["codec_bytes"] == 1 and det["payload_object_store_bytes"] >= samples
-    assert rec["comm"]["by_kind"]["setup/initial_weights"] > 0
-    train_kinds = {k for k in rec["comm"]["by_kind"] if k.startswith("train/")}
-    assert train_kinds == {"train/projected_grads", "train/control", "train/verify_hash"}, "no weights may move while training"
+    # 2 nodes × 2 samples × 1 byte published, each relayed to the one other node
+    by_kind = rec["comm"]["by_kind"]
+    assert by_kind["train/projected_grads"] == by_kind["train/projected_grads_relay"] == 2 * samples * 1 * steps
+    assert det["codec_bytes"] == 1 and det["payload_bytes_per_step"] == 2 * samples
+    # inline messages: up, codes + a float32 loss; down, the other node's codes; plus Ray's framing,
+    # all far below the ~250 B one ObjectRef would cost
+    assert 2 * (samples + 4) + 2 * samples < det["wire_bytes_per_step"] < 64
+    assert by_kind["train/train_loss"] == 2 * 4 * steps and by_kind["setup/initial_weights"] > 0
+    train_kinds = {k for k in by_kind if k.startswith("train/")}
+    assert train_kinds == {"train/projected_grads", "train/projected_grads_relay", "train/train_loss", "train/control",
+                           "train/verify_hash"}, "no weights may move while training"
     assert "id_accuracy" in det["step0_metrics"] and "id_accuracy" in rec["metrics"]
     assert rec["samples_seen"] == 2 * steps * 16 and rec["peak_rss_bytes"] > 0
     # the saved weights are the replicas' weights
@@ -159,13 +164,35 @@ def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
     assert set(hashes) == {2, 3} and len(set(hashes.values())) == 1 and initial not in hashes.values()
     by_kind = rec["comm"]["by_kind"]
     assert by_kind["train/join_checkpoint"] > 0 and by_kind["train/join_log"] > 0
-    # float32: 4 bytes per gradient; each publisher's payload reaches every other running node
+    # float32: 4 bytes per gradient; each publisher's payload is relayed to every other running node
     running = [2 if s < 5 else 1 if s < 9 else 2 if s < 14 else 1 if s < 17 else 2 for s in range(22)]
-    assert by_kind["train/projected_grads"] == sum(4 * n * (n - 1) for n in running)
+    assert by_kind["train/projected_grads"] == sum(4 * n for n in running)
+    assert by_kind["train/projected_grads_relay"] == sum(4 * n * (n - 1) for n in running)
     assert rec["samples_seen"] == sum(running) * 16 and rec["details"]["shard_slots"] == 4
     model = ctx.model
     model.load_state_dict(load_file(rec["weights"]))
     assert zo.parameter_hash(list(model.named_parameters())) == hashes[2]
+
+
+def test_progress_every_step_and_a_learning_curve_every_eval_every_steps(ray_session, tmp_path):
+    steps, every = 7, 3
+    ctx = prepare(tiny_config(steps=steps, eval_every=every, verify_every=100), tmp_path)
+    reports = []
+    ctx.report = reports.append
+    rec = Spsa().run(ctx).to_dict()
+    assert [r["step"] for r in reports] == list(range(1, steps + 1))
+    assert all(0 < r["train_loss"] < 10 for r in reports)
+    assert [("id_accuracy" in r) for r in reports] == [s in (3, 6) for s in range(1, steps + 1)]
+    curve = rec["curve"]
+    assert [p["step"] for p in curve] == [3, 6, 7]
+    assert [p["samples"] for p in curve] == [2 * 16 * s for s in (3, 6, 7)]
+    for key in ("wall_s", "bytes", "samples"):
+        assert all(a[key] <= b[key] for a, b in zip(curve, curve[1:])), key
+    assert curve[0]["bytes"] >= rec["comm"]["by_phase"]["setup"], "all setup bytes were sent before the first point"
+    assert curve[-1]["wall_s"] == round(rec["train_s"], 3) and curve[-1]["bytes"] <= rec["comm"]["total_bytes"]
+    assert {k: curve[-1][k] for k in rec["metrics"]} == rec["metrics"]
+    assert set(curve[0]) == {"step", "wall_s", "samples", "bytes", *rec["metrics"]}
+    assert rec["comm"]["by_kind"]["setup/eval_sets"] > 0, "the evaluating node fetched the test set: counted"
 
 
 def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp_path):
