@@ -39,9 +39,10 @@ def base_config(stages: int, micro_batches: int, batch_size: int, balance: str) 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--balance", default="measured", choices=["blocks", "params", "measured"])
+    ap.add_argument("--balance", default="blocks", choices=["blocks", "params", "measured"],
+                    help="blocks/params: the same split for every n; measured times units per run and may split n's differently")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds of training per n")
     ap.add_argument("--out", default="runs/interlocking_steptime.json")
     args = ap.parse_args(argv)
