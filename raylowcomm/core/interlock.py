@@ -149,8 +149,11 @@ def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blo
     """
     stem = nn.Sequential(model.conv1, model.bn1, model.act1, model.maxpool)
     blocks = [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
-    units: list[nn.Module] = [stem, *blocks]
-    head = _ResNetHead(model.global_pool, model.fc, float(model.drop_rate))
+    return _group_units([stem, *blocks], _ResNetHead(model.global_pool, model.fc, float(model.drop_rate)), num_stages, balance)
+
+
+def _group_units(units: list[nn.Module], head: nn.Module, num_stages: int, balance: Balance) -> list[nn.Sequential]:
+    """Contiguous groups of units by cost; the head (never split off alone) ends the last."""
     costs = _unit_costs(units, balance)
     if balance == "params":
         costs[-1] += sum(p.numel() for p in head.parameters())
@@ -165,14 +168,8 @@ def split_timm_efficientnet(model: nn.Module, num_stages: int, balance: Balance 
     classifier (timm ``forward_head``)."""
     stem = nn.Sequential(model.conv_stem, model.bn1)
     blocks = [b for stage in model.blocks for b in stage]
-    units: list[nn.Module] = [stem, *blocks]
     head = nn.Sequential(model.conv_head, model.bn2, _ResNetHead(model.global_pool, model.classifier, float(model.drop_rate)))
-    costs = _unit_costs(units, balance)
-    if balance == "params":
-        costs[-1] += sum(p.numel() for p in head.parameters())
-    groups = _chunks(units, balanced_sizes(costs, num_stages))
-    groups[-1].append(head)
-    return [nn.Sequential(*g) for g in groups]
+    return _group_units([stem, *blocks], head, num_stages, balance)
 
 
 def split_timm_cnn(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[nn.Sequential]:
