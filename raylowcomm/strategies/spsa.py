@@ -26,8 +26,9 @@ Curve: every `eval_every` steps (and at the end) the lowest-id running node scor
 Bytes (ledger): `train/projected_grads` counts what the nodes publish, N·samples·codec bytes per
 step; `train/projected_grads_relay` what the driver forwards, each payload to the N−1 other
 nodes; `train/train_loss` the 4-byte losses; `train/control` the step numbers and publisher
-lists. `details` gives the wire size per step: Ray's serialised size of every message that
-carries codes (up and down), measured with Ray's serialiser, beside the payload bytes.
+lists. `details` gives the wire bytes per step beside the payload bytes, measured with Ray's
+serialiser: the messages that carry codes (up and down), and apart the step numbers and
+publisher lists (task envelopes, a few hundred bytes per call, are not counted, as elsewhere).
 """
 
 from __future__ import annotations
@@ -343,7 +344,7 @@ class Spsa:
 
         ckpt_step, ckpt_size = 0, ray.get(nodes[0].save.remote(str(ckpt)))
         samples_seen, verified, infos, curve = 0, [], {}, []
-        payload_steps, wire_steps = [], []  # per step: code bytes published, wire bytes of the messages carrying codes
+        payload_steps, wire_steps, control_steps = [], [], []  # per step: codes published; wire bytes of codes, of control
         eval_ref, has_eval_sets, points = ray.put((ctx.data.test, ctx.data.shift)), set(), set(eval_points(cfg, steps))
 
         def leave(k: int, step: int, how: str) -> None:
@@ -406,6 +407,7 @@ class Spsa:
             t0 = time.perf_counter()
             calls = {k: n.compute.remote(step) for k, n in nodes.items()}
             ledger.send("train", "control", step, copies=len(calls))
+            control = _wire_bytes(step) * len(calls)
             messages = {}
             for k, call in calls.items():
                 try:
@@ -426,6 +428,7 @@ class Spsa:
                 others = b"".join(codes[j] for j in pubs if j != k)
                 ledger.record("train", "projected_grads_relay", len(others))
                 wire += _wire_bytes(others)
+                control += _wire_bytes(step) + _wire_bytes(pubs)
                 applies[k] = nodes[k].apply.remote(step, pubs, others)
             ledger.send("train", "control", (step, pubs), copies=len(applies))
             for k, call in applies.items():
@@ -436,6 +439,7 @@ class Spsa:
             samples_seen += len(pubs) * cfg.optim.batch_size
             payload_steps.append(sum(len(c) for c in codes.values()))
             wire_steps.append(wire)
+            control_steps.append(control)
             step_walls.append(time.perf_counter() - t0)
             if (step + 1) % opts.verify_every == 0 or step + 1 == steps:
                 verify(step + 1)
@@ -470,6 +474,7 @@ class Spsa:
             "grad_relay_bytes": ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
             "grad_wire_bytes": sum(wire_steps),
             "payload_bytes_per_step": sum(payload_steps) / steps, "wire_bytes_per_step": sum(wire_steps) / steps,
+            "control_wire_bytes_per_step": sum(control_steps) / steps,
             "mean_step_s": sum(step_walls) / len(step_walls), "curve_eval_s": eval_s,
             "mean_compute_s": compute / steps, "mean_replay_s": replay / steps,
             "mean_exchange_s": max(0.0, (sum(step_walls) - compute - replay) / steps),
