@@ -8,6 +8,7 @@ the strategy fills it, so a new strategy needs no change here.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -132,6 +133,9 @@ def _describe(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _coerce(tp, value, name: str):
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
@@ -164,6 +168,8 @@ def _coerce(tp, value, name: str):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _YAML11_FLOAT.match(value):  # YAML 1.1 reads 3e-5 as a string
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

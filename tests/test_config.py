@@ -46,3 +46,11 @@ def test_cli_rejects_malformed_override(tmp_path, capsys):
     path.write_text("{}\n")
     assert main(["run", str(path), "--set", "optim.lr"]) == 2
     assert "key.sub=value" in capsys.readouterr().err
+
+
+def test_exponent_floats_without_a_dot_are_floats(tmp_path):
+    # YAML 1.1 (PyYAML) reads `3e-5` as a string; a float field takes it as the number it is.
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3e-5\n")
+    cfg = load_config(path, ["spsa.eps=1E-3"])
+    assert cfg.optim.lr == 3e-5 and cfg.options["spsa"].eps == 1e-3
