@@ -25,10 +25,10 @@ Curve: every `eval_every` steps (and at the end) the lowest-id running node scor
 
 Bytes (ledger): `train/projected_grads` counts what the nodes publish, N·samples·codec bytes per
 step; `train/projected_grads_relay` what the driver forwards, each payload to the N−1 other
-nodes; `train/train_loss` the 4-byte losses; `train/control` the step numbers and publisher
-lists. `details` gives the wire bytes per step beside the payload bytes, measured with Ray's
-serialiser: the messages that carry codes (up and down), and apart the step numbers and
-publisher lists (task envelopes, a few hundred bytes per call, are not counted, as elsewhere).
+nodes; `train/train_loss` the 4-byte losses; `train/control` the publisher lists (nodes count
+their own steps). `details` gives the wire bytes per step beside the payload bytes, measured
+with Ray's serialiser: the messages that carry codes (up and down), and apart the publisher
+lists (task envelopes, a few hundred bytes per call, are not counted, as elsewhere).
 """
 
 from __future__ import annotations
@@ -172,12 +172,11 @@ class SpsaNode:
     def _log(self, msg: str) -> None:
         print(f"[spsa node {self.node}] {msg}", flush=True)
 
-    def compute(self, step: int) -> bytes:
-        """Measure this node's projected gradients at `step`; returns the step message (codes,
-        then the mean loss) and keeps the codes to replay with the others'."""
-        if step != self.step:
-            raise RuntimeError(f"node {self.node} is at step {self.step}, asked to compute step {step}")
-        t0 = time.perf_counter()
+    def compute(self) -> bytes:
+        """Measure this node's projected gradients at its current step; returns the step message
+        (codes, then the mean loss) and keeps the codes to replay with the others'. The node
+        keeps its own step count, so no step number needs to travel."""
+        t0, step = time.perf_counter(), self.step
         batch = batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed)
         seeds = zo.step_seeds(self.schedule, step, self.node, self.opts.samples)
         pairs = zo.spsa_losses(self.model, self.params, self.task.loss, batch, seeds, self.opts.eps, self.opts.perturbation)
@@ -193,10 +192,10 @@ class SpsaNode:
                       f"(L+ {pairs[0][0]:.4f} L- {pairs[0][1]:.4f}) g {decoded}")
         return payload + struct.pack(LOSS_FORMAT, self.losses[-1])
 
-    def apply(self, step: int, publishers: list[int], others: bytes) -> None:
+    def apply(self, publishers: list[int], others: bytes) -> None:
         """Replay the step's codes in (node, sample) order: ours kept by `compute`, the other
         publishers' concatenated in publisher order (every message has the same length)."""
-        t0 = time.perf_counter()
+        t0, step = time.perf_counter(), self.step
         if self.published is None or self.published[0] != step or self.node not in publishers:
             raise RuntimeError(f"node {self.node} did not publish step {step}, asked to apply it")
         own, size = self.published[1], len(self.published[1])
@@ -344,7 +343,7 @@ class Spsa:
 
         ckpt_step, ckpt_size = 0, ray.get(nodes[0].save.remote(str(ckpt)))
         samples_seen, verified, infos, curve = 0, [], {}, []
-        payload_steps, wire_steps, control_steps = [], [], []  # per step: codes published; wire bytes of codes, of control
+        payload_steps, wire_steps, control_steps = [], [], []  # per step: codes published; wire bytes of codes, of publisher lists
         eval_ref, has_eval_sets, points = ray.put((ctx.data.test, ctx.data.shift)), set(), set(eval_points(cfg, steps))
 
         def leave(k: int, step: int, how: str) -> None:
@@ -405,9 +404,7 @@ class Spsa:
                     verify(step)
 
             t0 = time.perf_counter()
-            calls = {k: n.compute.remote(step) for k, n in nodes.items()}
-            ledger.send("train", "control", step, copies=len(calls))
-            control = _wire_bytes(step) * len(calls)
+            calls = {k: n.compute.remote() for k, n in nodes.items()}
             messages = {}
             for k, call in calls.items():
                 try:
@@ -423,14 +420,14 @@ class Spsa:
             for k in pubs:
                 ledger.record("train", "projected_grads", len(codes[k]))
                 ledger.record("train", "train_loss", LOSS_BYTES)
-            applies = {}
+            applies, control = {}, 0
             for k in pubs:
                 others = b"".join(codes[j] for j in pubs if j != k)
                 ledger.record("train", "projected_grads_relay", len(others))
                 wire += _wire_bytes(others)
-                control += _wire_bytes(step) + _wire_bytes(pubs)
-                applies[k] = nodes[k].apply.remote(step, pubs, others)
-            ledger.send("train", "control", (step, pubs), copies=len(applies))
+                control += _wire_bytes(pubs)
+                applies[k] = nodes[k].apply.remote(pubs, others)
+            ledger.send("train", "control", pubs, copies=len(applies))
             for k, call in applies.items():
                 try:
                     ray.get(call)
