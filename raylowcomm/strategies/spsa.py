@@ -458,6 +458,7 @@ class Spsa:
             ledger.send("final", "node_info", info)
         state = ray.get(nodes[min(nodes)].weights.remote())
         ledger.send("final", "model_weights", state)
+        curve[-1]["bytes"] = ledger.total_bytes  # the final point, like every strategy's, includes collecting the result
         weights_path = save_weights(out / "model.safetensors", state)
 
         node_records = [{**records[k], **infos.get(k, {}), "final_hash": final_hashes.get(k)} for k in sorted(records)]

@@ -185,7 +185,7 @@ def test_validation_names_the_field():
         tiny_cfg(micro_batches=3)
     assert err.value.field_name == "interlocking.micro_batches"
     with pytest.raises(ConfigError) as err:
-        from_dict({"model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+        from_dict({"model": {"name": "test_vit", "family": "timm", "pretrained": False},
                    "strategies": ["interlocking"]})
     assert err.value.field_name == "model.name"
     with pytest.raises(ConfigError) as err:
