@@ -173,7 +173,12 @@ def _snapshot_curve(nodes: list, snapshots: list[tuple[int, float, int]], weight
     cfg, curve, batch = ctx.cfg, [], ctx.cfg.optim.batch_size
     final = {k: v.clone() for k, v in model.state_dict().items()}
     for step, train_s, sent in snapshots:
-        model.load_state_dict(_stream_average(Ledger(), "final", [node.snapshot.remote(step) for node in nodes], weights))
+        try:
+            average = _stream_average(Ledger(), "final", [node.snapshot.remote(step) for node in nodes], weights)
+        except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
+            print(f"[lofi] no curve point at step {step}: a node's snapshot is gone ({type(err.cause).__name__})", flush=True)
+            continue
+        model.load_state_dict(average)
         metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
         curve.append(curve_point(step, train_s + collect_s, step * batch * len(nodes), sent + collect_bytes, metrics))
     model.load_state_dict(final)
@@ -247,7 +252,10 @@ class Lofi:
                 due = [s for s in points if start < s <= until]
                 sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
                 rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until, due) for node in nodes]))
-                snapshots += [(s, train_s + max(r["snapshot_s"][s] for r in rounds[-1]), sent) for s in due]
+                for s in due:  # a node restarted from a later checkpoint than s has no time for it: the others tell
+                    times = [r["snapshot_s"][s] for r in rounds[-1] if s in r["snapshot_s"]]
+                    if times:
+                        snapshots.append((s, train_s + max(times), sent))
                 train_s += max(s["train_s"] for s in rounds[-1])
                 ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
                 for stats in rounds[-1]:
