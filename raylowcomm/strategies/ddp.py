@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 
 import ray
 import torch
+from torch import nn
 
 from raylowcomm.config import RunConfig
 from raylowcomm.data import num_examples
@@ -55,6 +56,24 @@ def counting_allreduce_hook(counter: dict):
     return hook
 
 
+class TaskLoss(nn.Module):
+    """The task's loss as a module's forward. DDP syncs gradients only for work done inside the
+    forward it wraps, and some tasks reach past `model.forward` (prompt scoring reads the base
+    model and a few rows of the LM head), so DDP wraps this."""
+
+    def __init__(self, model: nn.Module, task):
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, batch) -> torch.Tensor:
+        return self.task.loss(self.model, batch)
+
+    @staticmethod
+    def loss(wrapped: nn.Module, batch) -> torch.Tensor:
+        """`train_steps`' task interface, for the (possibly DDP-wrapped) TaskLoss."""
+        return wrapped(batch)
+
+
 def _train_worker(config: dict) -> None:
     import torch.distributed as dist
     from ray import train
@@ -65,13 +84,13 @@ def _train_worker(config: dict) -> None:
     rank = train.get_context().get_world_rank()
     model = build_model(config["spec"])
     model.load_state_dict(ray.get(config["weights"]))
-    # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
-    model = prepare_model(model, parallel_strategy_kwargs={"broadcast_buffers": False})
-    counter = {"bytes": 0, "buckets": 0}
-    if hasattr(model, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
-        model.register_comm_hook(None, counting_allreduce_hook(counter))
-    shard = ray.get(config["shards"][rank])
     task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus), data=cfg.data.name)
+    # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
+    wrapped = prepare_model(TaskLoss(model, task), parallel_strategy_kwargs={"broadcast_buffers": False})
+    counter = {"bytes": 0, "buckets": 0}
+    if hasattr(wrapped, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
+        wrapped.register_comm_hook(None, counting_allreduce_hook(counter))
+    shard = ray.get(config["shards"][rank])
     optimizer = make_optimizer(cfg.optim, model)
     log = (lambda msg: print(f"[ddp rank 0] {msg}", flush=True)) if rank == 0 else None
     points, curve, evaluating_s, started = set(eval_points(cfg, config["steps"])), [], 0.0, time.perf_counter()
@@ -84,13 +103,12 @@ def _train_worker(config: dict) -> None:
         dist.barrier()
         t = time.perf_counter()
         if rank == 0:
-            metrics = score_model(task, getattr(model, "module", model), eval_sets["test"], eval_sets.get("shift"),
-                                  cfg.optim.eval_batch_size)
+            metrics = score_model(task, model, eval_sets["test"], eval_sets.get("shift"), cfg.optim.eval_batch_size)
             curve.append({"step": step, "train_s": t - started - evaluating_s, "allreduce_bytes": counter["bytes"], **metrics})
         dist.barrier()
         evaluating_s += time.perf_counter() - t
 
-    stats = train_steps(model, task, optimizer, shard, 0, config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
+    stats = train_steps(wrapped, TaskLoss, optimizer, shard, 0, config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
                         log=log, log_every=cfg.log_every, on_step=on_step)
     stats["train_s"] -= evaluating_s
     ctx, pg = ray.get_runtime_context(), ray.util.get_current_placement_group()
@@ -104,7 +122,7 @@ def _train_worker(config: dict) -> None:
     metrics = {"workers": everyone, "gather_bytes": gather_bytes, "curve": curve}
     if rank == 0:
         with tempfile.TemporaryDirectory() as tmp:
-            save_weights(Path(tmp) / "model.safetensors", state_dict_of(getattr(model, "module", model)))
+            save_weights(Path(tmp) / "model.safetensors", state_dict_of(model))
             train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
     else:
         train.report(metrics)
