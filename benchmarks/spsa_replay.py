@@ -49,7 +49,7 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def replay(threads: int, repeats: int) -> list[dict]:
+def replay(threads: int, repeats: int) -> tuple[list[dict], int]:
     from raylowcomm.core import zo
 
     torch.set_num_threads(threads)

@@ -102,9 +102,8 @@ def measure_link(cluster, nbytes: int = LINK_PROBE_BYTES, port: int = 5999) -> d
             "mbit_per_s": round(int(received) * 8 / float(seconds) / 1e6, 1)}
 
 
-def _write_config(cfg: RunConfig, path: Path) -> Path:
+def _write_config(cfg: RunConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return path
 
 
 def _exit_on_sigterm(signum, frame):
@@ -126,7 +125,6 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
     try:
         for rate in rates:
-            label = rate
             print(f"=== {rate}: starting a 2-host cluster ===", flush=True)
             started = time.time()
             with NamespaceCluster(hosts=2, cpus=cfg.nodes.cpus) as cluster:
@@ -135,9 +133,9 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
                 print(f"[bench] link {rate}: measured {link['mbit_per_s']} Mbit/s ({link['bytes'] / 1e6:.0f} MB in {link['seconds']} s)",
                       flush=True)
                 proc = cluster.run(0, [sys.executable, "-m", "raylowcomm.cli", "run", str(config_path.resolve()),
-                                       "--out", str((out / label).resolve())],
+                                       "--out", str((out / rate).resolve())],
                                    check=False, timeout=24 * 3600, cwd=os.getcwd(), capture=False)
-            meta["runs"].append({"label": label, "rate": rate, "dir": label, "link": link, "returncode": proc.returncode,
+            meta["runs"].append({"label": rate, "rate": rate, "dir": rate, "link": link, "returncode": proc.returncode,
                                  "wall_s": round(time.time() - started, 1)})
             (out / "bench.json").write_text(json.dumps(meta, indent=2))
     finally:

@@ -28,7 +28,7 @@ from torch import nn
 
 from raylowcomm.config import RunConfig
 from raylowcomm.data import num_examples
-from raylowcomm.ledger import Ledger, payload_nbytes
+from raylowcomm.ledger import Ledger
 from raylowcomm.models import build_model, state_dict_of
 from raylowcomm.runtime import device_for, setup_threads
 from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, curve_point, eval_points, node_bundle

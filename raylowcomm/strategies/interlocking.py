@@ -48,8 +48,8 @@ from raylowcomm.config import ConfigError, OptimConfig, RunConfig
 from raylowcomm.core.interlock import (InterlockStage, causal_lm_loss, decoder_aux_heads, measure_unit_costs,
                                        resnet_aux_heads, split_hf_decoder, split_timm_cnn, timm_cnn_units, untie_lm_head,
                                        upstream_heads)
-from raylowcomm.data import Split, eval_batches, num_examples
-from raylowcomm.ledger import Ledger, payload_nbytes
+from raylowcomm.data import Split, num_examples
+from raylowcomm.ledger import Ledger
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.runtime import actor_options, device_for, setup_threads
 from raylowcomm.strategies.base import curve_point, eval_points, node_bundle, RunContext, RunRecord, Stopwatch

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import ray
-import torch
 from safetensors.torch import load_file
 
 from raylowcomm.config import ConfigError, RunConfig
