@@ -15,8 +15,8 @@ import copy
 import json
 from pathlib import Path
 
-from raylowcomm.config import from_dict
-from raylowcomm.run import prepare
+from raylowcomm.strategies import from_dict
+from raylowcomm.runner import prepare
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.interlocking import Interlocking

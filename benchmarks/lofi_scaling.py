@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from raylowcomm.config import from_dict
-from raylowcomm.run import prepare
+from raylowcomm.strategies import from_dict
+from raylowcomm.runner import prepare
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies import STRATEGIES
 

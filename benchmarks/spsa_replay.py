@@ -31,8 +31,8 @@ BATCH = 16
 
 
 def _context(out: Path, **overrides):
-    from raylowcomm.config import from_dict
-    from raylowcomm.run import prepare
+    from raylowcomm.strategies import from_dict
+    from raylowcomm.runner import prepare
 
     raw = {"model": MODEL, "data": DATA, "optim": {"lr": 1e-5, "batch_size": BATCH, "eval_batch_size": 16},
            "strategies": ["spsa"], "log_every": 1000}

@@ -1,17 +1,40 @@
-"""raylowcomm: fine-tune pretrained models across machines that cannot afford to talk much."""
+"""raylowcomm: fine-tune pretrained models across machines that cannot afford to talk much.
 
-import os
+Python API (README, "Python API")::
 
-# Assets are local files; never let a loader wander off to a hub unless the user asks for it.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-# Progress lines of different nodes differ only in numbers; Ray would fold them into one.
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import raylowcomm
+    cfg = raylowcomm.load_config("x.yaml", ["optim.lr=0.01"])   # validated; raylowcomm.ConfigError if not
+    records = raylowcomm.run(cfg)                               # one record dict per strategy
 
-# A local embedded Ray must stay on 127.0.0.1: Ray reads this at import time, and with it a
-# single-node Ray binds every listener to loopback (RAY_NOTES.md). Not set when joining a cluster.
-if not os.environ.get("RAY_ADDRESS"):
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+`import raylowcomm` is cheap and has no side effects: it sets no environment variable and
+imports neither Ray nor torch; the names below load on first use (raylowcomm/env.py says which
+environment the CLI and `run` set, and when).
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "run": "raylowcomm.runner",
+    "load_config": "raylowcomm.strategies",
+    "from_dict": "raylowcomm.strategies",
+    "RunConfig": "raylowcomm.config",
+    "ConfigError": "raylowcomm.config",
+}
+
+__all__ = ["ConfigError", "RunConfig", "from_dict", "load_config", "run", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -113,7 +113,7 @@ def _exit_on_sigterm(signum, frame):
 def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down."""
     from raylowcomm.cluster import NamespaceCluster
-    from raylowcomm.run import prepare
+    from raylowcomm.runner import prepare
 
     check_wan_prerequisites()
     for rate in rates:
@@ -146,7 +146,7 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
 
 def bench_local(cfg: RunConfig, out: Path) -> dict:
     """The same comparison on the local embedded Ray (or RAY_ADDRESS), no shaping."""
-    from raylowcomm.run import run
+    from raylowcomm.runner import run
 
     out.mkdir(parents=True, exist_ok=True)
     _write_config(cfg, out / "config.yaml")

@@ -1,17 +1,56 @@
-"""raylowcomm run | tune | bench | report | assets."""
+"""raylowcomm run | tune | bench | report | assets.
+
+Bad input of any kind — a command line argparse rejects, a config or sweep file, a field, an
+output folder — ends the command with exit code 2 and one line on stderr, `error: ...`, naming
+the field, flag or path and the fix, before Ray starts. Heavy modules load only once the command
+line is parsed, after the Hugging Face loaders are defaulted to offline (raylowcomm/env.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from raylowcomm import assets
-from raylowcomm.config import ConfigError, load_config
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one `error:` line (exit 2), not usage plus message."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {_one_line(message)}; see `{self.prog} --help`\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="raylowcomm", description="Low-communication fine-tuning on Ray.")
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(err) -> int:
+    print(f"error: {_one_line(err)}", file=sys.stderr)
+    return 2
+
+
+def check_out_dir(path: str | Path, field: str) -> None:
+    """Fail now, not after training, when `path` cannot become (or is not) a writable folder."""
+    from raylowcomm.config import ConfigError
+
+    target = Path(path).absolute()
+    existing = target
+    for existing in (target, *target.parents):
+        try:
+            if existing.exists():
+                break
+        except OSError as err:  # e.g. a parent that may not be searched
+            raise ConfigError(field, str(path), f"cannot look into {existing.parent} ({err.strerror}): choose another folder") from None
+    if not existing.is_dir():
+        where = "is an existing file" if existing == target else f"lies under {existing}, which is a file"
+        raise ConfigError(field, str(path), f"{where}: choose a folder (new or existing) for the outputs")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(field, str(path), f"{existing} is not writable: choose a folder you can write to")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="raylowcomm", description="Low-communication fine-tuning on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run the strategies of a config and compare them")
     run_p.add_argument("config")
@@ -39,81 +78,121 @@ def main(argv: list[str] | None = None) -> int:
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
     assets_p.add_argument("action", choices=["list", "fetch"])
     assets_p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
-    args = parser.parse_args(argv)
+    return parser
 
-    if args.command == "assets":
-        for name in args.names or list(assets.ASSETS):
-            if name not in assets.ASSETS:
-                print(f"error: unknown asset {name!r}; known: {', '.join(assets.ASSETS)}", file=sys.stderr)
-                return 2
-            a = assets.ASSETS[name]
-            if args.action == "fetch":
-                try:
-                    print(f"{name}: {assets.fetch(name)}")
-                except assets.AssetError as err:
-                    print(f"error: {err}", file=sys.stderr)
-                    return 1
-            else:
-                print(f"{name:20s} {a.kind:5s} {'cached' if a.ready() else 'not cached':10s} {a.about}")
-        return 0
 
-    if args.command == "bench":
-        from raylowcomm.bench import bench_local, bench_wan, check_wan_prerequisites
-        from raylowcomm.cluster import ClusterError
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0), or a bad command line, already reported in one line (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    from raylowcomm.env import set_hub_defaults
 
-        try:
-            cfg = load_config(args.config, args.overrides)
-            out = Path(args.out or cfg.out_dir)
-            if args.mode == "wan":
-                check_wan_prerequisites()
-                meta = bench_wan(cfg, args.rates or ["100mbit"], out)
-            else:
-                if args.rates:
-                    raise ConfigError("--rate", args.rates, "only `bench wan` shapes a link; drop --rate for `bench local`")
-                meta = bench_local(cfg, out)
-        except (ConfigError, assets.AssetError, PermissionError, FileNotFoundError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        except ClusterError as err:
-            print(f"error: the cluster failed (it has been torn down): {err}", file=sys.stderr)
-            return 1
-        failed = [r["label"] for r in meta["runs"] if r["returncode"] != 0]
-        if failed:
-            print(f"error: the run failed at {', '.join(failed)}: see its output above and results.json", file=sys.stderr)
-        return 1 if failed else 0
+    set_hub_defaults()  # before anything loads a model or dataset
+    return {"run": _run, "tune": _tune, "bench": _bench, "report": _report, "assets": _assets}[args.command](args)
 
-    if args.command == "report":
-        from raylowcomm.report import ReportError, write_report
 
-        try:
-            path = write_report(args.dir, args.target_fraction)
-        except (ReportError, OSError, ValueError, KeyError) as err:
-            print(f"error: cannot build a report from {args.dir}: {err}", file=sys.stderr)
-            return 2
-        print(path.read_text())
-        print(f"report: {path}")
-        return 0
+def _assets(args) -> int:
+    from raylowcomm import assets
 
-    if args.command == "tune":
-        from raylowcomm.tune import SweepError, load_sweep, run_sweep
+    for name in args.names or list(assets.ASSETS):
+        if name not in assets.ASSETS:
+            return _fail(f"unknown asset {name!r}; known: {', '.join(assets.ASSETS)}")
+    for name in args.names or list(assets.ASSETS):
+        a = assets.ASSETS[name]
+        if args.action == "fetch":
+            try:
+                print(f"{name}: {assets.fetch(name)}")
+            except assets.AssetError as err:
+                print(f"error: {_one_line(err)}", file=sys.stderr)
+                return 1
+        else:
+            print(f"{name:20s} {a.kind:5s} {'cached' if a.ready() else 'not cached':10s} {a.about}")
+    return 0
 
-        try:
-            summary = run_sweep(load_sweep(args.sweep, args.overrides), args.storage_path)
-        except (SweepError, assets.AssetError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        return 1 if any(t["status"] == "error" for t in summary["trials"]) else 0
+
+def _bench(args) -> int:
+    from raylowcomm import assets
+    from raylowcomm.bench import bench_local, bench_wan, check_wan_prerequisites, rate_bits
+    from raylowcomm.cluster import ClusterError
+    from raylowcomm.config import ConfigError
+    from raylowcomm.strategies import load_config
+
+    try:
+        if args.mode == "local" and args.rates:
+            raise ConfigError("--rate", args.rates, "only `bench wan` shapes a link; drop --rate for `bench local`")
+        for rate in args.rates:
+            rate_bits(rate)
+        cfg = load_config(args.config, args.overrides)
+        out = args.out or cfg.out_dir
+        check_out_dir(out, "--out" if args.out else "out_dir")
+        if args.mode == "wan":
+            check_wan_prerequisites()
+            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out))
+        else:
+            meta = bench_local(cfg, Path(out))
+    except (ConfigError, assets.AssetError, PermissionError, FileNotFoundError) as err:
+        return _fail(err)
+    except ClusterError as err:
+        print(f"error: the cluster failed (it has been torn down): {_one_line(err)}", file=sys.stderr)
+        return 1
+    failed = [r["label"] for r in meta["runs"] if r["returncode"] != 0]
+    if failed:
+        print(f"error: the run failed at {', '.join(failed)}: see its output above and results.json", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _report(args) -> int:
+    from raylowcomm.report import ReportError, write_report
+
+    if not 0 < args.target_fraction <= 1:
+        return _fail(f"--target-fraction = {args.target_fraction}: must be in (0, 1], e.g. 0.95")
+    if not Path(args.dir).is_dir():
+        what = "is a file" if Path(args.dir).exists() else "does not exist"
+        return _fail(f"report DIR {args.dir!r} {what}: give a folder written by `raylowcomm run` or `raylowcomm bench`")
+    try:
+        path = write_report(args.dir, args.target_fraction)
+    except (ReportError, OSError, ValueError, KeyError) as err:
+        return _fail(f"cannot build a report from {args.dir}: {err}")
+    print(path.read_text())
+    print(f"report: {path}")
+    return 0
+
+
+def _tune(args) -> int:
+    from raylowcomm import assets
+    from raylowcomm.config import ConfigError
+    from raylowcomm.tune import SweepError, load_sweep, run_sweep
+
+    try:
+        sweep = load_sweep(args.sweep, args.overrides)
+        if args.storage_path:
+            check_out_dir(args.storage_path, "--storage-path")
+        else:
+            check_out_dir(sweep.spec.storage_path, "storage_path")
+        summary = run_sweep(sweep, args.storage_path)
+    except (SweepError, ConfigError, assets.AssetError) as err:
+        return _fail(err)
+    return 1 if any(t["status"] == "error" for t in summary["trials"]) else 0
+
+
+def _run(args) -> int:
+    from raylowcomm import assets
+    from raylowcomm.config import ConfigError
+    from raylowcomm.strategies import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
         if args.out:
             cfg.out_dir = args.out
-        from raylowcomm.run import run
+        check_out_dir(cfg.out_dir, "--out" if args.out else "out_dir")
+        from raylowcomm.actors import log_to_stdout
+        from raylowcomm.runner import run
 
+        log_to_stdout()
         records = run(cfg)
     except (ConfigError, assets.AssetError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _fail(err)
     return 1 if any("error" in r for r in records) else 0
 
 

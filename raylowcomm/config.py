@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from raylowcomm import catalog
+
 
 class ConfigError(ValueError):
     """A bad config value; the message names the field, the value and the fix."""
@@ -41,7 +43,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: Literal["mnist", "rotten_tomatoes", "hamlet", "speeches"] = "mnist"
+    name: str = "mnist"
+    """A bundled dataset (see raylowcomm/catalog.py): mnist, rotten_tomatoes, hamlet, speeches."""
     path: str | None = None
     """Your own copy of the dataset's files instead of the bundled asset."""
     train_size: int | None = None
@@ -78,8 +81,9 @@ class NodesConfig:
     cpus: float = 1.0
     """CPUs per node actor (also torch threads in the actor)."""
     gpus: float = 0.0
-    max_restarts: int = 2
-    """How often a node actor that dies is restarted from its last checkpoint."""
+    max_restarts: int | None = None
+    """How often a node actor that dies is restarted from its last checkpoint, in the strategies
+    that restart nodes (lo-fi); None: 2. Others refuse to pretend: they warn when it is set."""
     placement: Literal["PACK", "SPREAD"] = "PACK"
     """SPREAD: put the actors on different Ray nodes where possible; PACK: Ray's default, which
     fills the driver's node first. In a sweep it is the strategy of each trial's reservation."""
@@ -98,8 +102,9 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "runs/default"
     log_every: int = 10
-    checkpoint_every: int = 50
-    """Steps between node checkpoints (what a restarted node resumes from)."""
+    checkpoint_every: int | None = None
+    """Steps between node checkpoints (what a restarted lo-fi node resumes from, what a joining
+    SPSA node starts from); None: 50. Strategies that do not checkpoint warn when it is set."""
     eval_every: int = 0
     """Steps (per node; batches for interlocking) between the evaluations that make each
     strategy's learning curve (`curve` in results.json); 0: the final evaluation only."""
@@ -108,6 +113,14 @@ class RunConfig:
 
     def strategy_options(self, name: str):
         return self.options[name]
+
+    @property
+    def restarts(self) -> int:
+        return 2 if self.nodes.max_restarts is None else self.nodes.max_restarts
+
+    @property
+    def checkpoint_steps(self) -> int:
+        return 50 if self.checkpoint_every is None else self.checkpoint_every
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -199,53 +212,69 @@ def build_dataclass(cls, data, prefix: str):
     return cls(**kwargs)
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """Where and what, from a YAML parse error: 'malformed YAML at line L, column C: problem'."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"malformed YAML{where}: {problem or err}"
+
+
+def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
+    """A YAML file that must hold a mapping (an empty file is an empty mapping)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(field_name, str(path), "no such file; check the path")
+    if path.is_dir():
+        raise ConfigError(field_name, str(path), "is a folder; give a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(field_name, str(path), f"{yaml_problem(err)}; fix the file's YAML syntax") from None
+    except UnicodeDecodeError:
+        raise ConfigError(field_name, str(path), "is not a text (UTF-8) file; give a YAML file") from None
+    except OSError as err:
+        raise ConfigError(field_name, str(path), f"cannot be read ({err.strerror})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(field_name, str(path), f"the file must hold a YAML mapping (`key: value` lines), not a {type(data).__name__}")
+    return data
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
+    usage = "an override must look like key.sub=value, e.g. --set optim.lr=0.01"
     if "=" not in text:
-        raise ConfigError(text, text, "an override must look like key.sub=value, e.g. --set optim.lr=0.01")
+        raise ConfigError("--set", text, usage)
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    keys = key.strip().split(".")
+    if not all(k.strip() for k in keys):
+        raise ConfigError("--set", text, usage)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(key.strip(), raw, f"{yaml_problem(err)} in --set {text}; quote the value or fix its syntax") from None
+    return [k.strip() for k in keys], value
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
+        for i, k in enumerate(keys[:-1]):
+            if node.get(k) is None:  # absent, or an empty section (`optim:` in YAML)
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
-                raise ConfigError(".".join(keys), value, f"'{k}' is not a section")
+                raise ConfigError(".".join(keys), value, f"'{'.'.join(keys[:i + 1])}' is not a section; "
+                                                         f"set a field of a section, e.g. optim.lr=0.01")
         node[keys[-1]] = value
     return raw
 
 
-def from_dict(raw: dict) -> RunConfig:
-    from raylowcomm.strategies import STRATEGIES
-
-    raw = dict(raw or {})
-    strategy_sections = {name: raw.pop(name) for name in list(raw) if name in STRATEGIES}
-    if "options" in raw:
-        raise ConfigError("options", raw["options"], f"write each strategy's options under its own name: {', '.join(STRATEGIES)}")
-    cfg = build_dataclass(RunConfig, raw, "")
-    for i, name in enumerate(cfg.strategies):
-        if name not in STRATEGIES:
-            raise ConfigError(f"strategies[{i}]", name, f"expected one of {', '.join(STRATEGIES)}")
-    if len(set(cfg.strategies)) != len(cfg.strategies):
-        raise ConfigError("strategies", cfg.strategies, "each strategy may appear once")
-    cfg.options = {name: build_dataclass(STRATEGIES[name].Config, strategy_sections.get(name), name) for name in STRATEGIES}
-    validate(cfg)
-    return cfg
-
-
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    raw = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError("CONFIG", str(path), "no such file")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError("CONFIG", str(path), "the file must hold a YAML mapping")
-    return from_dict(apply_overrides(raw, list(overrides)))
+def read_yaml(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """The raw mapping of a config file with `--set` overrides applied (not yet typed)."""
+    raw = load_yaml_mapping(path) if path is not None else {}
+    return apply_overrides(raw, list(overrides))
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -256,8 +285,7 @@ def _positive(name, value, allow_zero=False):
 
 
 def validate(cfg: RunConfig) -> None:
-    from raylowcomm.strategies import STRATEGIES
-
+    """Fields every strategy shares; each strategy's `validate` checks its own options after."""
     _positive("nodes.count", cfg.nodes.count)
     if cfg.nodes.count != int(cfg.nodes.count):
         raise ConfigError("nodes.count", cfg.nodes.count, "must be a whole number")
@@ -290,19 +318,13 @@ def validate(cfg: RunConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("nodes.gpus", cfg.nodes.gpus, "this machine has no CUDA GPU; set nodes.gpus=0")
-    text_data = cfg.data.name in ("rotten_tomatoes", "hamlet", "speeches")
-    lm_data = cfg.data.name in ("hamlet", "speeches")
-    if cfg.model.family == "timm" and text_data:
-        raise ConfigError("model.family", cfg.model.family, f"data '{cfg.data.name}' is text: use hf_classifier or hf_causal_lm")
-    if cfg.model.family != "timm" and not text_data:
-        raise ConfigError("model.family", cfg.model.family, f"data '{cfg.data.name}' is images: use timm")
-    if cfg.model.family == "hf_causal_lm" and not lm_data and cfg.data.name != "rotten_tomatoes":
-        raise ConfigError("data.name", cfg.data.name, "a causal LM needs text: hamlet, speeches or rotten_tomatoes")
-    if cfg.model.family == "hf_classifier" and lm_data:
-        raise ConfigError("data.name", cfg.data.name, "a classifier needs labelled data: rotten_tomatoes")
+    if cfg.data.name not in catalog.DATASETS:
+        raise ConfigError("data.name", cfg.data.name, f"expected one of {', '.join(map(repr, catalog.DATASETS))}")
+    if catalog.task_name(cfg.model.family, cfg.data.name) is None:
+        kind = catalog.dataset(cfg.data.name).kind
+        raise ConfigError("model.family", cfg.model.family,
+                          f"data '{cfg.data.name}' is {kind.replace('_', ' ')}: use {' or '.join(catalog.FAMILIES_FOR_KIND[kind])}")
     if cfg.model.path is not None and not Path(cfg.model.path).exists():
         raise ConfigError("model.path", cfg.model.path, "no such file or folder; point it at your local weights or remove it")
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", cfg.data.path, "no such file; point it at your local data or remove it")
-    for name in cfg.strategies:
-        STRATEGIES[name].validate(cfg)

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import torch
 
-from raylowcomm import assets
+from raylowcomm import assets, catalog
 from raylowcomm.config import ConfigError, DataConfig
+from raylowcomm.seeding import epoch_seed
 
 Split = dict[str, torch.Tensor]
 
-SHIFT_SETS = {"mnist": "uci_digits"}
-LABELLED_TEXT = ("rotten_tomatoes",)
 PROMPT_TEMPLATE = " It was"
 """A causal LM classifies "<review> It was" by its next token: LABEL_WORDS[label] (MeZO's SST-2 prompt)."""
 LABEL_WORDS = (" terrible", " great")
@@ -48,7 +47,7 @@ def shard_indices(n: int, num_shards: int, seed: int) -> list[torch.Tensor]:
 
 def batch_order(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
     """The batches of one epoch (full batches only), a pure function of (seed, epoch)."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
     return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
 
 
@@ -111,11 +110,12 @@ def _text_blocks(name: str, path: str | None, tokenizer, block: int) -> Split:
 def load_datasets(cfg: DataConfig, tokenizer=None, prompt: bool = False) -> Datasets:
     """Fixed test / val / train split (by `shuffle_seed`), train trimmed to `train_size`.
     `prompt`: labelled text as prompts for a causal LM (see PromptClassification)."""
-    if cfg.name == "mnist":
-        full = _digits("mnist", cfg.path)
-    elif cfg.name in LABELLED_TEXT and prompt:
+    kind = catalog.dataset(cfg.name).kind
+    if kind == "image":
+        full = _digits(cfg.name, cfg.path)
+    elif kind == "labelled_text" and prompt:
         full = _prompted_reviews(cfg.path, tokenizer, cfg.max_length)
-    elif cfg.name == "rotten_tomatoes":
+    elif kind == "labelled_text":
         full = _reviews(cfg.path, tokenizer, cfg.max_length)
     else:
         full = _text_blocks(cfg.name, cfg.path, tokenizer, cfg.max_length)
@@ -128,6 +128,6 @@ def load_datasets(cfg: DataConfig, tokenizer=None, prompt: bool = False) -> Data
     val = take(full, order[cfg.test_size : cfg.test_size + cfg.val_size]) if cfg.val_size else None
     rest = order[cfg.test_size + cfg.val_size :]
     train = take(full, rest[: cfg.train_size] if cfg.train_size else rest)
-    shift_name = SHIFT_SETS.get(cfg.name) if cfg.shift == "auto" else None
+    shift_name = catalog.dataset(cfg.name).shift if cfg.shift == "auto" else None
     shift = _digits(shift_name, None) if shift_name else None
     return Datasets(train=train, test=test, val=val, shift=shift, shift_name=shift_name)

@@ -30,6 +30,15 @@ def payload_nbytes(obj) -> int:
     return len(pickle.dumps(obj, protocol=5))
 
 
+def wire_nbytes(obj) -> int:
+    """Size Ray's serialiser gives an object (data + metadata): what ray.put stores or a task's
+    inline argument or reply carries."""
+    import ray
+
+    ser = ray._private.worker.global_worker.get_serialization_context().serialize(obj)
+    return ser.total_bytes + len(ser.metadata or b"")
+
+
 @dataclass
 class Ledger:
     """Totals per phase and per kind of payload (`what`), plus a message count."""

@@ -276,6 +276,20 @@ def benchmark_section(name: str, data: Any) -> list[str]:
     return lines
 
 
+def tensorboard_line(bench_dir: str | Path, bench: dict) -> list[str]:
+    """The line pointing at the TensorBoard event files (`raylowcomm.tensorboard`): DIR/tensorboard,
+    or DIR itself when only the runs' own folders have one (TensorBoard searches sub-folders)."""
+    bench_dir = Path(bench_dir)
+    if (bench_dir / "tensorboard").is_dir():
+        logdir = bench_dir / "tensorboard"
+    elif any((bench_dir / run.get("dir", run["label"]) / "tensorboard").is_dir() for run in bench["runs"]):
+        logdir = bench_dir
+    else:
+        return []
+    return [f"TensorBoard curves (training loss, evaluation metrics and bytes sent, against step and training "
+            f"wall time): `tensorboard --logdir {logdir}`.", ""]
+
+
 def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> str:
     """report.md's text; writes curves_time.png and curves_bytes.png into bench_dir."""
     if not 0 < fraction <= 1:
@@ -298,6 +312,7 @@ def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> st
         lines += [f"Model `{model.get('name')}`, data `{data.get('name')}` ({data.get('train_size')} training examples), "
                      f"{nodes.get('count')} nodes; strategies {', '.join(cfg.get('strategies', []))}; "
                      f"evaluation every {cfg.get('eval_every') or '— (end only)'} steps. Full config at the end.", ""]
+    lines += tensorboard_line(bench_dir, bench)
     if bench["runs"]:
         lines += [f"Metric: **{metric}** ({'higher' if higher_is_better(metric) else 'lower'} is better). Time to target: "
                   "the curve's training wall time (evaluation excluded), linearly interpolated between evaluations; "

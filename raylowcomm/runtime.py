@@ -8,17 +8,49 @@ import torch
 
 
 def init_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster in RAY_ADDRESS, or start a local embedded Ray kept on 127.0.0.1."""
-    import ray
+    """Join the cluster in RAY_ADDRESS, or start a local embedded Ray kept on 127.0.0.1.
 
-    if ray.is_initialized():
+    A Ray already initialised (e.g. by the caller's own `ray.init`) is used as it is. Otherwise
+    every actor gets the hub settings of `raylowcomm.env.hub_env` (offline unless the user set
+    them) through the job's runtime_env (where a submitted job's own runtime_env sets one, the
+    job's value stands). For the local Ray only, this process's environment gets
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and RAY_DEDUP_LOGS=0 unless set (Ray's own processes
+    inherit them). Ray reads both once, when `ray` is first imported — and raylowcomm's modules,
+    like a user's program, may import ray before this runs — so the values Ray read are set from
+    the environment here too; then the local node binds 127.0.0.1 whichever came first.
+    """
+    import json
+    import sys
+    import warnings
+
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return
+    from raylowcomm.env import LOCAL_RAY_DEFAULTS, hub_env
+
+    # In a `ray job submit` driver, Ray refuses to merge a variable the job's runtime_env sets too.
+    job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    taken = (job.get("runtime_env") or {}).get("env_vars") or {}
+    runtime_env = {"env_vars": {k: v for k, v in hub_env().items() if k not in taken}}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        import ray
+
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
         return
-    # A local loopback-only cluster (see raylowcomm/__init__.py) needs no token auth.
+    for key, value in LOCAL_RAY_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    # A local loopback-only cluster needs no token auth.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    import ray
+    from ray._private import ray_constants, ray_logging
+
+    for module, name, key in ((ray_constants, "ENABLE_RAY_CLUSTER", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
+                              (ray_logging, "RAY_DEDUP_LOGS", "RAY_DEDUP_LOGS")):
+        if hasattr(module, name):
+            setattr(module, name, os.environ[key].lower() in ("true", "1"))  # as Ray parses it (env_bool)
+        else:
+            warnings.warn(f"this Ray has no {module.__name__}.{name}: {key} counts only if set before `import ray`",
+                          stacklevel=2)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
 def actor_options(cpus: float, gpus: float, max_restarts: int = 0, placement: str = "PACK",

@@ -1,7 +1,9 @@
-"""What a model is trained and scored on: the loss, the forward pass, and the metrics.
+"""What a model is trained and scored on: its inputs and targets, the loss, and the metrics.
 
 Inputs arrive as dicts of tensors (see data.py); image preprocessing happens here, on the node,
-so only the compact uint8 pixels cross the network.
+so only the compact uint8 pixels cross the network. Scoring has one path for every strategy:
+per-batch sums (`sums`) added up and turned into metrics (`summarize`), so a model split over
+stage actors (interlocking) scores exactly what the whole model scores in one process.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raylowcomm.data import LABELLED_TEXT, Split, eval_batches
+from raylowcomm import catalog
+from raylowcomm.data import Split, eval_batches
+
+SET_PREFIX = {"test": "id", "shift": "shift", "val": "val"}
+"""Evaluation set name -> the prefix of its metrics in a record (id_accuracy, shift_loss, ...)."""
 
 
 class ImageClassification:
@@ -28,25 +34,32 @@ class ImageClassification:
         x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
         return x.sub_(0.5).div_(0.5).expand(-1, 3, -1, -1)
 
+    def targets(self, batch) -> torch.Tensor:
+        return batch["labels"].to(self.device)
+
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         return model(self.inputs(batch))
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
-        return F.cross_entropy(self.forward(model, batch), batch["labels"].to(self.device))
+        return F.cross_entropy(self.forward(model, batch), self.targets(batch))
+
+    @staticmethod
+    def sums(logits: torch.Tensor, targets: torch.Tensor) -> dict:
+        """Additive statistics of one evaluation batch."""
+        return {"loss_sum": F.cross_entropy(logits.float(), targets, reduction="sum").item(), "count": len(targets),
+                "correct": int((logits.argmax(-1) == targets).sum())}
+
+    @staticmethod
+    def summarize(sums: dict) -> dict:
+        return {"accuracy": sums["correct"] / sums["count"], "loss": sums["loss_sum"] / sums["count"]}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: Split, batch_size: int) -> dict:
         was = model.training
         model.eval()
-        correct, total, loss = 0, 0, 0.0
-        for batch in eval_batches(split, batch_size):
-            logits = self.forward(model, batch)
-            labels = batch["labels"].to(self.device)
-            loss += F.cross_entropy(logits, labels, reduction="sum").item()
-            correct += (logits.argmax(-1) == labels).sum().item()
-            total += len(labels)
+        parts = [self.sums(self.forward(model, batch), self.targets(batch)) for batch in eval_batches(split, batch_size)]
         model.train(was)
-        return {"accuracy": correct / total, "loss": loss / total}
+        return self.summarize(add_sums(parts))
 
 
 class TextClassification(ImageClassification):
@@ -62,8 +75,6 @@ class PromptClassification(ImageClassification):
     token after the prompt (see data.PROMPT_TEMPLATE); accuracy is the argmax of the label
     words' logits, the loss their cross-entropy. Only the last real token's hidden state meets
     the label words' output embeddings, so no full-vocabulary logits are built."""
-
-    metric = "accuracy"
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -86,42 +97,56 @@ class CausalLM:
     def __init__(self, device: str = "cpu"):
         self.device = device
 
-    def forward(self, model: nn.Module, batch):
-        return model(input_ids=batch["input_ids"].to(self.device))
+    def inputs(self, batch) -> torch.Tensor:
+        return batch["input_ids"].to(self.device)
+
+    targets = inputs
+    """Next-token prediction: the targets are the inputs, shifted inside the loss."""
+
+    def forward(self, model: nn.Module, batch) -> torch.Tensor:
+        return model(input_ids=self.inputs(batch)).logits
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         if "choice_ids" in batch:
             raise ValueError("labelled prompts need PromptClassification: task_for(..., data=cfg.data.name)")
-        ids = batch["input_ids"].to(self.device)
+        ids = self.inputs(batch)
         return model(input_ids=ids, labels=ids).loss
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, split: Split, batch_size: int) -> dict:
-        was = model.training
-        model.eval()
-        loss, tokens = 0.0, 0
-        for batch in eval_batches(split, batch_size):
-            n = batch["input_ids"].numel() - len(batch["input_ids"])
-            loss += self.loss(model, batch).item() * n
-            tokens += n
-        model.train(was)
-        return {"loss": loss / tokens, "perplexity": math.exp(loss / tokens)}
+    @staticmethod
+    def sums(logits: torch.Tensor, targets: torch.Tensor) -> dict:
+        """Summed next-token cross-entropy (targets shifted, -100 ignored) and the tokens counted."""
+        count = int((targets[:, 1:] != -100).sum())
+        flat = logits[:, :-1].flatten(0, 1)
+        flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+        return {"loss_sum": F.cross_entropy(flat, targets[:, 1:].flatten(), ignore_index=-100, reduction="sum").item(),
+                "count": count}
+
+    @staticmethod
+    def summarize(sums: dict) -> dict:
+        mean = sums["loss_sum"] / sums["count"]
+        return {"loss": mean, "perplexity": math.exp(mean)}
+
+    evaluate = ImageClassification.evaluate
+
+
+def add_sums(parts: list[dict]) -> dict:
+    return {key: sum(p[key] for p in parts) for key in parts[0]}
+
+
+TASK_CLASSES = {"text_classification": TextClassification, "prompt_classification": PromptClassification,
+                "causal_lm": CausalLM}
 
 
 def task_for(family: str, image_size: int, device: str = "cpu", data: str | None = None):
-    """`data` picks prompt classification for a causal LM on labelled text (rotten_tomatoes)."""
-    if family == "timm":
+    """The task a `family` model trains on dataset `data` (catalog.TASKS); without `data`, the
+    family's plain task (a causal LM models text)."""
+    name = catalog.task_name(family, data) if data else {"timm": "image_classification", "hf_classifier": "text_classification"}.get(family, "causal_lm")
+    if name == "image_classification":
         return ImageClassification(image_size, device)
-    if family == "hf_classifier":
-        return TextClassification(device)
-    if data in LABELLED_TEXT:
-        return PromptClassification(device)
-    return CausalLM(device)
+    return TASK_CLASSES[name](device)
 
 
-def score_model(task, model: nn.Module, test: Split, shift: Split | None, batch_size: int) -> dict:
-    """In-distribution metrics as id_*, and shift_* where the data has a real shift set."""
-    out = {f"id_{k}": v for k, v in task.evaluate(model, test, batch_size).items()}
-    if shift is not None:
-        out.update({f"shift_{k}": v for k, v in task.evaluate(model, shift, batch_size).items()})
-    return out
+def score_sets(task, model: nn.Module, sets: dict[str, Split], batch_size: int) -> dict:
+    """Every metric of `model` on every evaluation set, prefixed per SET_PREFIX (id_accuracy, ...)."""
+    return {f"{SET_PREFIX[name]}_{k}": v for name, split in sets.items() if split is not None
+            for k, v in task.evaluate(model, split, batch_size).items()}

@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,10 +16,31 @@ from torch import nn
 
 from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.data import Split, batch_order, num_examples, take
+from raylowcomm.seeding import step_seed
 
 
-def make_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+class TrainClock:
+    """Training time with evaluation (or anything else that is not training) left out: wrap that
+    work in `paused()`. Every strategy measures its curve's and record's times with one."""
+
+    def __init__(self) -> None:
+        self.start, self.paused_s = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t
+
+
+def make_optimizer(cfg: OptimConfig, model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The run's optimizer over a model's trainable parameters (or a given list of them)."""
+    params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.requires_grad]
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -45,12 +67,13 @@ def batch_at(shard: Split, step: int, batch_size: int, seed: int) -> Split:
 
 
 def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, batch_size: int, seed: int,
-                log=None, log_every: int = 0, on_step=None, before_step=None) -> dict:
-    """Steps [start, stop): per-step seeding makes dropout identical on a resumed run."""
+                log=None, log_every: int = 0, on_step=None, before_step=None, clock: TrainClock | None = None) -> dict:
+    """Steps [start, stop): per-step seeding makes dropout identical on a resumed run. `train_s`
+    is `clock`'s time, so what `on_step` does inside `clock.paused()` is not counted."""
     model.train()
-    losses, t0 = [], time.perf_counter()
+    losses, clock = [], clock or TrainClock()
     for step in range(start, stop):
-        torch.manual_seed(seed * 1_000_003 + step)
+        torch.manual_seed(step_seed(seed, step))
         batch = batch_at(shard, step, batch_size, seed)
         loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
@@ -63,7 +86,7 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
             log(f"step {step + 1}/{stop} loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}")
         if on_step is not None:
             on_step(step + 1)
-    return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": time.perf_counter() - t0,
+    return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": clock.elapsed(),
             "mean_loss": sum(losses) / len(losses) if losses else None}
 
 

@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from raylowcomm.config import ConfigError, RunConfig, build_dataclass, from_dict
+from raylowcomm.config import ConfigError, RunConfig, build_dataclass
+from raylowcomm.strategies import from_dict
 
 SPACES = ("grid", "choice", "uniform", "loguniform")
 # The driver of a trial waits on its actors most of the time; its bundle holds no CPU so that
@@ -120,15 +119,16 @@ def _space_samples(key: str, spec: Any) -> tuple[str, list]:
 
 def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     """Read and check a sweep file; every swept value is tried on the config before Ray starts."""
-    from raylowcomm.config import apply_overrides
+    from raylowcomm.config import apply_overrides, load_yaml_mapping
     from raylowcomm.strategies import STRATEGIES
 
     path = Path(path)
     if not path.exists():
         raise SweepError(f"sweep file {path}: no such file")
-    data = yaml.safe_load(path.read_text())
-    if not isinstance(data, dict):
-        raise SweepError(f"sweep file {path}: expected a YAML mapping")
+    try:
+        data = load_yaml_mapping(path, "SWEEP")
+    except ConfigError as err:  # a folder, unreadable, malformed YAML (with line and column), not a mapping
+        raise SweepError(f"sweep file {path}: {err}") from None
     try:
         spec: SweepConfig = build_dataclass(SweepConfig, data, "")
     except (ConfigError, TypeError) as err:
@@ -142,7 +142,11 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     if not base.exists():
         raise SweepError(f"sweep file {path}: base = {spec.base!r}: no such file (paths are relative to the sweep file: {base})")
     try:
-        raw = _apply(yaml.safe_load(base.read_text()) or {}, spec.set)
+        raw = load_yaml_mapping(base, "base")
+    except ConfigError as err:
+        raise SweepError(f"sweep file {path}: {err}") from None
+    try:
+        raw = _apply(raw, spec.set)
         raw = apply_overrides(raw, list(overrides))
         cfg = from_dict(raw)
     except ConfigError as err:
@@ -209,7 +213,7 @@ def _trial(config: dict, raw: dict, experiment_dir: str) -> None:
     import ray
     from ray import tune
 
-    from raylowcomm.run import prepare
+    from raylowcomm.runner import prepare
     from raylowcomm.strategies import STRATEGIES
 
     cfg = from_dict(_apply(raw, config))

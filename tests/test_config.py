@@ -1,7 +1,8 @@
 import pytest
 
 from raylowcomm.cli import main
-from raylowcomm.config import ConfigError, from_dict, load_config
+from raylowcomm.config import ConfigError
+from raylowcomm.strategies import from_dict, load_config
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raylowcomm.config import from_dict
+from raylowcomm.strategies import from_dict
 from raylowcomm.tune import SweepError, load_sweep, run_sweep, trial_bundles
 
 REPO = Path(__file__).resolve().parents[1]

@@ -563,3 +563,43 @@ def reference_gradients(full_model_parts: Sequence[nn.Module], heads: Sequence[n
                    for k, part in enumerate(full_model_parts)]
     head_grads = [grads(losses[j], heads[j]) for j in range(K - 1)]
     return stage_grads, head_grads
+
+
+# ----------------------------------------------------------------------------- model preparation
+
+
+def split_model(model: nn.Module, family: str, num_stages: int, balance) -> list[nn.Module]:
+    """A timm CNN or an HF decoder, split into `num_stages` stage modules."""
+    return split_timm_cnn(model, num_stages, balance) if family == "timm" else split_hf_decoder(model, num_stages, balance)
+
+
+def aux_heads(model: nn.Module, stages: Sequence[nn.Module], family: str, num_classes: int | None,
+              widths: Sequence[int], init_from_lm_head: bool) -> list[nn.Module]:
+    """An auxiliary head for every stage but the last: conv heads for CNNs, LM heads for decoders."""
+    if family == "timm":
+        return resnet_aux_heads(stages, num_classes, widths)
+    return decoder_aux_heads(model, len(stages), init_from_lm_head)
+
+
+def units_per_stage(stages: Sequence[nn.Module], family: str) -> list[int]:
+    """Units (stem + blocks, or decoder layers) in each stage; a CNN's last stage holds its head too."""
+    return [len(m) - (k == len(stages) - 1) if family == "timm" else len(m.layers) for k, m in enumerate(stages)]
+
+
+def measure_balance(model: nn.Module, family: str, x: Tensor) -> list[float]:
+    """Per-unit forward + backward costs on input `x`, timed on a copy of the model."""
+    probe = copy.deepcopy(model)
+    units = split_model(probe, family, timm_cnn_units(probe) if family == "timm" else probe.config.num_hidden_layers, "blocks")
+    return measure_unit_costs(units, x)
+
+
+def message_plan(num_stages: int, n: int, rule: str) -> list[list[frozenset[int]]]:
+    """For each stage k, the heads carried by each upstream message it emits per micro-batch,
+    in emission order: first its forward's early message, then one per backward call (one
+    backward call per message stage k + 1 emits). Empty sets are messages never sent."""
+    plan: list[list[frozenset[int]]] = [[] for _ in range(num_stages)]
+    for k in reversed(range(num_stages)):
+        up = upstream_heads(k, num_stages, n, rule)
+        incoming = [h for h in plan[k + 1] if h] if k + 1 < num_stages else []
+        plan[k] = [frozenset({k}) & up] + [h & up for h in incoming]
+    return plan

@@ -495,3 +495,48 @@ def parameter_hash(params: NamedParams) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(p.shape)};".encode())
         h.update(t.view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+class Replica:
+    """One node's side of SPSA with shared randomness, without Ray: at its step it measures its
+    projected gradients and publishes them as codes; it then applies the step's codes of every
+    publisher, its own included, by replaying them in (node, sample) order. Replicas that start
+    equal and apply the same codes stay bit-identical."""
+
+    def __init__(self, model: nn.Module, node: int, run_seed: int, codec: Codec, *, eps: float, samples: int, lr: float,
+                 weight_decay: float = 0.0, kind: str = "rademacher", include: Sequence[str] | None = None, step: int = 0):
+        self.model, self.node, self.codec, self.eps, self.samples = model, node, codec, eps, samples
+        self.lr, self.weight_decay, self.kind = lr, weight_decay, kind
+        self.params = trainable_parameters(model, include)
+        self.decay = decay_mask(self.params)
+        self.schedule, self.log, self.step = SeedSchedule(run_seed), ReplayLog(), step
+        self.published: tuple[int, bytes] | None = None
+
+    def catch_up(self, checkpoint_step: int, log: bytes) -> int:
+        """A joiner: weights loaded from the checkpoint of `checkpoint_step`; replay the log up to
+        its own step. Returns the steps replayed."""
+        self.log = ReplayLog.from_bytes(log)
+        return self.log.replay_(self.params, checkpoint_step, self.step, schedule=self.schedule, codec=self.codec, lr=self.lr,
+                                weight_decay=self.weight_decay, decay=self.decay, kind=self.kind)
+
+    def compute(self, loss_fn: Callable, batch: object) -> tuple[bytes, list[tuple[float, float]]]:
+        """(this step's codes, the (L+, L−) pairs measured); the codes are kept to apply."""
+        seeds = step_seeds(self.schedule, self.step, self.node, self.samples)
+        pairs = spsa_losses(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind)
+        payload = self.codec.to_bytes([(lp - lm) / (2 * self.eps) for lp, lm in pairs])
+        self.published = (self.step, payload)
+        return payload, pairs
+
+    def apply(self, publishers: Sequence[int], others: bytes) -> None:
+        """Apply the step: our codes kept by `compute`, the other publishers' concatenated in
+        publisher order (every node's codes have the same length)."""
+        step = self.step
+        if self.published is None or self.published[0] != step or self.node not in publishers:
+            raise RuntimeError(f"node {self.node} did not publish step {step}, asked to apply it")
+        own, size = self.published[1], len(self.published[1])
+        parts = iter(others[i : i + size] for i in range(0, len(others), size))
+        self.log.extend((step, node, sample, code) for node in publishers
+                        for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts))))
+        apply_step_(self.params, self.log.step_updates(step, self.schedule, self.codec), self.lr, self.weight_decay,
+                    self.decay, self.kind)
+        self.step = step + 1

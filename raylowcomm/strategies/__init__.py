@@ -1,8 +1,42 @@
-"""Strategy registry: a new strategy is one module plus one line here."""
+"""Strategy registry: a new strategy is one module plus one line here. The registry also turns
+a raw config mapping into a `RunConfig` with every strategy's own options, since only it knows
+which sections belong to strategies (config.py knows none of them)."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+from raylowcomm.config import ConfigError, RunConfig, build_dataclass, read_yaml, validate
 from raylowcomm.strategies.ddp import Ddp
 from raylowcomm.strategies.interlocking import Interlocking
 from raylowcomm.strategies.lofi import Lofi
 from raylowcomm.strategies.spsa import Spsa
 
 STRATEGIES = {s.name: s for s in (Lofi, Ddp, Spsa, Interlocking)}
+
+
+def from_dict(raw: dict) -> RunConfig:
+    """A validated RunConfig from a mapping (a YAML file's content): shared fields first, then
+    each listed strategy's own checks."""
+    raw = dict(raw or {})
+    strategy_sections = {name: raw.pop(name) for name in list(raw) if name in STRATEGIES}
+    if "options" in raw:
+        raise ConfigError("options", raw["options"], f"write each strategy's options under its own name: {', '.join(STRATEGIES)}")
+    cfg = build_dataclass(RunConfig, raw, "")
+    if not cfg.strategies:
+        raise ConfigError("strategies", cfg.strategies, f"name at least one strategy to run: {', '.join(STRATEGIES)}")
+    for i, name in enumerate(cfg.strategies):
+        if name not in STRATEGIES:
+            raise ConfigError(f"strategies[{i}]", name, f"expected one of {', '.join(STRATEGIES)}")
+    if len(set(cfg.strategies)) != len(cfg.strategies):
+        raise ConfigError("strategies", cfg.strategies, "each strategy may appear once")
+    cfg.options = {name: build_dataclass(STRATEGIES[name].Config, strategy_sections.get(name), name) for name in STRATEGIES}
+    validate(cfg)
+    for name in cfg.strategies:
+        STRATEGIES[name].validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """A config file plus `--set key=value` overrides, validated before anything starts."""
+    return from_dict(read_yaml(path, overrides))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
@@ -13,6 +13,10 @@ from raylowcomm.config import RunConfig
 from raylowcomm.data import Datasets, Split, num_examples, shard_indices, take
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec
+from raylowcomm.training import TrainClock, save_weights
+
+
+logger = logging.getLogger("raylowcomm")
 
 
 def _no_report(metrics: dict) -> None:
@@ -38,9 +42,9 @@ class RunContext:
         index = shard_indices(num_examples(self.data.train), self.cfg.nodes.count, self.cfg.seed)
         return [take(self.data.train, i) for i in index]
 
-    def eval_sets(self) -> dict[str, Split]:
+    def eval_sets(self, names: tuple[str, ...] = ("test", "shift", "val")) -> dict[str, Split]:
         sets = {"test": self.data.test, "shift": self.data.shift, "val": self.data.val}
-        return {k: v for k, v in sets.items() if v is not None}
+        return {k: sets[k] for k in names if sets[k] is not None}
 
     def strategy_dir(self, name: str) -> Path:
         path = self.out_dir / name
@@ -105,6 +109,15 @@ class Strategy(Protocol):
     def run(self, ctx: RunContext) -> RunRecord: ...
 
 
+def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, checkpoints: str | None = None) -> None:
+    """Options a strategy does not offer are said, not silently ignored: `restarts` / `checkpoints`
+    say what the strategy does instead when nodes.max_restarts / checkpoint_every are set."""
+    if restarts and cfg.nodes.max_restarts:
+        logger.warning("%s: nodes.max_restarts=%s does not apply: %s", strategy, cfg.nodes.max_restarts, restarts)
+    if checkpoints and cfg.checkpoint_every is not None:
+        logger.warning("%s: checkpoint_every=%s does not apply: %s", strategy, cfg.checkpoint_every, checkpoints)
+
+
 def node_bundle(cfg: RunConfig) -> dict[str, float]:
     """What one node/stage actor asks Ray for (runtime.actor_options with cfg.nodes)."""
     return {"CPU": cfg.nodes.cpus, **({"GPU": cfg.nodes.gpus} if cfg.nodes.gpus else {}), **cfg.nodes.resources}
@@ -124,9 +137,14 @@ def external_bundles(strategy, cfg: RunConfig) -> list[dict[str, float]]:
     return own(cfg) if own is not None else []
 
 
-class Stopwatch:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int, samples: int,
+                  train_s: float, infos: list[dict], weights: dict, curve: list[dict] | None = None, nodes: list[dict] | None = None,
+                  details: dict | None = None, curve_wall_s: float | None = None) -> RunRecord:
+    """The end every strategy shares, once everything it needed has come back: the curve's last
+    point is the final metrics with every byte sent (collecting the result included) at the
+    training time (`curve_wall_s` where collecting counts too), the weights are saved as
+    safetensors, and peak memory is the largest of any actor's."""
+    curve = [*(curve or []), curve_point(step, train_s if curve_wall_s is None else curve_wall_s, samples, ledger.total_bytes, metrics)]
+    weights_path = save_weights(ctx.strategy_dir(name) / "model.safetensors", weights)
+    return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),
+                     nodes or [], details or {}, weights_path, curve)

@@ -12,11 +12,9 @@ that time is taken out of the training time.
 
 from __future__ import annotations
 
-import os
+import logging
 import pickle
-import socket
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +24,16 @@ import ray
 import torch
 from torch import nn
 
+from raylowcomm.actors import Node, process_info
 from raylowcomm.config import RunConfig
 from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger
-from raylowcomm.models import build_model, state_dict_of
-from raylowcomm.runtime import device_for, setup_threads
-from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, curve_point, eval_points, node_bundle
-from raylowcomm.strategies.lofi import node_seed
-from raylowcomm.tasks import score_model, task_for
-from raylowcomm.training import make_optimizer, peak_rss_bytes, save_weights, total_steps, train_steps
+from raylowcomm.models import state_dict_of
+from raylowcomm.seeding import node_seed
+from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
+from raylowcomm.training import TrainClock, make_optimizer, save_weights, total_steps, train_steps
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,54 +74,44 @@ class TaskLoss(nn.Module):
 
 
 def _train_worker(config: dict) -> None:
+    """One Ray Train worker: a `Node` (model, task, device) whose gradients DDP all-reduces; rank 0
+    scores the curve at a barrier and the final model, where the model lives."""
     import torch.distributed as dist
     from ray import train
     from ray.train.torch import prepare_model
 
     cfg: RunConfig = config["cfg"]
-    setup_threads(cfg.nodes.cpus)
     rank = train.get_context().get_world_rank()
-    model = build_model(config["spec"])
-    model.load_state_dict(ray.get(config["weights"]))
-    task = task_for(config["spec"].family, cfg.data.image_size, device_for(cfg.nodes.gpus), data=cfg.data.name)
+    node = Node(rank, cfg, config["spec"], ray.get(config["weights"]))
+    node.label = "ddp rank"
     # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
-    wrapped = prepare_model(TaskLoss(model, task), parallel_strategy_kwargs={"broadcast_buffers": False})
+    wrapped = prepare_model(TaskLoss(node.model, node.task), parallel_strategy_kwargs={"broadcast_buffers": False})
     counter = {"bytes": 0, "buckets": 0}
     if hasattr(wrapped, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
         wrapped.register_comm_hook(None, counting_allreduce_hook(counter))
-    shard = ray.get(config["shards"][rank])
-    optimizer = make_optimizer(cfg.optim, model)
-    log = (lambda msg: print(f"[ddp rank 0] {msg}", flush=True)) if rank == 0 else None
-    points, curve, evaluating_s, started = set(eval_points(cfg, config["steps"])), [], 0.0, time.perf_counter()
-    eval_sets = ray.get(config["eval_sets"]) if rank == 0 and points else None
+    points, curve, clock = set(eval_points(cfg, config["steps"])), [], TrainClock()
 
     def on_step(step: int) -> None:
-        nonlocal evaluating_s
-        if step not in points:
-            return
-        dist.barrier()
-        t = time.perf_counter()
-        if rank == 0:
-            metrics = score_model(task, model, eval_sets["test"], eval_sets.get("shift"), cfg.optim.eval_batch_size)
-            curve.append({"step": step, "train_s": t - started - evaluating_s, "allreduce_bytes": counter["bytes"], **metrics})
-        dist.barrier()
-        evaluating_s += time.perf_counter() - t
+        if step in points:
+            dist.barrier()
+            with clock.paused():
+                if rank == 0:
+                    curve.append({"step": step, "train_s": clock.elapsed(), "allreduce_bytes": counter["bytes"],
+                                  **node.evaluate([config["eval_sets"]])})
+                dist.barrier()
 
-    stats = train_steps(wrapped, TaskLoss, optimizer, shard, 0, config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
-                        log=log, log_every=cfg.log_every, on_step=on_step)
-    stats["train_s"] -= evaluating_s
-    ctx, pg = ray.get_runtime_context(), ray.util.get_current_placement_group()
+    stats = train_steps(wrapped, TaskLoss, make_optimizer(cfg.optim, node.model), ray.get(config["shards"][rank]), 0,
+                        config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
+                        log=node.log if rank == 0 else None, log_every=cfg.log_every, on_step=on_step, clock=clock)
     mine = {"rank": rank, "allreduce_bytes": counter["bytes"], "buckets": counter["buckets"], "samples": stats["samples"],
-            "train_s": stats["train_s"], "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(),
-            "ray_node_id": ctx.get_node_id(), "pid": os.getpid(), "placement_group": pg.id.hex() if pg else None,
-            "mean_loss": stats["mean_loss"]}
+            "train_s": stats["train_s"], **process_info(), "mean_loss": stats["mean_loss"]}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    gather_bytes = len(pickle.dumps(mine)) * dist.get_world_size()
-    metrics = {"workers": everyone, "gather_bytes": gather_bytes, "curve": curve}
+    metrics = {"workers": everyone, "gather_bytes": len(pickle.dumps(mine)) * dist.get_world_size(), "curve": curve}
     if rank == 0:
+        metrics["final"] = node.evaluate([config["eval_sets"]])
         with tempfile.TemporaryDirectory() as tmp:
-            save_weights(Path(tmp) / "model.safetensors", state_dict_of(model))
+            save_weights(Path(tmp) / "model.safetensors", state_dict_of(node.model))
             train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
     else:
         train.report(metrics)
@@ -139,7 +128,7 @@ def _release_leaked_placement_groups(before: set[str], bundles: list[dict]) -> N
     for pg_id, info in ray.util.placement_group_table().items():
         if pg_id in before or info["state"] == "REMOVED" or list(info["bundles"].values()) != want:
             continue
-        print(f"[ddp] releasing placement group {pg_id} that the failed Train run left behind", flush=True)
+        logger.warning("[ddp] releasing placement group %s that the failed Train run left behind", pg_id)
         remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
 
@@ -153,6 +142,7 @@ class Ddp:
 
         if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
+        warn_unused(cfg, "ddp", restarts="a failed Train run stops", checkpoints="ddp keeps no node checkpoints")
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict]:
@@ -169,22 +159,20 @@ class Ddp:
         from ray.train.torch import TorchConfig, TorchTrainer
         from safetensors.torch import load_file
 
-        cfg, clock, ledger, n = ctx.cfg, Stopwatch(), Ledger(), ctx.cfg.nodes.count
-        out = ctx.strategy_dir(self.name)
+        cfg, clock, ledger, n = ctx.cfg, TrainClock(), Ledger(), ctx.cfg.nodes.count
         backend = cfg.options["ddp"].backend
         if backend == "auto":
             backend = "nccl" if cfg.nodes.gpus > 0 else "gloo"
-        initial = state_dict_of(ctx.model)
-        shards = ctx.shards()
+        initial, shards = state_dict_of(ctx.model), ctx.shards()
         steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
         ledger.send("setup", "initial_weights", initial, copies=n)
         ledger.send("setup", "ddp_initial_broadcast", initial, copies=n - 1)
         for shard in shards:
             ledger.send("setup", "data_shard", shard)
-        eval_sets = {k: v for k, v in ctx.eval_sets().items() if k in ("test", "shift")}
-        if cfg.eval_every:
-            ledger.send("setup", "eval_sets", eval_sets)
-        print(f"[ddp] {n} workers x {steps} steps, {backend}", flush=True)
+        eval_sets = ctx.eval_sets(("test", "shift"))
+        for split in eval_sets.values():  # rank 0 scores the curve and the final model
+            ledger.send("setup", "eval_sets", split)
+        logger.info("[ddp] %d workers x %d steps, %s", n, steps, backend)
         trainer = TorchTrainer(
             _train_worker,
             train_loop_config={"cfg": cfg, "spec": ctx.spec, "weights": ray.put(initial), "steps": steps,
@@ -192,7 +180,7 @@ class Ddp:
             scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.nodes.gpus > 0, resources_per_worker=node_bundle(cfg),
                                          placement_strategy=cfg.nodes.placement),
             torch_config=TorchConfig(backend=backend),
-            run_config=TrainRunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str((out / "ray_train").resolve())),
+            run_config=TrainRunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str((ctx.strategy_dir(self.name) / "ray_train").resolve())),
         )
         before = set(ray.util.placement_group_table())
         try:
@@ -200,26 +188,20 @@ class Ddp:
         except Exception:
             _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
             raise
-        workers = result.metrics["workers"]
+        workers, setup_bytes = result.metrics["workers"], ledger.bytes_by_phase["setup"]
         ctx.report({"step": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
-        setup_bytes = ledger.bytes_by_phase["setup"]
         curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n, setup_bytes + n * p["allreduce_bytes"],
                              {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")})
                  for p in result.metrics["curve"]]
         for w in workers:
             ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
+        ledger.send("final", "eval_metrics", result.metrics["final"])
         with result.checkpoint.as_directory() as d:
             state = load_file(str(Path(d) / "model.safetensors"))
         ledger.send("final", "model_checkpoint", state)
-        model = build_model(ctx.spec)
-        model.load_state_dict(state)
-        task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
-        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
-        weights_path = save_weights(out / "model.safetensors", state)
-        train_s = max(w["train_s"] for w in workers)
-        curve.append(curve_point(steps, train_s, sum(w["samples"] for w in workers), ledger.total_bytes, metrics))
         details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers]}
-        return RunRecord(self.name, metrics, ledger, clock.elapsed(), sum(w["samples"] for w in workers),
-                         train_s, max(w["peak_rss_bytes"] for w in workers),
-                         [{k: v for k, v in w.items()} for w in workers], details, weights_path, curve)
+        return finish_record(self.name, ctx, ledger, clock, metrics=result.metrics["final"], step=steps,
+                             samples=sum(w["samples"] for w in workers), train_s=max(w["train_s"] for w in workers),
+                             infos=workers, weights=state, curve=curve, nodes=workers, details=details)
+

@@ -1,40 +1,25 @@
-"""Interlocking backpropagation on Ray: the model is split depth-wise into K stages, one
-`StageActor` per stage (its module, its aux head, its own optimizer), with several
-micro-batches in flight so that all stages compute at once.
+"""Interlocking backpropagation on Ray (Gomez et al. 2020): the model is split depth-wise into K
+stages, one `StageActor` each (its module, its aux head, its own optimizer), with several
+micro-batches in flight so that all stages compute at once. Stage k is trained by the loss of
+head min(k + n − 1, K − 1) (``farthest``) or the sum of heads k .. that one (``sum``); every aux
+head by its own loss: n = 1 is local learning, ``farthest`` with n = K end-to-end backprop. The
+routing is plain torch in core/interlock.py.
 
-Update rule (``interlocking.rule``, width ``interlocking.n``; see raylowcomm/core/interlock.py):
-stage k's parameters are trained by ``farthest``: the loss of head f(k) = min(k + n - 1, K - 1)
-only, or ``sum``: the sum of the losses of heads k .. min(k + n - 1, K - 1); every aux head by
-its own loss alone. n = 1 is local learning (nothing flows backwards), ``farthest`` with
-n = K is end-to-end backprop of the final loss. A head's gradient crosses at most n - 1 stages.
-
-Data flow. Stage 0 holds the training split and builds each micro-batch itself. A stage's
-``forward`` puts (h, targets) into the object store and returns only the ObjectRef; the driver
-hands that ref, unread, to stage k + 1, which fetches the tensors from stage k's store. Gradient
-messages ({head: dL/dx}) travel back the same way. So the driver only ever holds refs and small
-stats dicts (``details.driver_fetched`` counts every byte it read, and every tensor).
-
-Schedule. The driver submits each batch's calls in a fixed per-actor order (all forwards, then
-each backward message in arrival order) and never waits on a batch as a whole: a stage steps its
-optimizer inside the call that completes its last micro-batch, then starts the next batch while
-later stages are still busy. The driver only keeps at most ``max_batches_ahead`` batches in
-flight (it waits for every stage's report of batch t - max_batches_ahead before submitting t).
-
-Curve: after every ``eval_every`` batches the driver lets the pipeline drain and scores every head
-on the test/shift sets through the chained stages; that time is not training time, and the
-activations those evaluations send are counted in the final phase, not the curve's bytes.
-
-Bytes (train phase): every activation, target and gradient tensor one stage sends another, by
-nbytes, counted in the sending actor. Not counted: the driver's control calls and the ObjectRef
-handles (tens of bytes each).
+Stage 0 builds each micro-batch from the training split it holds. A stage's ``forward`` puts
+(h, targets) in the object store and returns only the ref, which the driver hands unread to stage
+k + 1; gradient messages ({head: dL/dx}) travel back the same way, so the driver only handles
+refs and small dicts (``details.driver_fetched``). The driver submits each batch's calls in a
+fixed per-actor order and never waits on a batch as a whole (at most ``max_batches_ahead`` in
+flight); a stage steps inside the call that completes its last micro-batch. Curve: every
+``eval_every`` batches the pipeline drains and every head is scored through the chain, off the
+clock. Bytes: every activation, target and gradient tensor one stage sends another, by nbytes.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import statistics
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -44,17 +29,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raylowcomm import catalog
 from raylowcomm.config import ConfigError, OptimConfig, RunConfig
-from raylowcomm.core.interlock import (InterlockStage, causal_lm_loss, decoder_aux_heads, measure_unit_costs,
-                                       resnet_aux_heads, split_hf_decoder, split_timm_cnn, timm_cnn_units, untie_lm_head,
-                                       upstream_heads)
+from raylowcomm.core.interlock import (InterlockStage, aux_heads, causal_lm_loss, measure_balance, message_plan, split_model,
+                                       units_per_stage, untie_lm_head)
 from raylowcomm.data import Split, num_examples
-from raylowcomm.ledger import Ledger
+from raylowcomm.actors import DriverFetches, NodeGroup, process_info, start_process
+from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
-from raylowcomm.runtime import actor_options, device_for, setup_threads
-from raylowcomm.strategies.base import curve_point, eval_points, node_bundle, RunContext, RunRecord, Stopwatch
-from raylowcomm.tasks import ImageClassification
-from raylowcomm.training import batch_at, peak_rss_bytes, save_weights, total_steps
+from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
+from raylowcomm.tasks import SET_PREFIX, CausalLM, ImageClassification, add_sums, task_for
+from raylowcomm.training import TrainClock, batch_at, make_optimizer, total_steps
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,32 +69,6 @@ class InterlockingConfig:
 LOSSES = {"cross_entropy": F.cross_entropy, "causal_lm": causal_lm_loss}
 
 
-def _optimizer(cfg: OptimConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def _tensor_bytes(obj) -> int:
-    if isinstance(obj, Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-def _count_tensors(obj) -> int:
-    if isinstance(obj, Tensor):
-        return 1
-    if isinstance(obj, dict):
-        return sum(_count_tensors(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_count_tensors(v) for v in obj)
-    return 0
-
-
 @dataclass
 class Source:
     """What stage 0 builds micro-batches from: ``kind`` "image" (uint8 pixels -> the net's
@@ -128,8 +89,7 @@ class StageActor:
     plumbing: tensors in and out through the object store, bytes and busy time counted."""
 
     def __init__(self, cpus: float, gpus: float):
-        setup_threads(cpus)
-        self.device = device_for(gpus)
+        self.device = start_process(cpus, gpus)
         self.stage = None
 
     def load(self, index: int, num_stages: int, n: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
@@ -141,11 +101,11 @@ class StageActor:
         if head is not None:
             head.to(self.device)
         self.stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
-                                    lambda params: _optimizer(optim, params), micro_batches)
+                                    lambda params: make_optimizer(optim, params), micro_batches)
         self.index, self.last = index, index == num_stages - 1
         self.loss, self.micro_batches, self.source = loss, micro_batches, source
         self.dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
-        self.images = ImageClassification(source.image_size, self.device) if source and source.kind == "image" else None
+        self.task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device)
         self._reset_report()
         self.steps_done, self.step_times = 0, []
 
@@ -154,10 +114,8 @@ class StageActor:
         self.sent = {"activations": [], "targets": [], "gradients": []}
 
     def _inputs(self, batch: Split) -> tuple[Tensor, Tensor]:
-        if self.images is not None:
-            return self.images.inputs(batch).to(self.dtype), batch["labels"].to(self.device)
-        ids = batch["input_ids"].to(self.device)
-        return ids, ids
+        x = self.task.inputs(batch)
+        return (x.to(self.dtype) if x.is_floating_point() else x), self.task.targets(batch)
 
     def _received(self, ref) -> object:
         value = ray.get(ref)
@@ -165,7 +123,7 @@ class StageActor:
             {j: g.to(self.device) for j, g in value.items()}
 
     def _send(self, what: str, value) -> ray.ObjectRef:
-        self.sent[what].append(_tensor_bytes(value))
+        self.sent[what].append(payload_nbytes(value))
         return ray.put(value)
 
     def _maybe_step(self) -> None:
@@ -192,8 +150,8 @@ class StageActor:
         self.busy_s += time.perf_counter() - start
         h_ref = None
         if not self.last:
-            self.sent["activations"].append(_tensor_bytes(h))
-            self.sent["targets"].append(_tensor_bytes(y))
+            self.sent["activations"].append(payload_nbytes(h))
+            self.sent["targets"].append(payload_nbytes(y))
             h_ref = ray.put((h.cpu(), y.cpu()))
         return h_ref, self._send("gradients", {j: g.cpu() for j, g in early.items()}) if early else None
 
@@ -233,16 +191,10 @@ class StageActor:
             x, y = self._received(x_ref)
         with torch.no_grad():
             h = self.stage.module(x)
-            logits = self.stage.head(h) if self.stage.head is not None else h
-            if self.loss == "causal_lm":
-                count = int((y[:, 1:] != -100).sum())
-                metrics = {"loss_sum": float(causal_lm_loss(logits, y)) * count, "count": count}
-            else:
-                metrics = {"loss_sum": float(F.cross_entropy(logits.float(), y, reduction="sum")), "count": len(y),
-                           "correct": int((logits.argmax(-1) == y).sum())}
+            metrics = self.task.sums(self.stage.head(h) if self.stage.head is not None else h, y)
         for m, w in zip(modules, was):
             m.train(w)
-        metrics["sent_bytes"] = 0 if self.last else _tensor_bytes((h, y))
+        metrics["sent_bytes"] = 0 if self.last else payload_nbytes((h, y))
         return (None if self.last else ray.put((h.cpu(), y.cpu()))), metrics
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
@@ -251,40 +203,12 @@ class StageActor:
         return state_dict_of(self.stage.module), (state_dict_of(head) if head is not None else None)
 
     def info(self) -> dict:
-        ctx = ray.get_runtime_context()
         gaps = [b - a for a, b in zip(self.step_times, self.step_times[1:])]
-        return {"stage": self.index, "host": socket.gethostname(), "ray_node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "peak_rss_bytes": peak_rss_bytes(), "steps": self.steps_done,
+        return {"stage": self.index, **process_info(), "steps": self.steps_done,
                 "median_step_interval_s": statistics.median(gaps) if gaps else None}
 
 
 # ----------------------------------------------------------------------------- driver
-
-
-class DriverFetches:
-    """Everything the driver reads back from the actors: bytes (pickled size) and tensors."""
-
-    def __init__(self, ledger: Ledger):
-        self.ledger, self.bytes, self.tensors = ledger, 0, 0
-
-    def get(self, refs: list, phase: str, what: str) -> list:
-        values = ray.get(refs)
-        for v in values:
-            self.bytes += self.ledger.send(phase, what, v)
-            self.tensors += _count_tensors(v)
-        return values
-
-
-def message_plan(num_stages: int, n: int, rule: str) -> list[list[frozenset[int]]]:
-    """For each stage k, the heads carried by each upstream message it emits per micro-batch,
-    in emission order: first its forward's early message, then one per backward call (one
-    backward call per message stage k + 1 emits). Empty sets are messages never sent."""
-    plan: list[list[frozenset[int]]] = [[] for _ in range(num_stages)]
-    for k in reversed(range(num_stages)):
-        up = upstream_heads(k, num_stages, n, rule)
-        incoming = [h for h in plan[k + 1] if h] if k + 1 < num_stages else []
-        plan[k] = [frozenset({k}) & up] + [h & up for h in incoming]
-    return plan
 
 
 def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
@@ -313,8 +237,7 @@ def train_interlocked(actors: list, num_stages: int, n: int, rule: str, micro_ba
     ``on_reports(batch_reports)`` sees each batch's stage reports as they arrive. After batch b in
     ``eval_at`` the pipeline drains and ``evaluate(b, train_s_so_far)`` runs off the clock."""
     plan = message_plan(num_stages, n, rule)
-    clock, pending, reports = Stopwatch(), [], []
-    batches, evaluating_s = 0, 0.0
+    clock, pending, reports, batches = TrainClock(), [], [], 0
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
@@ -323,62 +246,45 @@ def train_interlocked(actors: list, num_stages: int, n: int, rule: str, micro_ba
                 on_reports(reports[-1])
 
     for step in range(steps):
-        if time_budget_s is not None and clock.elapsed() - evaluating_s >= time_budget_s:
+        if time_budget_s is not None and clock.elapsed() >= time_budget_s:
             break
         drain(max_ahead)
         pending.append(submit_batch(actors, plan, step, micro_batches))
         batches += 1
         if evaluate is not None and batches in eval_at:
             drain(0)
-            started = time.perf_counter()
-            evaluate(batches, clock.elapsed() - evaluating_s)
-            evaluating_s += time.perf_counter() - started
+            with clock.paused():
+                evaluate(batches, clock.elapsed())
     drain(0)
-    return {"reports": reports, "batches": batches, "train_s": clock.elapsed() - evaluating_s}
+    return {"reports": reports, "batches": batches, "train_s": clock.elapsed()}
 
 
 def evaluate_chained(actors: list, eval_sets: dict[str, Split], batch_size: int, fetch: DriverFetches,
                      loss: str) -> tuple[dict[str, list[dict]], int]:
-    """Every head's metrics on every eval set, chunks pipelined through the stages; returns
-    ({set: [metrics of head k]}, bytes sent between stages)."""
-    refs: dict[str, list[list]] = {}
+    """Every head's metrics on every eval set, chunks pipelined through the stages, each head's
+    per-chunk sums added up and summarised by the task (as `Task.evaluate` does for a whole
+    model); returns ({set: [metrics of head k]}, bytes sent between stages)."""
+    summarize = CausalLM.summarize if loss == "causal_lm" else ImageClassification.summarize
+    refs = {name: [[] for _ in actors] for name in eval_sets}
     for name, split in eval_sets.items():
-        refs[name] = [[] for _ in actors]
         for chunk in range((num_examples(split) + batch_size - 1) // batch_size):
             x = None
             for k, actor in enumerate(actors):
                 x, metrics = actor.evaluate.remote(name, chunk, x)
                 refs[name][k].append(metrics)
-    out, sent = {}, 0
+    out, sent = {name: [] for name in refs}, 0
     for name, per_stage in refs.items():
-        out[name] = []
         for stage_refs in per_stage:
             parts = fetch.get(stage_refs, "final", "eval_metrics")
-            sent += sum(p["sent_bytes"] for p in parts)
-            total = {key: sum(p[key] for p in parts) for key in parts[0] if key != "sent_bytes"}
-            if loss == "causal_lm":
-                mean = total["loss_sum"] / total["count"]
-                out[name].append({"loss": mean, "perplexity": float(torch.tensor(mean).exp())})
-            else:
-                out[name].append({"accuracy": total["correct"] / total["count"], "loss": total["loss_sum"] / total["count"]})
+            sent += sum(p.pop("sent_bytes") for p in parts)
+            out[name].append(summarize(add_sums(parts)))
     return out, sent
 
 
-_PREFIX = {"test": "id", "shift": "shift"}
-
-
-def _final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
+def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
     """The last stage's head on the test (id_*) and shift (shift_*) sets: the model's metrics."""
-    return {f"{_PREFIX[name]}_{key}": value for name, heads in per_set.items() if name in _PREFIX
+    return {f"{SET_PREFIX[name]}_{key}": value for name, heads in per_set.items() if name in ("test", "shift")
             for key, value in heads[-1].items()}
-
-
-def _split(model: nn.Module, family: str, num_stages: int, balance) -> list[nn.Module]:
-    return split_timm_cnn(model, num_stages, balance) if family == "timm" else split_hf_decoder(model, num_stages, balance)
-
-
-def _num_units(model: nn.Module, family: str) -> int:
-    return timm_cnn_units(model) if family == "timm" else model.config.num_hidden_layers
 
 
 class Interlocking:
@@ -404,14 +310,16 @@ class Interlocking:
                               f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly")
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
+        warn_unused(cfg, "interlocking", restarts="a dead stage stops the run", checkpoints="stages keep no checkpoints")
         if o.max_batches_ahead < 1:
             raise ConfigError("interlocking.max_batches_ahead", o.max_batches_ahead, "must be >= 1")
         if not o.aux_widths or any(w < 1 for w in o.aux_widths):
             raise ConfigError("interlocking.aux_widths", o.aux_widths, "must be a non-empty list of positive widths")
         if cfg.model.family == "hf_classifier":
             raise ConfigError("model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
-        if cfg.model.family == "hf_causal_lm" and cfg.data.name not in ("hamlet", "speeches"):
-            raise ConfigError("data.name", cfg.data.name, "interlocking trains a causal LM on plain text: hamlet or speeches")
+        if cfg.model.family == "hf_causal_lm" and catalog.dataset(cfg.data.name).kind != "text":
+            raise ConfigError("data.name", cfg.data.name, "interlocking trains a causal LM on plain text: "
+                              + " or ".join(d.name for d in catalog.DATASETS.values() if d.kind == "text"))
         if cfg.model.family == "timm":
             arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
             if not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
@@ -420,46 +328,71 @@ class Interlocking:
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
-        K, family, M = opts.stages, ctx.spec.family, opts.micro_batches
-        clock, ledger = Stopwatch(), Ledger()
-        fetch = DriverFetches(ledger)
-        out = ctx.strategy_dir(self.name)
-
-        # The driver's own copy: stages share its modules, so the final weights land in it.
+        K, family, clock = opts.stages, ctx.spec.family, TrainClock()
         torch.manual_seed(cfg.seed)
-        model = copy.deepcopy(ctx.model).float().train()
+        model = copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         source = Source("image" if family == "timm" else "tokens", ctx.data.train, ctx.eval_sets(), cfg.optim.batch_size,
                         cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
         balance = opts.balance
         if balance == "measured":
-            balance = self._measure(model, family, source, M)
-        modules = _split(model, family, K, balance)
-        if family == "timm":
-            heads = resnet_aux_heads(modules, ctx.spec.num_classes, opts.aux_widths)
-        else:
-            heads = decoder_aux_heads(model, K, opts.aux_init_from_lm_head)
-        loss = "cross_entropy" if family == "timm" else "causal_lm"
+            probe = batch_at(source.train, 0, source.batch_size // opts.micro_batches, source.seed)
+            balance = measure_balance(model, family, task_for(family, cfg.data.image_size).inputs(probe))
+        modules = split_model(model, family, K, balance)
+        heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
+        with NodeGroup(StageActor, cfg, Ledger()) as group:
+            self._load(group, modules, heads, source, cfg, family)
+            trained, stage_losses, busy, curve = self._train(ctx, group, source, clock)
+            per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.optim.eval_batch_size,
+                                                   group.fetch, self.loss(family))
+            group.ledger.record("final", "eval_activations", eval_bytes)
+            fetched_eval = {"bytes": group.fetch.bytes - trained["fetched"]["bytes"], "tensors": group.fetch.tensors - trained["fetched"]["tensors"]}
+            infos = group.call("info", phase="final", what="stage_info")
+            for module, (state, _) in zip(modules, group.call("state", phase="final", what="stage_weights")):
+                module.load_state_dict(state)
+        train_s, batches = trained["train_s"], trained["batches"]
+        steady = [i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None]
+        details = {
+            "stages": K, "n": opts.n, "rule": opts.rule, "micro_batches": opts.micro_batches,
+            "micro_batch_size": cfg.optim.batch_size // opts.micro_batches, "balance": opts.balance,
+            "units_per_stage": units_per_stage(modules, family), "batches": batches,
+            "step_time_s": train_s / batches if batches else None, "steady_step_time_s": max(steady) if steady else None,
+            "busy_fraction": [b / train_s for b in busy] if train_s > 0 else None,
+            "heads": {name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
+                      for name, heads_m in per_set.items()},
+            "train_head_loss_last": [v[-1] if v else None for v in stage_losses],
+            "driver_fetched": {"train": trained["fetched"], "eval": fetched_eval},
+            "lm_head_untied": untied, **({"measured_unit_costs_s": balance} if balance != opts.balance else {}),
+        }
+        return finish_record(self.name, ctx, group.ledger, trained["clock"], metrics=final_head_metrics(per_set), step=batches,
+                             samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos, weights=state_dict_of(model),
+                             curve=curve, nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)], details=details)
 
-        actors, loaded = [], []
+    @staticmethod
+    def loss(family: str) -> str:
+        return "cross_entropy" if family == "timm" else "causal_lm"
+
+    def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, cfg: RunConfig, family: str) -> None:
+        """One stage actor per module, its aux head beside it; stage 0 also gets the data."""
+        opts, K, loaded = cfg.options["interlocking"], len(modules), []
         for k in range(K):
             payload = (modules[k], heads[k] if k < K - 1 else None)
-            ledger.send("setup", "stage_modules", payload)
-            src = None
+            ref = group.put(payload, "setup", "stage_modules")
             if k == 0:
-                src = source
-                ledger.send("setup", "train_data", source.train)
-                ledger.send("setup", "eval_data", source.eval_sets)
-            actor = StageActor.options(**actor_options(cfg.nodes.cpus, cfg.nodes.gpus, 0, cfg.nodes.placement, cfg.nodes.resources)).remote(cfg.nodes.cpus, cfg.nodes.gpus)
-            loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ray.put(payload), loss, cfg.optim, M, src))
-            actors.append(actor)
+                group.ledger.send("setup", "train_data", source.train)
+                group.ledger.send("setup", "eval_data", source.eval_sets)
+            actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
+            loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ref, self.loss(family), cfg.optim,
+                                            opts.micro_batches, source if k == 0 else None))
         ray.get(loaded)
 
-        steps = total_steps(cfg.optim, num_examples(ctx.data.train))
-        units = [len(m) - (k == K - 1) if family == "timm" else len(m.layers) for k, m in enumerate(modules)]
-        print(f"[interlocking] K={K} n={opts.n} rule={opts.rule} units per stage {units}, {steps} steps x {M} micro-batches"
-              + (f", budget {opts.time_budget_s}s" if opts.time_budget_s else ""), flush=True)
-        stage_losses, busy = [[] for _ in range(K)], [0.0] * K
+    def _train(self, ctx: RunContext, group: NodeGroup, source: Source, clock: TrainClock) -> tuple[dict, list, list, list]:
+        cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
+        K, actors, ledger = opts.stages, group.handles(), group.ledger
+        steps = total_steps(cfg.optim, num_examples(source.train))
+        logger.info("[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s", K, opts.n, opts.rule, steps,
+                    opts.micro_batches, f", budget {opts.time_budget_s}s" if opts.time_budget_s else "")
+        stage_losses, busy, curve = [[] for _ in range(K)], [0.0] * K, []
 
         def absorb(batch_reports: list[dict]) -> None:
             for r in batch_reports:
@@ -472,62 +405,17 @@ class Interlocking:
                         ledger.record("train", what, size)
             ctx.report({"step": len(stage_losses[K - 1]), "train_loss": stage_losses[K - 1][-1]})
 
-        curve = []
-        curve_sets = {name: split for name, split in source.eval_sets.items() if name in _PREFIX}
-
         def evaluate(batch: int, train_s: float) -> None:
-            per_set, sent = evaluate_chained(actors, curve_sets, cfg.optim.eval_batch_size, fetch, loss)
+            per_set, sent = evaluate_chained(actors, ctx.eval_sets(("test", "shift")), cfg.optim.eval_batch_size, group.fetch,
+                                             self.loss(ctx.spec.family))
             ledger.record("final", "curve_eval_activations", sent)
             trained_bytes = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, trained_bytes, _final_head_metrics(per_set)))
+            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, trained_bytes, final_head_metrics(per_set)))
 
-        trained = train_interlocked(actors, K, opts.n, opts.rule, M, steps, fetch, opts.time_budget_s, opts.max_batches_ahead,
-                                    absorb, frozenset(eval_points(cfg, steps)), evaluate)
-        train_s, batches = trained["train_s"], trained["batches"]
+        trained = train_interlocked(actors, K, opts.n, opts.rule, opts.micro_batches, steps, group.fetch, opts.time_budget_s,
+                                    opts.max_batches_ahead, absorb, frozenset(eval_points(cfg, steps)), evaluate)
         for k in range(K):
-            if cfg.log_every and stage_losses[k]:
-                print(f"[interlocking] stage {k} head loss: first {stage_losses[k][0]:.4f} last {stage_losses[k][-1]:.4f}", flush=True)
-
-        fetched_train = {"bytes": fetch.bytes, "tensors": fetch.tensors}
-        per_set, eval_bytes = evaluate_chained(actors, source.eval_sets, cfg.optim.eval_batch_size, fetch, loss)
-        ledger.record("final", "eval_activations", eval_bytes)
-        fetched_eval = {"bytes": fetch.bytes - fetched_train["bytes"], "tensors": fetch.tensors - fetched_train["tensors"]}
-        infos = fetch.get([a.info.remote() for a in actors], "final", "stage_info")
-        states = fetch.get([a.state.remote() for a in actors], "final", "stage_weights")
-        for module, (state, _) in zip(modules, states):
-            module.load_state_dict(state)
-        weights_path = save_weights(out / "model.safetensors", state_dict_of(model))
-        for a in actors:
-            ray.kill(a)
-
-        metrics = _final_head_metrics(per_set)
-        curve.append(curve_point(batches, train_s, batches * cfg.optim.batch_size, ledger.total_bytes, metrics))
-        steady = [i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None]
-        details = {
-            "stages": K, "n": opts.n, "rule": opts.rule, "micro_batches": M, "micro_batch_size": cfg.optim.batch_size // M,
-            "balance": opts.balance, "units_per_stage": units,
-            "batches": batches, "step_time_s": train_s / batches if batches else None,
-            "steady_step_time_s": max(steady) if steady else None,
-            "busy_fraction": [b / train_s for b in busy] if train_s > 0 else None,
-            "heads": {name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
-                      for name, heads_m in per_set.items()},
-            "train_head_loss_last": [v[-1] if v else None for v in stage_losses],
-            "driver_fetched": {"train": fetched_train, "eval": fetched_eval},
-            "lm_head_untied": untied,
-        }
-        if balance != opts.balance:
-            details["measured_unit_costs_s"] = balance
-        node_records = [{**i, "busy_s": b} for i, b in zip(infos, busy)]
-        return RunRecord(self.name, metrics, ledger, clock.elapsed(), batches * cfg.optim.batch_size, train_s,
-                         max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path, curve)
-
-    @staticmethod
-    def _measure(model: nn.Module, family: str, source: Source, micro_batches: int) -> list[float]:
-        """Per-unit costs on one training micro-batch, timed on a copy of the model."""
-        probe = copy.deepcopy(model)
-        units = _split(probe, family, _num_units(probe, family), "blocks")
-        batch = batch_at(source.train, 0, source.batch_size // micro_batches, source.seed)
-        x = ImageClassification(source.image_size).inputs(batch) if family == "timm" else batch["input_ids"]
-        costs = measure_unit_costs(units, x)
-        del probe, units
-        return costs
+            if stage_losses[k]:
+                logger.info("[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0], stage_losses[k][-1])
+        trained.update(clock=clock, fetched={"bytes": group.fetch.bytes, "tensors": group.fetch.tensors})
+        return trained, stage_losses, busy, curve

@@ -16,10 +16,8 @@ final point has those. Fetching the snapshots is measurement, outside the run's 
 
 from __future__ import annotations
 
-import os
+import logging
 import shutil
-import socket
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +26,19 @@ from typing import ClassVar, Literal
 import ray
 from safetensors.torch import load_file
 
+from raylowcomm.actors import DriverFetches, Node, NodeGroup
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.averaging import OuterNesterov, StreamingAverage, batchnorm_layers, combine_bn_statistics, greedy_soup, measure_bn_statistics
 from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
-from raylowcomm.models import ModelSpec, build_model, state_dict_of
-from raylowcomm.runtime import actor_options, device_for, setup_threads
-from raylowcomm.strategies.base import RunContext, RunRecord, Stopwatch, curve_point, eval_points
-from raylowcomm.tasks import score_model, task_for
-from raylowcomm.training import (batch_at, load_checkpoint, make_optimizer, peak_rss_bytes, save_checkpoint, save_weights,
+from raylowcomm.models import build_model, state_dict_of
+from raylowcomm.seeding import node_seed
+from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record
+from raylowcomm.tasks import score_sets, task_for
+from raylowcomm.training import (TrainClock, batch_at, load_checkpoint, make_optimizer, save_checkpoint, save_weights,
                                  steps_per_epoch, total_steps, train_steps)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,33 +59,23 @@ class LofiConfig:
     """Batches per node for the BN statistics (None: one pass over the shard)."""
 
 
-def node_seed(run_seed: int, node: int) -> int:
-    return run_seed * 1000 + node
-
-
 @ray.remote
-class LofiNode:
+class LofiNode(Node):
     """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint."""
 
-    def __init__(self, node: int, spec: ModelSpec, weights: dict, shard: dict, eval_sets: dict, cfg: RunConfig, checkpoint: str):
-        setup_threads(cfg.nodes.cpus)
-        self.node, self.cfg, self.shard, self.eval_sets = node, cfg, shard, eval_sets
-        self.seed = node_seed(cfg.seed, node)
-        self.checkpoint = Path(checkpoint)
-        device = device_for(cfg.nodes.gpus)
-        self.model = build_model(spec).to(device)
-        self.task = task_for(spec.family, cfg.data.image_size, device, data=cfg.data.name)
+    label = "lofi node"
+
+    def __init__(self, node: int, spec, weights: dict, shard: dict, cfg: RunConfig, checkpoint: str):
+        super().__init__(node, cfg, spec)
+        self.shard, self.seed, self.checkpoint = shard, node_seed(cfg.seed, node), Path(checkpoint)
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from = 0, None
         if self.checkpoint.exists():
             self.step = load_checkpoint(self.checkpoint, self.model, self.optimizer)["step"]
             self.restored_from = self.step
-            self._log(f"restarted: resuming from checkpoint at step {self.step}")
+            self.log(f"restarted: resuming from checkpoint at step {self.step}")
         else:
             self.model.load_state_dict(weights)
-
-    def _log(self, msg: str) -> None:
-        print(f"[lofi node {self.node}] {msg}", flush=True)
 
     def _save(self, step: int) -> None:
         save_checkpoint(self.checkpoint, self.model, self.optimizer, step)
@@ -94,43 +85,29 @@ class LofiNode:
 
     def train(self, until: int, snapshot_at: list[int]) -> dict:
         """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
-        training time so far in this call (the snapshot's own saving time left out)."""
-        every, snaps = self.cfg.checkpoint_every, set(snapshot_at)
-        started, saving_s, snapshot_s = time.perf_counter(), 0.0, {}
+        training time so far in this call (saving the snapshot is not training)."""
+        clock, snaps, snapshot_s = TrainClock(), set(snapshot_at), {}
 
         def on_step(step):
-            nonlocal saving_s
-            if step % every == 0 or step == until:
+            if step % self.cfg.checkpoint_steps == 0 or step == until:
                 self._save(step)
             if step in snaps:
-                t = time.perf_counter()
-                snapshot_s[step] = t - started - saving_s
-                save_weights(self._snapshot_path(step), state_dict_of(self.model))
-                saving_s += time.perf_counter() - t
+                snapshot_s[step] = clock.elapsed()
+                with clock.paused():
+                    save_weights(self._snapshot_path(step), state_dict_of(self.model))
 
         stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
-                            self.seed, log=self._log, log_every=self.cfg.log_every, on_step=on_step)
-        stats["train_s"] -= saving_s
+                            self.seed, log=self.log, log_every=self.cfg.log_every, on_step=on_step, clock=clock)
         self.step, restored, self.restored_from = until, self.restored_from, None
-        return {"node": self.node, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
+        return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
 
     def snapshot(self, step: int) -> dict:
         return load_file(str(self._snapshot_path(step)))
-
-    def weights(self) -> dict:
-        return state_dict_of(self.model)
 
     def load_weights(self, state: dict) -> None:
         """A new global model (averaging round); checkpointed at once so a restart keeps it."""
         self.model.load_state_dict(state)
         self._save(self.step)
-
-    def evaluate(self) -> dict:
-        sets = self.eval_sets
-        metrics = score_model(self.task, self.model, sets["test"], sets.get("shift"), self.cfg.optim.eval_batch_size)
-        if "val" in sets:
-            metrics["val_" + self.task.metric] = self.task.evaluate(self.model, sets["val"], self.cfg.optim.eval_batch_size)[self.task.metric]
-        return metrics
 
     def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
         self.model.load_state_dict(state)
@@ -139,53 +116,38 @@ class LofiNode:
         batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
         return measure_bn_statistics(self.model, batches, self.task.forward)
 
-    def info(self) -> dict:
-        ctx, pg = ray.get_runtime_context(), ray.util.get_current_placement_group()
-        return {"node": self.node, "host": socket.gethostname(), "ray_node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes(),
-                "examples": num_examples(self.shard)}
+    def extra_info(self) -> dict:
+        return {"examples": num_examples(self.shard)}
 
 
-def _collect(ledger: Ledger, phase: str, what: str, refs: list) -> list:
-    values = ray.get(refs)
-    for v in values:
-        ledger.send(phase, what, v)
-    return values
-
-
-def _stream_average(ledger: Ledger, phase: str, refs: list, weights: list[float]) -> dict:
+def average_nodes(refs: list, weights: list[float], fetch: DriverFetches, phase: str) -> dict:
     """Fetch node weights one at a time as they are ready: one running sum + one incoming copy."""
-    avg, pending = StreamingAverage(), dict(zip(refs, weights))
-    while pending:
-        [ready], _ = ray.wait(list(pending), num_returns=1)
-        state = ray.get(ready)
-        ledger.send(phase, "node_weights", state)
-        avg.add(state, pending.pop(ready))
+    avg = StreamingAverage()
+    for i, state in fetch.as_ready(refs, phase, "node_weights"):
+        avg.add(state, weights[i])
         del state
     return avg.result()
 
 
-def _snapshot_curve(nodes: list, snapshots: list[tuple[int, float, int]], weights: list[float], model, task, ctx: RunContext,
-                    collect_s: float, collect_bytes: int) -> list[dict]:
-    """Score the average of the nodes' snapshots at each curve step (see the module docstring);
-    `model` is scratch space, loaded with the final average again by the caller."""
-    cfg, curve, batch = ctx.cfg, [], ctx.cfg.optim.batch_size
-    final = {k: v.clone() for k, v in model.state_dict().items()}
-    for step, train_s, sent in snapshots:
-        try:
-            average = _stream_average(Ledger(), "final", [node.snapshot.remote(step) for node in nodes], weights)
-        except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
-            print(f"[lofi] no curve point at step {step}: a node's snapshot is gone ({type(err.cause).__name__})", flush=True)
-            continue
-        model.load_state_dict(average)
-        metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
-        curve.append(curve_point(step, train_s + collect_s, step * batch * len(nodes), sent + collect_bytes, metrics))
-    model.load_state_dict(final)
-    return curve
+@dataclass
+class Plan:
+    """When the nodes stop: averaging boundaries, curve snapshots, and each node's weight."""
+
+    steps: int
+    boundaries: list[int]
+    averaging: bool
+    weights: list[float]
+    snapshots: list[int]
 
 
-def _better(metric: str, a: float, b: float) -> bool:
-    return a > b if metric == "accuracy" else a < b
+def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int]) -> Plan:
+    steps = total_steps(cfg.optim, min(shard_sizes))
+    every = opts.average_every
+    if every is not None and opts.average_unit == "epochs":
+        every *= steps_per_epoch(min(shard_sizes), cfg.optim.batch_size)
+    boundaries = list(range(every, steps, every)) + [steps] if every else [steps]
+    weights = [float(s) if opts.weighting == "examples" else 1.0 for s in shard_sizes]
+    return Plan(steps, boundaries, every is not None or opts.outer_optimizer != "none", weights, eval_points(cfg, steps))
 
 
 class Lofi:
@@ -207,137 +169,139 @@ class Lofi:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
 
     def run(self, ctx: RunContext) -> RunRecord:
-        cfg, opts = ctx.cfg, ctx.cfg.options["lofi"]
-        clock, ledger, n = Stopwatch(), Ledger(), ctx.cfg.nodes.count
-        out = ctx.strategy_dir(self.name)
-        ckpt_dir = out / "checkpoints"
+        cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
+        clock, ledger = TrainClock(), Ledger()
+        ckpt_dir = ctx.strategy_dir(self.name) / "checkpoints"
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-
+        shards = ctx.shards()
+        plan = plan_rounds(cfg, opts, [num_examples(s) for s in shards])
         initial = state_dict_of(ctx.model)
-        shards, eval_sets = ctx.shards(), ctx.eval_sets()
-        weights_ref, eval_ref = ray.put(initial), ray.put(eval_sets)
-        ledger.send("setup", "initial_weights", initial, copies=n)
-        ledger.send("setup", "eval_sets", eval_sets, copies=n)
-        shard_refs = [ray.put(shard) for shard in shards]  # held here so a restarted node can re-fetch them
-        for shard in shards:
-            ledger.send("setup", "data_shard", shard)
-        options = actor_options(cfg.nodes.cpus, cfg.nodes.gpus, cfg.nodes.max_restarts, cfg.nodes.placement, cfg.nodes.resources)
-        nodes = [LofiNode.options(**options).remote(
-                     k, ctx.spec, weights_ref, shard_refs[k], eval_ref, cfg, str(ckpt_dir / f"node{k}.safetensors"))
-                 for k in range(n)]
-
-        try:
-            ray.get([node.__ray_ready__.remote() for node in nodes])
-            steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
-            every = opts.average_every
-            if every is not None and opts.average_unit == "epochs":
-                every *= steps_per_epoch(min(num_examples(s) for s in shards), cfg.optim.batch_size)
-            boundaries = list(range(every, steps, every)) + [steps] if every else [steps]
-            averaging = every is not None or opts.outer_optimizer != "none"
-            weights = [float(num_examples(s)) if opts.weighting == "examples" else 1.0 for s in shards]
+        with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts) as group:
+            weights_ref = group.put(initial, "setup", "initial_weights", copies=n)
+            group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
+            shard_refs = [group.put(shard, "setup", "data_shard") for shard in shards]  # kept for restarts
+            for k in range(n):
+                group.start(k, k, ctx.spec, weights_ref, shard_refs[k], cfg, str(ckpt_dir / f"node{k}.safetensors"))
+            group.ready()
+            logger.info("[lofi] %d nodes x %d steps, averaging at steps %s", n, plan.steps,
+                        plan.boundaries if plan.averaging else [plan.steps])
             outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
                 if opts.outer_optimizer == "nesterov" else None
-            print(f"[lofi] {n} nodes x {steps} steps, averaging at steps {boundaries if averaging else [steps]}", flush=True)
+            trained = self._train(ctx, group, plan, outer, initial, shards)
+            return self._finish(ctx, group, plan, outer, trained, clock)
 
-            # Training time as DDP measures it: the nodes' own loop time (slowest node per round),
-            # plus the driver's averaging rounds; Ray call overhead is left out of both.
-            train_s, rounds, snapshots = 0.0, [], []  # snapshots: (step, train_s at step, bytes sent by then)
-            points = eval_points(cfg, steps)
-            for i, until in enumerate(boundaries):
-                last = i == len(boundaries) - 1
-                phase = "final" if last else "train"
-                ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
-                start = boundaries[i - 1] if i else 0
-                due = [s for s in points if start < s <= until]
-                sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-                rounds.append(_collect(ledger, phase, "train_stats", [node.train.remote(until, due) for node in nodes]))
-                for s in due:  # a node restarted from a later checkpoint than s has no time for it: the others tell
-                    times = [r["snapshot_s"][s] for r in rounds[-1] if s in r["snapshot_s"]]
-                    if times:
-                        snapshots.append((s, train_s + max(times), sent))
-                train_s += max(s["train_s"] for s in rounds[-1])
-                ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
-                for stats in rounds[-1]:
-                    if stats["restored_from"] is not None:
-                        print(f"[lofi] node {stats['node']} died and resumed from its checkpoint at step {stats['restored_from']}", flush=True)
-                        ledger.send("train", "recovery_refetch", initial)
-                        ledger.send("train", "recovery_refetch", shards[stats["node"]])
-                if not last:
-                    round_clock = Stopwatch()
-                    average = _stream_average(ledger, "train", [node.weights.remote() for node in nodes], weights)
-                    if outer is not None:
-                        average = outer.step(average)
-                    ref = ray.put(average)
-                    ledger.send("train", "global_weights", average, copies=n)
-                    ray.get([node.load_weights.remote(ref) for node in nodes])
-                    train_s += round_clock.elapsed()
+    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, shards: list) -> dict:
+        """The rounds: train to each boundary with no communication, average between rounds.
+        Training time as DDP measures it: the nodes' own loop time (slowest node per round) plus
+        the driver's averaging rounds; Ray call overhead is left out of both."""
+        n, ledger = len(group), group.ledger
+        train_s, rounds, snapshots = 0.0, [], []  # snapshots: (step, train_s at step, bytes sent by then)
+        for i, until in enumerate(plan.boundaries):
+            last = i == len(plan.boundaries) - 1
+            ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
+            due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
+            sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
+            rounds.append(group.call("train", until, due, phase="final" if last else "train", what="train_stats"))
+            for s in due:  # a node restarted from a later checkpoint than s has no time for it: the others tell
+                times = [r["snapshot_s"][s] for r in rounds[-1] if s in r["snapshot_s"]]
+                if times:
+                    snapshots.append((s, train_s + max(times), sent))
+            train_s += max(s["train_s"] for s in rounds[-1])
+            ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
+            for stats in rounds[-1]:
+                if stats["restored_from"] is not None:
+                    logger.info("[lofi] node %d died and resumed from its checkpoint at step %d", stats["node"], stats["restored_from"])
+                    ledger.send("train", "recovery_refetch", initial)
+                    ledger.send("train", "recovery_refetch", shards[stats["node"]])
+            if not last:
+                round_clock = TrainClock()
+                average = average_nodes([group[k].weights.remote() for k in group.keys()], plan.weights, group.fetch, "train")
+                ref = group.put(outer.step(average) if outer is not None else average, "train", "global_weights", copies=n)
+                ray.get([group[k].load_weights.remote(ref) for k in group.keys()])
+                train_s += round_clock.elapsed()
+        return {"rounds": rounds, "train_s": train_s, "snapshots": snapshots}
 
-            node_metrics = _collect(ledger, "final", "node_metrics", [node.evaluate.remote() for node in nodes])
-            infos = _collect(ledger, "final", "node_info", [node.info.remote() for node in nodes])
-            task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
-            metric = task.metric
+    def _finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, trained: dict, clock: TrainClock) -> RunRecord:
+        cfg, opts, n, ledger = ctx.cfg, ctx.cfg.options["lofi"], len(group), group.ledger
+        node_metrics = group.evaluate_all()
+        infos = group.call("info", phase="final", what="node_info")
+        task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
+        collect_clock = TrainClock()
+        if opts.soup == "greedy":
+            average, soup_kept = self._greedy_soup(ctx, group, task, node_metrics)
+        else:
+            average = average_nodes([group[k].weights.remote() for k in group.keys()], plan.weights, group.fetch, "final")
             soup_kept = list(range(n))
-            collect_clock = Stopwatch()
-            if opts.soup == "greedy":
-                order = sorted(range(n), key=lambda k: node_metrics[k]["val_" + metric], reverse=(metric == "accuracy"))
-                refs = [nodes[k].weights.remote() for k in order]
-                scorer = build_model(ctx.spec)
-
-                def load(ref):
-                    return lambda: _fetch_one(ledger, ref)
-
-                def score(state):
-                    scorer.load_state_dict(state)
-                    return task.evaluate(scorer, ctx.data.val, cfg.optim.eval_batch_size)[metric] * (1 if metric == "accuracy" else -1)
-
-                average, kept, _ = greedy_soup([load(r) for r in refs], score)
-                soup_kept = [order[j] for j in kept]
-                collect_s = collect_clock.elapsed()
-            else:
-                average = _stream_average(ledger, "final", [node.weights.remote() for node in nodes], weights)
-                collect_s = collect_clock.elapsed()
-            if outer is not None:
-                average = outer.step(average)
-
-            model = build_model(ctx.spec)
+        collect_s = collect_clock.elapsed()
+        if outer is not None:
+            average = outer.step(average)
+        model = build_model(ctx.spec)
+        model.load_state_dict(average)
+        test_sets = ctx.eval_sets(("test", "shift"))
+        details = {"steps_per_node": plan.steps, "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
+                   "soup_nodes": soup_kept}
+        curve = self._snapshot_curve(ctx, group, trained["snapshots"], plan.weights, model, task, collect_s, n * payload_nbytes(average))
+        if opts.bn_recalibrate and batchnorm_layers(model):
+            details["average_without_bn_recalibration"] = score_sets(task, model, test_sets, cfg.optim.eval_batch_size)
+            bn_clock = TrainClock()
+            ref = group.put(average, "final", "averaged_weights_for_bn", copies=n)
+            average.update(combine_bn_statistics(group.call("bn_statistics", ref, opts.bn_batches, phase="final", what="bn_statistics")))
             model.load_state_dict(average)
-            details = {"steps_per_node": steps, "averaging_steps": boundaries if averaging else [steps], "soup_nodes": soup_kept}
-            curve = _snapshot_curve(nodes, snapshots, weights, model, task, ctx, collect_s, n * payload_nbytes(average))
-            if opts.bn_recalibrate and batchnorm_layers(model):
-                details["average_without_bn_recalibration"] = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
-                bn_clock = Stopwatch()
-                ref = ray.put(average)
-                ledger.send("final", "averaged_weights_for_bn", average, copies=n)
-                per_node = _collect(ledger, "final", "bn_statistics", [node.bn_statistics.remote(ref, opts.bn_batches) for node in nodes])
-                average.update(combine_bn_statistics(per_node))
-                model.load_state_dict(average)
-                collect_s += bn_clock.elapsed()
-            metrics = score_model(task, model, ctx.data.test, ctx.data.shift, cfg.optim.eval_batch_size)
-            samples = sum(s["samples"] for r in rounds for s in r)
-            curve.append(curve_point(steps, train_s + collect_s, samples, ledger.total_bytes, metrics))
-            details["collect_s"] = collect_s
-            details["curve_note"] = (f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
-                                     f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
-                                     f"average the {n} final models" + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
-                                     + "; bytes include that collection")
+            collect_s += bn_clock.elapsed()
+        metrics = score_sets(task, model, test_sets, cfg.optim.eval_batch_size)
+        details["collect_s"] = collect_s
+        details["curve_note"] = (f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
+                                 f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
+                                 f"average the {n} final models" + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
+                                 + "; bytes include that collection")
+        self._warn_if_worse(task.metric, metrics, node_metrics, details)
+        nodes = [{**info, "metrics": m, "train": [r[k] for r in trained["rounds"]]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
+        samples = sum(s["samples"] for r in trained["rounds"] for s in r)
+        return finish_record(self.name, ctx, ledger, clock, metrics=metrics, step=plan.steps, samples=samples, train_s=trained["train_s"],
+                             infos=infos, weights=average, curve=curve, nodes=nodes, details=details,
+                             curve_wall_s=trained["train_s"] + collect_s)
 
-            node_records = [{**info, "metrics": m, "train": [r[k] for r in rounds]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
-            node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / n
-            details["node_mean_" + f"id_{metric}"] = node_mean
-            if _better(metric, node_mean, metrics[f"id_{metric}"]):
-                msg = (f"lo-fi: the average scores worse than the mean of the nodes (id_{metric} {metrics[f'id_{metric}']:.4f} vs "
-                       f"{node_mean:.4f}): averaging left the shared basin. Try lofi.average_every (a few rounds), a lower lr, or a greedy soup.")
-                warnings.warn(msg, stacklevel=1)
-                details["warning"] = msg
-            weights_path = save_weights(out / "model.safetensors", average)
-            return RunRecord(self.name, metrics, ledger, clock.elapsed(), samples, train_s,
-                             max(i["peak_rss_bytes"] for i in infos), node_records, details, weights_path, curve)
-        finally:
-            for node in nodes:
-                ray.kill(node)
+    @staticmethod
+    def _greedy_soup(ctx: RunContext, group: NodeGroup, task, node_metrics: list[dict]) -> tuple[dict, list[int]]:
+        """Add nodes' models best first while the held-out score does not drop."""
+        metric, sign = task.metric, (1 if task.metric == "accuracy" else -1)
+        order = sorted(range(len(group)), key=lambda k: node_metrics[k]["val_" + metric], reverse=sign > 0)
+        refs = [group[k].weights.remote() for k in order]
+        scorer = build_model(ctx.spec)
 
+        def score(state):
+            scorer.load_state_dict(state)
+            return task.evaluate(scorer, ctx.data.val, ctx.cfg.optim.eval_batch_size)[metric] * sign
 
-def _fetch_one(ledger: Ledger, ref) -> dict:
-    state = ray.get(ref)
-    ledger.send("final", "node_weights", state)
-    return state
+        average, kept, _ = greedy_soup([lambda ref=ref: group.fetch.get([ref], "final", "node_weights")[0] for ref in refs], score)
+        return average, [order[j] for j in kept]
+
+    @staticmethod
+    def _snapshot_curve(ctx: RunContext, group: NodeGroup, snapshots: list[tuple[int, float, int]], weights: list[float], model, task,
+                        collect_s: float, collect_bytes: int) -> list[dict]:
+        """Score the average of the nodes' snapshots at each curve step (see the module docstring);
+        `model` is scratch space, loaded with the final average again at the end."""
+        curve, batch, n = [], ctx.cfg.optim.batch_size, len(group)
+        final = {k: v.clone() for k, v in model.state_dict().items()}
+        for step, train_s, sent in snapshots:
+            try:  # fetching snapshots is measurement: a scratch ledger
+                average = average_nodes([group[k].snapshot.remote(step) for k in group.keys()], weights, DriverFetches(Ledger()), "final")
+            except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
+                logger.warning("[lofi] no curve point at step %d: a node's snapshot is gone (%s)", step, type(err.cause).__name__)
+                continue
+            model.load_state_dict(average)
+            metrics = score_sets(task, model, ctx.eval_sets(("test", "shift")), ctx.cfg.optim.eval_batch_size)
+            curve.append(curve_point(step, train_s + collect_s, step * batch * n, sent + collect_bytes, metrics))
+        model.load_state_dict(final)
+        return curve
+
+    @staticmethod
+    def _warn_if_worse(metric: str, metrics: dict, node_metrics: list[dict], details: dict) -> None:
+        node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / len(node_metrics)
+        details[f"node_mean_id_{metric}"] = node_mean
+        worse = node_mean > metrics[f"id_{metric}"] if metric == "accuracy" else node_mean < metrics[f"id_{metric}"]
+        if worse:
+            msg = (f"lo-fi: the average scores worse than the mean of the nodes (id_{metric} {metrics[f'id_{metric}']:.4f} vs "
+                   f"{node_mean:.4f}): averaging left the shared basin. Try lofi.average_every (a few rounds), a lower lr, or a greedy soup.")
+            warnings.warn(msg, stacklevel=1)
+            details["warning"] = msg

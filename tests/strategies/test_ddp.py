@@ -5,7 +5,7 @@ import pytest
 from raylowcomm.cli import main
 from raylowcomm.ledger import payload_nbytes
 from raylowcomm.models import state_dict_of
-from raylowcomm.run import prepare
+from raylowcomm.runner import prepare
 from raylowcomm.strategies.ddp import Ddp
 from tests.strategies.test_lofi import tiny_config
 

@@ -10,15 +10,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raylowcomm.config import ConfigError, OptimConfig, from_dict
+from raylowcomm.config import ConfigError, OptimConfig
+from raylowcomm.strategies import from_dict
 from raylowcomm.core.interlock import reference_gradients, resnet_aux_heads, split_timm_resnet
 from raylowcomm.data import Datasets
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec
-from raylowcomm.run import prepare
+from raylowcomm.runner import prepare
 from raylowcomm.strategies.base import RunContext
-from raylowcomm.strategies.interlocking import (DriverFetches, Interlocking, Source, StageActor, message_plan,
-                                                train_interlocked)
+from raylowcomm.actors import DriverFetches
+from raylowcomm.strategies.interlocking import Interlocking, Source, StageActor, message_plan, train_interlocked
 from raylowcomm.tasks import CausalLM, ImageClassification
 from raylowcomm.training import batch_at
 from tests.core.test_interlock import NUM_CLASSES, tiny_resnet

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raylowcomm.config import from_dict
+from raylowcomm.strategies import from_dict
 from raylowcomm.core.averaging import average_state_dicts
 from raylowcomm.ledger import payload_nbytes
 from raylowcomm.models import state_dict_of
-from raylowcomm.run import prepare
+from raylowcomm.runner import prepare
 from raylowcomm.strategies.lofi import Lofi
 
 

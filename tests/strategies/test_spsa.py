@@ -5,11 +5,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raylowcomm.config import ConfigError, from_dict
+from raylowcomm.config import ConfigError
+from raylowcomm.strategies import from_dict
 from raylowcomm.core import zo
 from raylowcomm.ledger import Ledger
-from raylowcomm.run import prepare
-from raylowcomm.strategies.spsa import LeaveEvent, ReplicaMismatch, Spsa, SpsaNode, check_replicas
+from raylowcomm.runner import prepare
+from raylowcomm.actors import ReplicaMismatch, check_replicas
+from raylowcomm.strategies.spsa import LeaveEvent, Spsa, SpsaNode
 
 
 def tiny_config(steps=20, count=2, eval_every=0, **spsa):

@@ -3,51 +3,66 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
-import traceback
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
+from raylowcomm import catalog
 from raylowcomm.config import RunConfig
+from raylowcomm.env import set_hub_defaults
 from raylowcomm.data import load_datasets, num_examples
 from raylowcomm.models import load_pretrained
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies import STRATEGIES
 from raylowcomm.strategies.base import RunContext
+from raylowcomm.tensorboard import TensorBoardLog
 from raylowcomm.training import total_steps
 
-NUM_CLASSES = {"mnist": 10, "rotten_tomatoes": 2}
+logger = logging.getLogger("raylowcomm")
 
 
 def prepare(cfg: RunConfig, out_dir: Path) -> RunContext:
     """Everything that can fail on bad input happens here, before any actor starts."""
-    num_classes = NUM_CLASSES.get(cfg.data.name) if cfg.model.family != "hf_causal_lm" else None
-    model, spec, tokenizer = load_pretrained(cfg.model, num_classes, cfg.seed)
-    data = load_datasets(cfg.data, tokenizer, prompt=cfg.model.family == "hf_causal_lm")
+    model, spec, tokenizer = load_pretrained(cfg.model, catalog.num_classes(cfg.model.family, cfg.data.name), cfg.seed)
+    data = load_datasets(cfg.data, tokenizer, prompt=catalog.task_name(cfg.model.family, cfg.data.name) == "prompt_classification")
     total_steps(cfg.optim, num_examples(data.train) // cfg.nodes.count)  # batch size vs shard size, checked now
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return RunContext(cfg, model, spec, data, out_dir)
 
 
-def run(cfg: RunConfig, out_dir: str | Path | None = None) -> list[dict]:
-    """Run every strategy of `cfg`; results.json is rewritten after each, so none is lost."""
+def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[str, dict], None] | None = None) -> list[dict]:
+    """Run every strategy of `cfg` and return their records (what results.json holds); the file
+    is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
+    the strategies report while they train (step, train_loss, evaluations)."""
+    set_hub_defaults()
     out = Path(out_dir or cfg.out_dir)
     ctx = prepare(cfg, out)
     init_ray()
     records: list[dict] = []
-    for name in cfg.strategies:
-        print(f"=== {name} ===", flush=True)
-        started = time.time()
-        try:
-            records.append(STRATEGIES[name]().run(ctx).to_dict())
-        except Exception as err:  # one strategy failing must not lose the others' results
-            traceback.print_exc()
-            records.append({"strategy": name, "error": f"{type(err).__name__}: {err}", "wall_s": round(time.time() - started, 3)})
-        (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
-    print(format_table(records))
-    print(f"results: {out / 'results.json'}")
+    with TensorBoardLog(out) as board:
+        for name in cfg.strategies:
+            logger.info("=== %s ===", name)
+            started = time.time()
+
+            def report(metrics: dict, name: str = name) -> None:
+                board.progress(name, metrics)
+                if progress is not None:
+                    progress(name, metrics)
+
+            ctx.report = report
+            try:
+                records.append(STRATEGIES[name]().run(ctx).to_dict())
+            except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
+                logger.exception("%s failed; its actors were released", name)
+                records.append({"strategy": name, "error": f"{type(err).__name__}: {err}", "wall_s": round(time.time() - started, 3)})
+            board.record(records[-1])
+            (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
+    logger.info("%s", format_table(records))
+    logger.info("results: %s; curves: tensorboard --logdir %s", out / "results.json", out / "tensorboard")
     return records
 
 

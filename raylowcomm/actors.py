@@ -1,0 +1,252 @@
+"""The actor layer: the one place where node actors are created, placed, given a device and a
+model, evaluated, and torn down. Strategies compose it; it never knows which paper it serves.
+
+- `Node` is what every node process holds (threads, device, model, task, evaluation sets); Ray
+  actor classes subclass it, and DDP's Ray Train workers use it as it is.
+- `NodeGroup` is the driver's handle on a strategy's actors: it starts them from `NodesConfig`
+  (resources, placement, restarts), books every payload it sends or fetches in the ledger, and
+  kills every actor when its `with` block ends: on success, on an error, on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+import ray
+import torch
+
+from raylowcomm.config import RunConfig
+from raylowcomm.core.zo import parameter_hash
+from raylowcomm.ledger import Ledger
+from raylowcomm.models import ModelSpec, build_model, state_dict_of
+from raylowcomm.runtime import actor_options, device_for, setup_threads
+from raylowcomm.tasks import score_sets, task_for
+from raylowcomm.training import peak_rss_bytes
+
+logger = logging.getLogger("raylowcomm")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is now (Ray forwards an actor's stdout to the driver)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+def log_to_stdout(level: int = logging.INFO) -> None:
+    """Send raylowcomm's log lines to stdout, once per process (the CLI's and each actor's)."""
+    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def start_process(cpus: float, gpus: float) -> str:
+    """What every node process does first: torch threads = its CPUs, log lines to stdout; returns
+    the device it computes on."""
+    setup_threads(cpus)
+    log_to_stdout()
+    return device_for(gpus)
+
+
+def process_info() -> dict:
+    """Where an actor runs and how much memory it peaked at."""
+    pg = ray.util.get_current_placement_group() if ray.is_initialized() else None
+    return {"host": socket.gethostname(), "ray_node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            "pid": os.getpid(), "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def count_tensors(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(count_tensors(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(count_tensors(v) for v in obj)
+    return 0
+
+
+class Node:
+    """One node's process: its model (rebuilt from the spec, loaded with `weights`), its task on
+    its device, and the evaluation sets it fetches once, at its first evaluation."""
+
+    label = "node"
+
+    def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, weights: dict | None = None):
+        self.rank, self.cfg = rank, cfg
+        self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
+        self.model = build_model(spec).to(self.device)
+        if weights is not None:
+            self.model.load_state_dict(weights)
+        self.task = task_for(spec.family, cfg.data.image_size, self.device, data=cfg.data.name)
+        self.eval_sets: dict | None = None
+
+    def log(self, msg: str) -> None:
+        logger.info("[%s %s] %s", self.label, self.rank, msg)
+
+    def evaluate(self, sets: list) -> dict:
+        """Score the model through its task; `sets` = [ref of {name: split}], nested so that the
+        sets are fetched once, by the first evaluation, and kept."""
+        if self.eval_sets is None:
+            self.eval_sets = ray.get(sets[0]) if isinstance(sets[0], ray.ObjectRef) else sets[0]
+        return score_sets(self.task, self.model, self.eval_sets, self.cfg.optim.eval_batch_size)
+
+    def weights(self) -> dict:
+        return state_dict_of(self.model)
+
+    def load_weights(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+    def hash(self) -> str:
+        """Exact hash of the parameters: replicas that must be identical compare it."""
+        return parameter_hash(list(self.model.named_parameters()))
+
+    def crash(self) -> None:
+        """Exit abruptly, as a crashed node would (failure tests and `spsa.leave` with how=kill)."""
+        os._exit(1)
+
+    def info(self) -> dict:
+        return {"node": self.rank, **process_info(), **self.extra_info()}
+
+    def extra_info(self) -> dict:
+        return {}
+
+
+class DriverFetches:
+    """Everything the driver reads back from actors: booked in the ledger by phase and kind, and
+    counted (bytes, tensors) so a strategy can show that only small messages came back."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger, self.bytes, self.tensors = ledger, 0, 0
+
+    def get(self, refs: list, phase: str, what: str) -> list:
+        values = ray.get(refs)
+        for v in values:
+            self.book(v, phase, what)
+        return values
+
+    def book(self, value, phase: str, what: str):
+        self.bytes += self.ledger.send(phase, what, value)
+        self.tensors += count_tensors(value)
+        return value
+
+    def as_ready(self, refs: list, phase: str, what: str):
+        """Yield (index in `refs`, value) as each result arrives, booked: one fetched at a time."""
+        pending = dict(zip(refs, range(len(refs))))
+        while pending:
+            [ready], _ = ray.wait(list(pending), num_returns=1)
+            yield pending.pop(ready), self.book(ray.get(ready), phase, what)
+
+
+class ReplicaMismatch(RuntimeError):
+    pass
+
+
+def check_replicas(nodes: dict, step: int, ledger: Ledger) -> str:
+    """The replicas' common exact parameter hash; ReplicaMismatch naming the step and the
+    nodes of each differing group otherwise."""
+    hashes = dict(zip(nodes, ray.get([n.hash.remote() for n in nodes.values()])))
+    ledger.record("train", "verify_hash", sum(len(h) for h in hashes.values()))
+    groups: dict[str, list[int]] = {}
+    for k, h in hashes.items():
+        groups.setdefault(h, []).append(k)
+    if len(groups) > 1:
+        detail = "; ".join(f"nodes {ks} hash {h[:16]}" for h, ks in groups.items())
+        raise ReplicaMismatch(f"replicas differ after step {step}: {detail}")
+    return next(iter(groups))
+
+
+
+
+class NodeGroup:
+    """A strategy's actors, keyed by node id: started from `cfg.nodes`, every transfer booked,
+    all killed when the `with` block ends however it ends."""
+
+    def __init__(self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0):
+        self.actor_class, self.cfg, self.ledger = actor_class, cfg, ledger
+        n = cfg.nodes
+        self.options = actor_options(n.cpus, n.gpus, restarts, n.placement, n.resources)
+        self.actors: dict[int, ray.actor.ActorHandle] = {}
+        self.fetch = DriverFetches(ledger)
+        self._eval_sets: dict = {}
+        self._eval_ref = None
+        self._holding_eval_sets: set[int] = set()
+
+    def __enter__(self) -> NodeGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __getitem__(self, key: int):
+        return self.actors[key]
+
+    def keys(self) -> list[int]:
+        return sorted(self.actors)
+
+    def handles(self) -> list:
+        return [self.actors[k] for k in self.keys()]
+
+    def start(self, key: int, *args, **kwargs):
+        """Start actor `key` (its constructor gets `*args, **kwargs`); ObjectRefs among them are
+        fetched by the actor itself, from wherever they live."""
+        self.actors[key] = self.actor_class.options(**self.options).remote(*args, **kwargs)
+        return self.actors[key]
+
+    def ready(self) -> None:
+        ray.get([a.__ray_ready__.remote() for a in self.actors.values()])
+
+    def put(self, obj, phase: str, what: str, copies: int = 1) -> ray.ObjectRef:
+        """One object in the store for `copies` actors to fetch: each fetch is booked."""
+        self.ledger.send(phase, what, obj, copies=copies)
+        return ray.put(obj)
+
+    def call(self, method: str, *args, phase: str, what: str, keys: list[int] | None = None) -> list:
+        """`method(*args)` on the actors (all, or `keys`), results booked as they come back."""
+        keys = self.keys() if keys is None else keys
+        return self.fetch.get([getattr(self.actors[k], method).remote(*args) for k in keys], phase, what)
+
+    def share_eval_sets(self, sets: dict, keys: list[int] | None = None, phase: str = "setup") -> None:
+        """Make the evaluation sets available; each actor's fetch of them is booked once, here
+        for `keys`, or at its first `evaluate`."""
+        self._eval_sets = {k: v for k, v in sets.items() if v is not None}
+        self._eval_ref = ray.put(self._eval_sets)
+        for k in keys or []:
+            self._book_eval_sets(k, phase)
+
+    def _book_eval_sets(self, key: int, phase: str) -> None:
+        if key not in self._holding_eval_sets:
+            for split in self._eval_sets.values():
+                self.ledger.send(phase, "eval_sets", split)
+            self._holding_eval_sets.add(key)
+
+    def evaluate_on(self, key: int, phase: str = "final", sets_phase: str = "setup") -> dict:
+        """Metrics of actor `key`'s model, scored where it lives."""
+        self._book_eval_sets(key, sets_phase)
+        return self.fetch.get([self.actors[key].evaluate.remote([self._eval_ref])], phase, "eval_metrics")[0]
+
+    def evaluate_all(self, phase: str = "final") -> list[dict]:
+        for k in self.actors:
+            self._book_eval_sets(k, "setup")
+        return self.call("evaluate", [self._eval_ref], phase=phase, what="node_metrics")
+
+    def remove(self, key: int) -> None:
+        ray.kill(self.actors.pop(key))
+
+    def forget(self, key: int) -> None:
+        """Drop an actor that died by itself."""
+        self.actors.pop(key)
+
+    def shutdown(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors.clear()

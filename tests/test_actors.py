@@ -1,0 +1,127 @@
+"""The actor layer: a strategy that fails mid-run releases every actor and the next strategy of
+the run starts; one model scores the same through every strategy's evaluation path."""
+
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+
+from raylowcomm.actors import DriverFetches, Node
+from raylowcomm.core.interlock import split_hf_decoder, split_timm_cnn
+from raylowcomm.data import Datasets
+from raylowcomm.ledger import Ledger
+from raylowcomm.models import state_dict_of
+from raylowcomm.runner import prepare, run
+from raylowcomm.strategies import from_dict
+from raylowcomm.strategies.interlocking import Source, StageActor, evaluate_chained, final_head_metrics
+from raylowcomm.strategies.lofi import LofiNode
+from raylowcomm.strategies.spsa import SpsaNode
+from raylowcomm.tasks import CausalLM, score_sets, task_for
+
+ACTOR_CLASS = {"lofi": "LofiNode", "spsa": "SpsaNode", "interlocking": "StageActor"}
+
+
+def small_config(strategies, **top):
+    return from_dict({
+        "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
+        "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "max_steps": 3},
+        "nodes": {"count": 2, "cpus": 1}, "strategies": strategies, "log_every": 1000,
+        "spsa": {"verify_every": 100}, "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8]}, **top,
+    })
+
+
+def actor_processes(cls: str) -> list[int]:
+    """Live Ray worker processes of an actor class (Ray titles them ray::<Class>[.<method>])."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if f"ray::{cls}" in cmd:
+            found.append(proc.pid)
+    return found
+
+
+def wait_until_gone(cls: str, timeout: float = 30.0) -> list[int]:
+    deadline = time.time() + timeout
+    while actor_processes(cls) and time.time() < deadline:
+        time.sleep(0.2)
+    return actor_processes(cls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing, following", [("lofi", "spsa"), ("spsa", "interlocking"), ("interlocking", "lofi")])
+def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(ray_session, tmp_path, failing, following):
+    cpus = ray.available_resources().get("CPU", 0)
+    seen = {}
+
+    def progress(name, metrics):
+        seen[name] = seen.get(name, 0) + 1
+        if name == failing:
+            assert actor_processes(ACTOR_CLASS[failing]), "the failure must come while the strategy's actors are alive"
+            raise RuntimeError(f"injected failure in {name} at step {metrics['step']}")
+
+    records = run(small_config([failing, following]), tmp_path, progress=progress)
+    assert records[0]["strategy"] == failing and "injected failure" in records[0]["error"]
+    assert records[1]["strategy"] == following and "error" not in records[1] and "id_accuracy" in records[1]["metrics"]
+    assert seen[failing] == 1 and seen[following] >= 1
+    assert wait_until_gone(ACTOR_CLASS[failing]) == [], f"{failing}'s actors outlived its failure"
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == cpus, "every CPU the run took is free again"
+
+
+def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
+    """The driver (lo-fi's average), a lo-fi node, an SPSA node, a DDP worker's Node and the
+    interlocking chain of one stage all score one model through tasks: identical metrics."""
+    cfg = small_config(["lofi"])
+    ctx = prepare(cfg, tmp_path)
+    sets = ctx.eval_sets(("test", "shift"))
+    weights = state_dict_of(ctx.model.eval())
+    task = task_for("timm", cfg.data.image_size, data="mnist")
+    expected = score_sets(task, ctx.model, sets, cfg.optim.eval_batch_size)
+    assert {"id_accuracy", "id_loss", "shift_accuracy", "shift_loss"} == expected.keys()
+    sets_ref = ray.put(sets)
+
+    lofi = LofiNode.remote(0, ctx.spec, weights, ctx.data.train, cfg, str(tmp_path / "node0.safetensors"))
+    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.train, cfg, weights=weights)
+    try:
+        assert ray.get(lofi.evaluate.remote([sets_ref])) == expected
+        assert ray.get(spsa.evaluate.remote([sets_ref])) == expected
+    finally:
+        ray.kill(lofi)
+        ray.kill(spsa)
+    assert Node(0, cfg, ctx.spec, weights).evaluate([sets]) == expected  # what a DDP worker runs
+
+    stage = StageActor.remote(1, 0)
+    try:
+        [module] = split_timm_cnn(ctx.model, 1)
+        source = Source("image", ctx.data.train, sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
+        ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "cross_entropy", cfg.optim, 1, source))
+        per_set, sent = evaluate_chained([stage], sets, cfg.optim.eval_batch_size, DriverFetches(Ledger()), "cross_entropy")
+    finally:
+        ray.kill(stage)
+    assert sent == 0 and final_head_metrics(per_set) == expected
+
+
+def test_the_chain_of_one_decoder_stage_scores_what_the_causal_lm_scores(ray_session):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    data = Datasets(train={"input_ids": torch.randint(0, 64, (32, 12))}, test={"input_ids": torch.randint(0, 64, (20, 12))})
+    expected = CausalLM().evaluate(model, data.test, 8)
+    stage = StageActor.remote(1, 0)
+    try:
+        [module] = split_hf_decoder(model, 1)
+        source = Source("tokens", data.train, {"test": data.test}, 8, 0, eval_batch_size=8)
+        ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "causal_lm", from_dict({}).optim, 1, source))
+        per_set, _ = evaluate_chained([stage], {"test": data.test}, 8, DriverFetches(Ledger()), "causal_lm")
+    finally:
+        ray.kill(stage)
+    assert per_set["test"][0]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert per_set["test"][0]["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-6)
