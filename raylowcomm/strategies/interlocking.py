@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 import ray
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from raylowcomm import catalog
 from raylowcomm.config import ConfigError, OptimConfig, RunConfig
@@ -103,7 +103,7 @@ class StageActor:
         self.stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
                                     lambda params: make_optimizer(optim, params), micro_batches)
         self.index, self.last = index, index == num_stages - 1
-        self.loss, self.micro_batches, self.source = loss, micro_batches, source
+        self.micro_batches, self.source = micro_batches, source
         self.dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
         self.task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device)
         self._reset_report()

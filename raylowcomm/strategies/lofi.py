@@ -1,17 +1,11 @@
 """lo-fi (Wortsman et al. 2022): every node fine-tunes its own copy on its own shard with no
-communication; the driver averages the weights once at the end.
+communication; the driver averages the weights once at the end (or every `average_every`).
 
-What crosses: initial weights and each node's shard (setup); with `average_every`, each round's
-node weights and the re-broadcast average (train); final weights, metrics and, for BatchNorm
-models, the averaged model out and its recomputed BN statistics back (final).
-
-Curve without communicating: at every `eval_every` step a node saves a snapshot of its weights
-on its own disk and notes its training time. After training, the driver averages snapshot s
-across nodes and scores it; the point's time is the slowest node's training time at s plus the
-measured time of the final collection (fetching and averaging the N models, as that link
-costs), and its bytes are the bytes sent up to s plus one collection of the N models. Snapshot
-averages are plain (or by-examples) averages: no BN recalibration, soup or outer step; only the
-final point has those. Fetching the snapshots is measurement, outside the run's ledger.
+Curve without communicating: at every `eval_every` step a node snapshots its weights on its own
+disk. After training the driver averages snapshot s across nodes and scores it (plain or
+by-examples average: no BN recalibration, soup or outer step); the point's time is the slowest
+node's training time at s plus the measured time of the final collection, its bytes those sent
+by s plus one collection. Fetching the snapshots is measurement, outside the run's ledger.
 """
 
 from __future__ import annotations
@@ -170,8 +164,7 @@ class Lofi:
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
-        clock, ledger = TrainClock(), Ledger()
-        ckpt_dir = ctx.strategy_dir(self.name) / "checkpoints"
+        clock, ledger, ckpt_dir = TrainClock(), Ledger(), ctx.strategy_dir(self.name) / "checkpoints"
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         shards = ctx.shards()
         plan = plan_rounds(cfg, opts, [num_examples(s) for s in shards])

@@ -54,9 +54,8 @@ class SpsaConfig:
     codec: Literal["log", "linear", "float32"] = "log"
     """log/linear: one byte per projected gradient; float32: four, for comparison."""
     g_min: float = 1e-3
-    """log codec: smallest nonzero |g|."""
     g_max: float = 1e3
-    """log codec: largest |g| (larger values clip)."""
+    """log codec: smallest nonzero |g| and largest |g| (larger values clip)."""
     scale: float = 1 / 16
     """linear codec: grid step."""
     perturbation: Literal["rademacher", "gaussian"] = "rademacher"
@@ -190,9 +189,7 @@ class SpsaRun:
         self.ledger, self.shards, self.steps, self.codec = group.ledger, shards, steps, make_codec(self.opts)
         self.clock, self.train_clock = TrainClock(), None
         self.ckpt = ctx.strategy_dir(Spsa.name) / "checkpoints" / "latest.safetensors"
-        self.records: dict[int, dict] = {}
-        self.infos: dict[int, dict] = {}
-        self.verified, self.curve, self.samples = [], [], 0
+        self.records, self.infos, self.verified, self.curve, self.samples = {}, {}, [], [], 0
         self.per_step = {"payload": [], "wire": [], "control": [], "wall": []}
 
     def run(self) -> RunRecord:
@@ -261,15 +258,13 @@ class SpsaRun:
                 messages[k] = ray.get(call)
             except ray.exceptions.RayActorError:
                 self.leave(k, step, "died")
-        if not messages:
+        if not (pubs := sorted(messages)):
             raise RuntimeError(f"step {step}: every node has left")
-        pubs = sorted(messages)
         codes = {k: m[:-LOSS_BYTES] for k, m in messages.items()}
         wire, control, applies = sum(wire_nbytes(m) for m in messages.values()), 0, {}
         for k in pubs:
             ledger.record("train", "projected_grads", len(codes[k]))
             ledger.record("train", "train_loss", LOSS_BYTES)
-        for k in pubs:
             others = b"".join(codes[j] for j in pubs if j != k)
             ledger.record("train", "projected_grads_relay", len(others))
             wire, control = wire + wire_nbytes(others), control + wire_nbytes(pubs)
@@ -284,8 +279,7 @@ class SpsaRun:
         for key, value in (("payload", sum(map(len, codes.values()))), ("wire", wire), ("control", control),
                            ("wall", time.perf_counter() - t0)):
             self.per_step[key].append(value)
-        losses = [struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()]
-        return {"step": step + 1, "train_loss": sum(losses) / len(losses)}
+        return {"step": step + 1, "train_loss": sum(struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()) / len(pubs)}
 
     def verify(self, step: int) -> None:
         digest = check_replicas(self.group.actors, step, self.ledger)
