@@ -239,6 +239,17 @@ class NodeGroup:
             self._book_eval_sets(k, "setup")
         return self.call("evaluate", [self._eval_ref], phase=phase, what="node_metrics")
 
+    def gather(self, calls: dict[int, ray.ObjectRef]) -> tuple[dict[int, object], list[int]]:
+        """Results of calls keyed by actor, and the actors that died meanwhile (the caller books
+        what crossed: it knows what the payload is)."""
+        values, dead = {}, []
+        for key, ref in calls.items():
+            try:
+                values[key] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(key)
+        return values, dead
+
     def remove(self, key: int) -> None:
         ray.kill(self.actors.pop(key))
 

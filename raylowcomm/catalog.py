@@ -34,6 +34,8 @@ TASKS = {
 """(model family, dataset kind) -> the task that trains and scores that model on that data."""
 
 FAMILIES_FOR_KIND = {kind: sorted(f for f, k in TASKS if k == kind) for kind in ("image", "labelled_text", "text")}
+FAMILY_DATA = {kind: " or ".join(d.name for d in DATASETS.values() if d.kind == kind) for kind in ("image", "labelled_text", "text")}
+"""Dataset names of each kind, for error messages."""
 
 
 def dataset(name: str) -> DatasetInfo:

@@ -63,14 +63,14 @@ def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(ra
             raise RuntimeError(f"injected failure in {name} at step {metrics['step']}")
 
     records = run(small_config([failing, following]), tmp_path, progress=progress)
-    assert records[0]["strategy"] == failing and "injected failure" in records[0]["error"]
+    assert records[0]["strategy"] == failing and "injected failure" in records[0].get("error", ""), records[0]
     assert records[1]["strategy"] == following and "error" not in records[1] and "id_accuracy" in records[1]["metrics"]
     assert seen[failing] == 1 and seen[following] >= 1
     assert wait_until_gone(ACTOR_CLASS[failing]) == [], f"{failing}'s actors outlived its failure"
-    deadline = time.time() + 30
+    deadline = time.time() + 30  # an earlier test's killed actors may still be freeing theirs: at least as many as before
     while ray.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == cpus, "every CPU the run took is free again"
+    assert ray.available_resources().get("CPU", 0) >= cpus, "every CPU the run took is free again"
 
 
 def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):

@@ -603,3 +603,116 @@ def message_plan(num_stages: int, n: int, rule: str) -> list[list[frozenset[int]
         incoming = [h for h in plan[k + 1] if h] if k + 1 < num_stages else []
         plan[k] = [frozenset({k}) & up] + [h & up for h in incoming]
     return plan
+
+
+def map_tensors(value, fn):
+    """`fn` on each tensor of a message: an (h, targets) tuple or a {head: gradient} dict."""
+    return tuple(fn(v) for v in value) if isinstance(value, tuple) else {j: fn(g) for j, g in value.items()}
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StageWorker:
+    """An :class:`InterlockStage` as a pipeline worker, without any transport: micro-batch ids
+    from (batch, micro-batch), the optimizer step as soon as a batch is complete, busy time, the
+    step times, and the size of every message it hands to the transport (the Ray StageActor)."""
+
+    def __init__(self, stage: InterlockStage, micro_batches: int, last: bool, task):
+        """`task` turns a batch into (inputs, targets) and scores logits (raylowcomm.tasks)."""
+        self.stage, self.micro_batches, self.last, self.task = stage, micro_batches, last, task
+        self.dtype = next(p.dtype for p in stage.module.parameters() if p.is_floating_point())
+        self.steps_done, self.step_times = 0, []
+        self._reset()
+
+    def inputs(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """A first stage's (x, targets) of a batch, x in the stage's dtype."""
+        x = self.task.inputs(batch)
+        return (x.to(self.dtype) if x.is_floating_point() else x), self.task.targets(batch)
+
+    def _reset(self) -> None:
+        self.busy_s, self.sent = 0.0, {"activations": [], "targets": [], "gradients": []}
+
+    def _timed(self, work):
+        start = time.perf_counter()
+        out = work()
+        if self.stage.ready_to_step:
+            self.stage.step()
+            self.steps_done += 1
+            self.step_times.append(time.perf_counter())
+        self.busy_s += time.perf_counter() - start
+        return out
+
+    def _upstream(self, msg: dict[int, Tensor]) -> dict[int, Tensor]:
+        if msg:
+            self.sent["gradients"].append(_nbytes(*msg.values()))
+        return msg
+
+    def forward(self, step: int, mb: int, x: Tensor, y: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
+        """(h for the next stage, the early upstream message {k: dL_k/dx_k}, maybe empty)."""
+        mb_id = step * self.micro_batches + mb
+        h, early = self._timed(lambda: (self.stage.forward(mb_id, x, y), self.stage.backward(mb_id, {})))
+        if not self.last:
+            self.sent["activations"].append(_nbytes(h))
+            self.sent["targets"].append(_nbytes(y))
+        return h, self._upstream(early)
+
+    def backward(self, step: int, mb: int, msg: dict[int, Tensor]) -> dict[int, Tensor]:
+        """Use one downstream message {j: dL_j/dh_k}; the message for stage k − 1 (maybe empty)."""
+        return self._upstream(self._timed(lambda: self.stage.backward(step * self.micro_batches + mb, msg)))
+
+    @torch.no_grad()
+    def evaluate(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict]:
+        """Eval-mode forward of a chunk: (h for the next stage, the task's sums for this head)."""
+        modules = [m for m in (self.stage.module, self.stage.head) if m is not None]
+        was = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+        h = self.stage.module(x)
+        metrics = self.task.sums(self.stage.head(h) if self.stage.head is not None else h, y)
+        for m, w in zip(modules, was):
+            m.train(w)
+        metrics["sent_bytes"] = 0 if self.last else _nbytes(h, y)
+        return h, metrics
+
+    def report(self) -> dict:
+        """Since the last report: own-head losses, busy seconds, sizes of every message sent."""
+        out = {"losses": list(self.stage.pop_losses().values()), "busy_s": self.busy_s, "sent": self.sent,
+               "steps_done": self.steps_done}
+        self._reset()
+        return out
+
+    def timing(self) -> dict:
+        gaps = [b - a for a, b in zip(self.step_times, self.step_times[1:])]
+        return {"steps": self.steps_done, "median_step_interval_s": statistics.median(gaps) if gaps else None}
+
+
+LOSSES = {"cross_entropy": F.cross_entropy, "causal_lm": causal_lm_loss}
+"""A stage's head loss, by name (what travels to a stage actor)."""
+LOSS_OF_FAMILY = {"timm": "cross_entropy", "hf_causal_lm": "causal_lm"}
+
+
+@dataclass
+class Source:
+    """What stage 0 builds micro-batches from: ``kind`` "image" (uint8 pixels -> the net's
+    input, labels as targets) or "tokens" (input_ids are inputs and targets)."""
+
+    kind: Literal["image", "tokens"]
+    train: dict[str, Tensor]
+    eval_sets: dict[str, dict[str, Tensor]]
+    batch_size: int
+    seed: int
+    image_size: int = 32
+    eval_batch_size: int = 256
+
+    def micro_batch(self, step: int, mb: int, micro_batches: int) -> dict[str, Tensor]:
+        """Micro-batch `mb` of training batch `step` (batches as every strategy draws them)."""
+        from raylowcomm.training import batch_at
+
+        size = self.batch_size // micro_batches
+        return {k: v[mb * size:(mb + 1) * size] for k, v in batch_at(self.train, step, self.batch_size, self.seed).items()}
+
+    def eval_chunk(self, name: str, chunk: int) -> dict[str, Tensor]:
+        start = chunk * self.eval_batch_size
+        return {k: v[start:start + self.eval_batch_size] for k, v in self.eval_sets[name].items()}

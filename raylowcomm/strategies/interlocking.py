@@ -1,41 +1,30 @@
-"""Interlocking backpropagation on Ray (Gomez et al. 2020): the model is split depth-wise into K
-stages, one `StageActor` each (its module, its aux head, its own optimizer), with several
-micro-batches in flight so that all stages compute at once. Stage k is trained by the loss of
-head min(k + n − 1, K − 1) (``farthest``) or the sum of heads k .. that one (``sum``); every aux
-head by its own loss: n = 1 is local learning, ``farthest`` with n = K end-to-end backprop. The
-routing is plain torch in core/interlock.py.
-
-Stage 0 builds each micro-batch from the training split it holds. A stage's ``forward`` puts
-(h, targets) in the object store and returns only the ref, which the driver hands unread to stage
-k + 1; gradient messages ({head: dL/dx}) travel back the same way, so the driver only handles
-refs and small dicts (``details.driver_fetched``). The driver submits each batch's calls in a
-fixed per-actor order and never waits on a batch as a whole (at most ``max_batches_ahead`` in
-flight); a stage steps inside the call that completes its last micro-batch. Curve: every
+"""Interlocking backpropagation on Ray (Gomez et al. 2020): the model split depth-wise into K
+stages, one `StageActor` each (routing and stage work in core/interlock.py), micro-batches in
+flight so that all stages compute at once. A stage's ``forward`` puts (h, targets) in the object
+store and returns the ref, which the driver hands unread to stage k + 1; gradients travel back
+the same way, so the driver only handles refs and small dicts (``details.driver_fetched``). The
+driver never waits on a batch as a whole (at most ``max_batches_ahead`` in flight). Curve: every
 ``eval_every`` batches the pipeline drains and every head is scored through the chain, off the
-clock. Bytes: every activation, target and gradient tensor one stage sends another, by nbytes.
-"""
+clock. Bytes: every tensor one stage sends another."""
 
 from __future__ import annotations
 
 import copy
-import statistics
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import ray
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from raylowcomm import catalog
 from raylowcomm.config import ConfigError, OptimConfig, RunConfig
-from raylowcomm.core.interlock import (InterlockStage, aux_heads, causal_lm_loss, measure_balance, message_plan, split_model,
-                                       units_per_stage, untie_lm_head)
+from raylowcomm.core.interlock import (LOSS_OF_FAMILY, LOSSES, InterlockStage, Source, StageWorker, aux_heads, map_tensors,
+                                       measure_balance, message_plan, split_model, units_per_stage, untie_lm_head)
 from raylowcomm.data import Split, num_examples
 from raylowcomm.actors import DriverFetches, NodeGroup, process_info, start_process
-from raylowcomm.ledger import Ledger, payload_nbytes
+from raylowcomm.ledger import Ledger
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
 from raylowcomm.tasks import SET_PREFIX, CausalLM, ImageClassification, add_sums, task_for
@@ -54,176 +43,86 @@ class InterlockingConfig:
     micro_batches: int = 4
     """Micro-batches per optimizer step, in flight together; optim.batch_size is split evenly."""
     balance: Literal["blocks", "params", "measured"] = "blocks"
-    """How units (stem + ResNet blocks / decoder layers) are grouped into stages; measured:
-    by timed forward + backward of each unit on one micro-batch."""
+    """How units (stem + blocks / decoder layers) are grouped into stages; measured: by their timed forward + backward."""
     aux_widths: list[int] = field(default_factory=lambda: [128, 64])
     """ResNet aux heads: (3x3 conv, BN, ReLU) widths before pool + linear."""
-    aux_init_from_lm_head: bool = True
-    """Decoder aux heads start as a copy of the final norm + lm_head (else random)."""
+    aux_init_from_lm_head: bool = True  # decoder aux heads: a copy of the final norm + lm_head (else random)
     time_budget_s: float | None = None
     """Stop submitting batches after this many seconds of training (in-flight ones finish)."""
     max_batches_ahead: int = 2
     """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier)."""
 
 
-LOSSES = {"cross_entropy": F.cross_entropy, "causal_lm": causal_lm_loss}
-
-
-@dataclass
-class Source:
-    """What stage 0 builds micro-batches from: ``kind`` "image" (uint8 pixels -> the net's
-    input, labels as targets) or "tokens" (input_ids are inputs and targets)."""
-
-    kind: Literal["image", "tokens"]
-    train: Split
-    eval_sets: dict[str, Split]
-    batch_size: int
-    seed: int
-    image_size: int = 32
-    eval_batch_size: int = 256
-
-
 @ray.remote
 class StageActor:
-    """One stage: an :class:`InterlockStage` (module, aux head, own optimizer) plus the Ray
-    plumbing: tensors in and out through the object store, bytes and busy time counted."""
+    """One stage on Ray: a `StageWorker` (its module, aux head and own optimizer) whose tensors go
+    in and out through the object store; stage 0 builds the micro-batches from its `Source`."""
 
     def __init__(self, cpus: float, gpus: float):
         self.device = start_process(cpus, gpus)
-        self.stage = None
+        self.worker = None
 
     def load(self, index: int, num_stages: int, n: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
              micro_batches: int, source: Source | None = None) -> None:
-        """(Re)build the stage: module and aux head (``payload``), routing, a fresh optimizer.
-        Separate from __init__ so one process can be reused, e.g. across a sweep over n."""
-        module, head = payload
-        module.to(self.device)
-        if head is not None:
-            head.to(self.device)
-        self.stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
-                                    lambda params: make_optimizer(optim, params), micro_batches)
-        self.index, self.last = index, index == num_stages - 1
-        self.micro_batches, self.source = micro_batches, source
-        self.dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
-        self.task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device)
-        self._reset_report()
-        self.steps_done, self.step_times = 0, []
+        """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is reusable."""
+        module, head = (m.to(self.device) if m is not None else None for m in payload)
+        stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
+                               lambda params: make_optimizer(optim, params), micro_batches)
+        task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device)
+        self.worker, self.index, self.source = StageWorker(stage, micro_batches, index == num_stages - 1, task), index, source
 
-    def _reset_report(self) -> None:
-        self.busy_s = 0.0
-        self.sent = {"activations": [], "targets": [], "gradients": []}
+    def _received(self, ref):
+        return map_tensors(ray.get(ref), lambda t: t.to(self.device))
 
-    def _inputs(self, batch: Split) -> tuple[Tensor, Tensor]:
-        x = self.task.inputs(batch)
-        return (x.to(self.dtype) if x.is_floating_point() else x), self.task.targets(batch)
-
-    def _received(self, ref) -> object:
-        value = ray.get(ref)
-        return tuple(v.to(self.device) for v in value) if isinstance(value, tuple) else \
-            {j: g.to(self.device) for j, g in value.items()}
-
-    def _send(self, what: str, value) -> ray.ObjectRef:
-        self.sent[what].append(payload_nbytes(value))
-        return ray.put(value)
-
-    def _maybe_step(self) -> None:
-        if self.stage.ready_to_step:
-            self.stage.step()
-            self.steps_done += 1
-            self.step_times.append(time.perf_counter())
+    @staticmethod
+    def _put(value, ok: bool = True):
+        return ray.put(map_tensors(value, Tensor.cpu)) if ok else None
 
     @ray.method(num_returns=2)
     def forward(self, step: int, mb: int, x_ref=None):
         """Forward micro-batch ``mb`` of batch ``step``; returns (ref of (h, targets) for stage
         k + 1, ref of the early upstream message {k: dL_k/dx_k} or None)."""
-        if self.index == 0:
-            s = self.source
-            batch = batch_at(s.train, step, s.batch_size, s.seed)
-            size = s.batch_size // self.micro_batches
-            x, y = self._inputs({k: v[mb * size:(mb + 1) * size] for k, v in batch.items()})
-        else:
-            x, y = self._received(x_ref)
-        start = time.perf_counter()
-        h = self.stage.forward(step * self.micro_batches + mb, x, y)
-        early = self.stage.backward(step * self.micro_batches + mb, {})
-        self._maybe_step()
-        self.busy_s += time.perf_counter() - start
-        h_ref = None
-        if not self.last:
-            self.sent["activations"].append(payload_nbytes(h))
-            self.sent["targets"].append(payload_nbytes(y))
-            h_ref = ray.put((h.cpu(), y.cpu()))
-        return h_ref, self._send("gradients", {j: g.cpu() for j, g in early.items()}) if early else None
+        x, y = self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches)) if self.index == 0 \
+            else self._received(x_ref)
+        h, early = self.worker.forward(step, mb, x, y)
+        return self._put((h, y), not self.worker.last), self._put(early, bool(early))
 
     def backward(self, step: int, mb: int, msg_ref):
-        """Use one downstream message {j: dL_j/dh_k}; returns the ref of the message for
-        stage k - 1 ({j: dL_j/dx_k}) or None."""
-        if msg_ref is None:
-            return None
-        msg = self._received(msg_ref)
-        start = time.perf_counter()
-        up = self.stage.backward(step * self.micro_batches + mb, msg)
-        self._maybe_step()
-        self.busy_s += time.perf_counter() - start
-        return self._send("gradients", {j: g.cpu() for j, g in up.items()}) if up else None
+        """Use one downstream message; returns the ref of the message for stage k − 1, or None."""
+        up = self.worker.backward(step, mb, self._received(msg_ref)) if msg_ref is not None else None
+        return self._put(up, bool(up))
 
     def report(self) -> dict:
-        """Since the last report: own-head losses, busy seconds, sizes of every message sent."""
-        out = {"stage": self.index, "losses": list(self.stage.pop_losses().values()), "busy_s": self.busy_s,
-               "sent": self.sent, "steps_done": self.steps_done}
-        self._reset_report()
-        return out
+        return {"stage": self.index, **self.worker.report()}
 
     @ray.method(num_returns=2)
     def evaluate(self, name: str, chunk: int, x_ref=None):
         """Eval-mode forward of eval chunk ``chunk``; returns (ref of (h, targets) for stage
         k + 1 or None, this head's summed metrics)."""
-        modules = [m for m in (self.stage.module, self.stage.head) if m is not None]
-        was = [m.training for m in modules]
-        for m in modules:
-            m.eval()
-        if self.index == 0:
-            s = self.source
-            split = s.eval_sets[name]
-            start = chunk * s.eval_batch_size
-            x, y = self._inputs({k: v[start:start + s.eval_batch_size] for k, v in split.items()})
-        else:
-            x, y = self._received(x_ref)
-        with torch.no_grad():
-            h = self.stage.module(x)
-            metrics = self.task.sums(self.stage.head(h) if self.stage.head is not None else h, y)
-        for m, w in zip(modules, was):
-            m.train(w)
-        metrics["sent_bytes"] = 0 if self.last else payload_nbytes((h, y))
-        return (None if self.last else ray.put((h.cpu(), y.cpu()))), metrics
+        x, y = self.worker.inputs(self.source.eval_chunk(name, chunk)) if self.index == 0 else self._received(x_ref)
+        h, metrics = self.worker.evaluate(x, y)
+        return self._put((h, y), not self.worker.last), metrics
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
         """(stage module weights, aux head weights or None)."""
-        head = self.stage.head
-        return state_dict_of(self.stage.module), (state_dict_of(head) if head is not None else None)
+        head = self.worker.stage.head
+        return state_dict_of(self.worker.stage.module), (state_dict_of(head) if head is not None else None)
 
     def info(self) -> dict:
-        gaps = [b - a for a, b in zip(self.step_times, self.step_times[1:])]
-        return {"stage": self.index, **process_info(), "steps": self.steps_done,
-                "median_step_interval_s": statistics.median(gaps) if gaps else None}
-
-
-# ----------------------------------------------------------------------------- driver
+        return {"stage": self.index, **process_info(), **self.worker.timing()}
 
 
 def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
     """Submit every call of batch ``step`` in each actor's execution order (all forwards, then
     one backward per incoming message kind); returns the report refs. Only refs change hands."""
-    K = len(actors)
-    emitted: list[list[list]] = [[[] for _ in range(micro_batches)] for _ in range(K)]  # [k][mb] -> refs
+    emitted: list[list[list]] = [[[] for _ in range(micro_batches)] for _ in actors]  # [k][mb] -> refs
     for mb in range(micro_batches):
         x = None
         for k, actor in enumerate(actors):
             x, early = actor.forward.remote(step, mb, x)
             emitted[k][mb].append(early)
-    for k in reversed(range(K - 1)):
-        kinds = [i for i, heads in enumerate(plan[k + 1]) if heads]
-        for i in kinds:
+    for k in reversed(range(len(actors) - 1)):
+        for i in [i for i, heads in enumerate(plan[k + 1]) if heads]:
             for mb in range(micro_batches):
                 emitted[k][mb].append(actors[k].backward.remote(step, mb, emitted[k + 1][mb][i]))
     return [actor.report.remote() for actor in actors]
@@ -232,10 +131,8 @@ def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micr
 def train_interlocked(actors: list, num_stages: int, n: int, rule: str, micro_batches: int, steps: int,
                       fetch: DriverFetches, time_budget_s: float | None = None, max_ahead: int = 2,
                       on_reports=None, eval_at: frozenset[int] = frozenset(), evaluate=None) -> dict:
-    """Run up to ``steps`` batches (or until ``time_budget_s`` of training); returns per-stage
-    losses per batch, busy seconds, message sizes, the batches run and the training time.
-    ``on_reports(batch_reports)`` sees each batch's stage reports as they arrive. After batch b in
-    ``eval_at`` the pipeline drains and ``evaluate(b, train_s_so_far)`` runs off the clock."""
+    """Up to ``steps`` batches (or ``time_budget_s`` of training); ``on_reports`` sees each batch's stage reports;
+    after batch b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock."""
     plan = message_plan(num_stages, n, rule)
     clock, pending, reports, batches = TrainClock(), [], [], 0
 
@@ -267,18 +164,14 @@ def evaluate_chained(actors: list, eval_sets: dict[str, Split], batch_size: int,
     summarize = CausalLM.summarize if loss == "causal_lm" else ImageClassification.summarize
     refs = {name: [[] for _ in actors] for name in eval_sets}
     for name, split in eval_sets.items():
-        for chunk in range((num_examples(split) + batch_size - 1) // batch_size):
+        for chunk in range(-(-num_examples(split) // batch_size)):
             x = None
             for k, actor in enumerate(actors):
                 x, metrics = actor.evaluate.remote(name, chunk, x)
                 refs[name][k].append(metrics)
-    out, sent = {name: [] for name in refs}, 0
-    for name, per_stage in refs.items():
-        for stage_refs in per_stage:
-            parts = fetch.get(stage_refs, "final", "eval_metrics")
-            sent += sum(p.pop("sent_bytes") for p in parts)
-            out[name].append(summarize(add_sums(parts)))
-    return out, sent
+    parts = {name: [fetch.get(chunks, "final", "eval_metrics") for chunks in stages] for name, stages in refs.items()}
+    sent = sum(p.pop("sent_bytes") for stages in parts.values() for chunks in stages for p in chunks)
+    return {name: [summarize(add_sums(chunks)) for chunks in stages] for name, stages in parts.items()}, sent
 
 
 def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
@@ -299,27 +192,22 @@ class Interlocking:
     @staticmethod
     def validate(cfg: RunConfig) -> None:
         o = cfg.options["interlocking"]
-        if o.stages < 1:
-            raise ConfigError("interlocking.stages", o.stages, "must be >= 1")
+        for name in ("stages", "micro_batches", "max_batches_ahead"):
+            if getattr(o, name) < 1:
+                raise ConfigError(f"interlocking.{name}", getattr(o, name), "must be >= 1")
         if not 1 <= o.n <= o.stages:
             raise ConfigError("interlocking.n", o.n, f"must be in 1..interlocking.stages ({o.stages})")
-        if o.micro_batches < 1:
-            raise ConfigError("interlocking.micro_batches", o.micro_batches, "must be >= 1")
         if cfg.optim.batch_size % o.micro_batches:
-            raise ConfigError("interlocking.micro_batches", o.micro_batches,
-                              f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly")
+            raise ConfigError("interlocking.micro_batches", o.micro_batches, f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly")
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
         warn_unused(cfg, "interlocking", restarts="a dead stage stops the run", checkpoints="stages keep no checkpoints")
-        if o.max_batches_ahead < 1:
-            raise ConfigError("interlocking.max_batches_ahead", o.max_batches_ahead, "must be >= 1")
         if not o.aux_widths or any(w < 1 for w in o.aux_widths):
             raise ConfigError("interlocking.aux_widths", o.aux_widths, "must be a non-empty list of positive widths")
         if cfg.model.family == "hf_classifier":
             raise ConfigError("model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
         if cfg.model.family == "hf_causal_lm" and catalog.dataset(cfg.data.name).kind != "text":
-            raise ConfigError("data.name", cfg.data.name, "interlocking trains a causal LM on plain text: "
-                              + " or ".join(d.name for d in catalog.DATASETS.values() if d.kind == "text"))
+            raise ConfigError("data.name", cfg.data.name, f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}")
         if cfg.model.family == "timm":
             arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
             if not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
@@ -327,36 +215,34 @@ class Interlocking:
                                   "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18, efficientnet_lite0)")
 
     def run(self, ctx: RunContext) -> RunRecord:
-        cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
-        K, family, clock = opts.stages, ctx.spec.family, TrainClock()
+        cfg, opts, family, clock = ctx.cfg, ctx.cfg.options["interlocking"], ctx.spec.family, TrainClock()
+        K = opts.stages
         torch.manual_seed(cfg.seed)
         model = copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         source = Source("image" if family == "timm" else "tokens", ctx.data.train, ctx.eval_sets(), cfg.optim.batch_size,
                         cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
-        balance = opts.balance
-        if balance == "measured":
-            probe = batch_at(source.train, 0, source.batch_size // opts.micro_batches, source.seed)
-            balance = measure_balance(model, family, task_for(family, cfg.data.image_size).inputs(probe))
+        probe = batch_at(source.train, 0, source.batch_size // opts.micro_batches, source.seed)
+        balance = measure_balance(model, family, task_for(family, cfg.data.image_size).inputs(probe)) if opts.balance == "measured" else opts.balance
         modules = split_model(model, family, K, balance)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
         with NodeGroup(StageActor, cfg, Ledger()) as group:
             self._load(group, modules, heads, source, cfg, family)
-            trained, stage_losses, busy, curve = self._train(ctx, group, source, clock)
+            trained, stage_losses, busy, curve = self._train(ctx, group, source)
             per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.optim.eval_batch_size,
-                                                   group.fetch, self.loss(family))
+                                                   group.fetch, LOSS_OF_FAMILY[family])
             group.ledger.record("final", "eval_activations", eval_bytes)
-            fetched_eval = {"bytes": group.fetch.bytes - trained["fetched"]["bytes"], "tensors": group.fetch.tensors - trained["fetched"]["tensors"]}
+            fetched_eval = {key: getattr(group.fetch, key) - trained["fetched"][key] for key in ("bytes", "tensors")}
             infos = group.call("info", phase="final", what="stage_info")
             for module, (state, _) in zip(modules, group.call("state", phase="final", what="stage_weights")):
                 module.load_state_dict(state)
         train_s, batches = trained["train_s"], trained["batches"]
-        steady = [i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None]
         details = {
             "stages": K, "n": opts.n, "rule": opts.rule, "micro_batches": opts.micro_batches,
             "micro_batch_size": cfg.optim.batch_size // opts.micro_batches, "balance": opts.balance,
             "units_per_stage": units_per_stage(modules, family), "batches": batches,
-            "step_time_s": train_s / batches if batches else None, "steady_step_time_s": max(steady) if steady else None,
+            "step_time_s": train_s / batches if batches else None,
+            "steady_step_time_s": max((i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None), default=None),
             "busy_fraction": [b / train_s for b in busy] if train_s > 0 else None,
             "heads": {name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
                       for name, heads_m in per_set.items()},
@@ -364,29 +250,24 @@ class Interlocking:
             "driver_fetched": {"train": trained["fetched"], "eval": fetched_eval},
             "lm_head_untied": untied, **({"measured_unit_costs_s": balance} if balance != opts.balance else {}),
         }
-        return finish_record(self.name, ctx, group.ledger, trained["clock"], metrics=final_head_metrics(per_set), step=batches,
+        return finish_record(self.name, ctx, group.ledger, clock, metrics=final_head_metrics(per_set), step=batches,
                              samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos, weights=state_dict_of(model),
                              curve=curve, nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)], details=details)
-
-    @staticmethod
-    def loss(family: str) -> str:
-        return "cross_entropy" if family == "timm" else "causal_lm"
 
     def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, cfg: RunConfig, family: str) -> None:
         """One stage actor per module, its aux head beside it; stage 0 also gets the data."""
         opts, K, loaded = cfg.options["interlocking"], len(modules), []
         for k in range(K):
-            payload = (modules[k], heads[k] if k < K - 1 else None)
-            ref = group.put(payload, "setup", "stage_modules")
+            ref = group.put((modules[k], heads[k] if k < K - 1 else None), "setup", "stage_modules")
             if k == 0:
                 group.ledger.send("setup", "train_data", source.train)
                 group.ledger.send("setup", "eval_data", source.eval_sets)
             actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
-            loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ref, self.loss(family), cfg.optim,
+            loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ref, LOSS_OF_FAMILY[family], cfg.optim,
                                             opts.micro_batches, source if k == 0 else None))
         ray.get(loaded)
 
-    def _train(self, ctx: RunContext, group: NodeGroup, source: Source, clock: TrainClock) -> tuple[dict, list, list, list]:
+    def _train(self, ctx: RunContext, group: NodeGroup, source: Source) -> tuple[dict, list, list, list]:
         cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
         K, actors, ledger = opts.stages, group.handles(), group.ledger
         steps = total_steps(cfg.optim, num_examples(source.train))
@@ -400,22 +281,20 @@ class Interlocking:
                 if r["losses"]:
                     stage_losses[k].append(sum(r["losses"]) / len(r["losses"]))
                 busy[k] += r["busy_s"]
-                for what, sizes in r["sent"].items():
-                    for size in sizes:
-                        ledger.record("train", what, size)
+                for what, size in ((what, size) for what, sizes in r["sent"].items() for size in sizes):
+                    ledger.record("train", what, size)
             ctx.report({"step": len(stage_losses[K - 1]), "train_loss": stage_losses[K - 1][-1]})
 
         def evaluate(batch: int, train_s: float) -> None:
             per_set, sent = evaluate_chained(actors, ctx.eval_sets(("test", "shift")), cfg.optim.eval_batch_size, group.fetch,
-                                             self.loss(ctx.spec.family))
-            ledger.record("final", "curve_eval_activations", sent)
-            trained_bytes = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, trained_bytes, final_head_metrics(per_set)))
+                                             LOSS_OF_FAMILY[ctx.spec.family])
+            ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
+            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size,
+                                     ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"], final_head_metrics(per_set)))
 
         trained = train_interlocked(actors, K, opts.n, opts.rule, opts.micro_batches, steps, group.fetch, opts.time_budget_s,
                                     opts.max_batches_ahead, absorb, frozenset(eval_points(cfg, steps)), evaluate)
-        for k in range(K):
-            if stage_losses[k]:
-                logger.info("[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0], stage_losses[k][-1])
-        trained.update(clock=clock, fetched={"bytes": group.fetch.bytes, "tensors": group.fetch.tensors})
+        for k in (k for k in range(K) if stage_losses[k]):
+            logger.info("[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0], stage_losses[k][-1])
+        trained["fetched"] = {"bytes": group.fetch.bytes, "tensors": group.fetch.tensors}
         return trained, stage_losses, busy, curve

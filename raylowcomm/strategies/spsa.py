@@ -1,17 +1,13 @@
-"""SPSA with shared randomness (MeZO + Just One Byte) on Ray: after the initial broadcast, a
-node sends one byte per perturbation per step; no weights or gradients ever move.
-
-Each step every node measures g = (L(θ+εz) − L(θ−εz)) / 2ε on its own batch for `samples` seeds
-of (run seed, step, node, sample) and sends g as a byte, inline in its task's reply with its
-mean loss (an ObjectRef would cost ~250 B of metadata); the driver relays every node the others'
-codes inline in `apply`. Each node replays all updates in (node, sample) order with the DECODED
-values (core/zo.py `Replica`), so replicas stay bit-identical: checked every `verify_every` steps.
-Nodes leave, die, and join at step boundaries (core/membership.py) from the latest checkpoint
-plus the replay log since it; the train set has one shard per slot, `nodes.count + len(join)`.
-
-Bytes: `train/projected_grads` (N·samples·codec bytes a step), `train/projected_grads_relay`
-(each payload to the N−1 others), `train/train_loss` (4 B each), `train/control` (publisher
-lists); `details` gives the wire bytes per step, measured with Ray's serialiser, beside them.
+"""SPSA with shared randomness (MeZO + Just One Byte) on Ray: after the initial broadcast a node
+sends one byte per perturbation per step; no weights or gradients ever move. Each step every node
+measures g = (L(θ+εz) − L(θ−εz)) / 2ε on its own batch for `samples` seeds of (run seed, step,
+node, sample) and returns g as a byte inline in its reply (an ObjectRef would cost ~250 B); the
+driver relays every node the others' codes inline in `apply`, and each node replays all updates
+in (node, sample) order with the DECODED values (`zo.Replica`): replicas stay bit-identical,
+checked every `verify_every` steps. Nodes leave, die and join at step boundaries (core/membership)
+from the latest checkpoint plus the replay log; one shard per slot, `nodes.count + len(join)`.
+Bytes: `train/projected_grads` (N·samples·codec B a step), `train/projected_grads_relay` (to the
+N−1 others), `train/train_loss` (4 B), `train/control` (publisher lists); `details`: wire bytes.
 """
 
 from __future__ import annotations
@@ -41,15 +37,13 @@ from raylowcomm.training import TrainClock, batch_at, load_checkpoint, save_chec
 
 logger = logging.getLogger(__name__)
 
-LOSS_FORMAT = "<f"  # a format, not a struct.Struct: Ray pickles the globals the actor's methods use
-"""The mean loss closing a node's step message: a float32, enough for a progress report."""
+LOSS_FORMAT = "<f"  # the mean loss closing a step message; a format, not a Struct: Ray pickles an actor's globals
 LOSS_BYTES = struct.calcsize(LOSS_FORMAT)
 
 
 @dataclass
 class SpsaConfig:
-    """SPSA is plain SGD on the zeroth-order estimate: optim.name and optim.momentum are not
-    used; optim.batch_size (per node), optim.weight_decay and the step count are."""
+    """Plain SGD on the zeroth-order estimate: uses optim.batch_size (per node) and weight_decay, not name or momentum."""
 
     codec: Literal["log", "linear", "float32"] = "log"
     """log/linear: one byte per projected gradient; float32: four, for comparison."""
@@ -60,23 +54,17 @@ class SpsaConfig:
     """linear codec: grid step."""
     perturbation: Literal["rademacher", "gaussian"] = "rademacher"
     eps: float = 1e-3
-    samples: int = 1
-    """Perturbations (bytes) per node per step, all on the node's same batch."""
-    lr: float | None = None
-    """None: optim.lr. Zeroth-order steps usually want a smaller lr than backprop."""
-    steps: int | None = None
-    """None: the same number of steps as the other strategies (optim.epochs / max_steps)."""
-    include: list[str] | None = None
-    """Regexes of the parameters to tune (None: all)."""
-    verify_every: int = 10
-    """Compare the replicas' exact parameter hashes every this many steps (and at the end)."""
+    samples: int = 1  # perturbations (bytes) per node per step, all on the node's same batch
+    lr: float | None = None  # None: optim.lr; zeroth-order steps usually want a smaller lr than backprop
+    steps: int | None = None  # None: as many steps as the other strategies (optim.epochs / max_steps)
+    include: list[str] | None = None  # regexes of the parameters to tune (None: all)
+    verify_every: int = 10  # compare the replicas' exact parameter hashes every this many steps (and at the end)
     leave: list[LeaveEvent] = field(default_factory=list)
     join: list[JoinEvent] = field(default_factory=list)
 
-
-def make_codec(opts: SpsaConfig) -> zo.Codec:
-    params = {"log": {"g_min": opts.g_min, "g_max": opts.g_max}, "linear": {"scale": opts.scale}, "float32": {}}
-    return zo.codec_for(opts.codec, **params[opts.codec])
+    def make_codec(self) -> zo.Codec:
+        params = {"log": {"g_min": self.g_min, "g_max": self.g_max}, "linear": {"scale": self.scale}, "float32": {}}
+        return zo.codec_for(self.codec, **params[self.codec])
 
 
 @ray.remote
@@ -90,7 +78,7 @@ class SpsaNode(Node):
         super().__init__(node, cfg, spec, weights)
         o = cfg.options["spsa"]
         self.shard, self.seed, self.losses = shard, node_seed(cfg.seed, node), []
-        self.replica = zo.Replica(self.model, node, cfg.seed, make_codec(o), eps=o.eps, samples=o.samples,
+        self.replica = zo.Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   kind=o.perturbation, include=o.include, step=until)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
@@ -146,14 +134,12 @@ class Spsa:
     @staticmethod
     def validate(cfg: RunConfig, steps: int | None = None) -> None:
         o = cfg.options["spsa"]
+        codec_field = "scale" if o.codec == "linear" else "g_min"
         try:
-            make_codec(o)
+            o.make_codec()
         except ValueError as err:
-            field_name = "scale" if o.codec == "linear" else "g_min"
-            raise ConfigError(f"spsa.{field_name}", getattr(o, field_name), str(err)) from None
-        if not o.eps > 0:
-            raise ConfigError("spsa.eps", o.eps, "must be > 0")
-        for name in ("samples", "verify_every", "lr", "steps"):
+            raise ConfigError(f"spsa.{codec_field}", getattr(o, codec_field), str(err)) from None
+        for name in ("eps", "samples", "verify_every", "lr", "steps"):
             if getattr(o, name) is not None and not getattr(o, name) > 0:
                 raise ConfigError(f"spsa.{name}", getattr(o, name), "must be > 0")
         for i, pattern in enumerate(o.include or []):
@@ -186,9 +172,8 @@ class SpsaRun:
 
     def __init__(self, ctx: RunContext, group: NodeGroup, shards: list[dict], steps: int):
         self.ctx, self.cfg, self.opts, self.group = ctx, ctx.cfg, ctx.cfg.options["spsa"], group
-        self.ledger, self.shards, self.steps, self.codec = group.ledger, shards, steps, make_codec(self.opts)
-        self.clock, self.train_clock = TrainClock(), None
-        self.ckpt = ctx.strategy_dir(Spsa.name) / "checkpoints" / "latest.safetensors"
+        self.ledger, self.shards, self.steps, self.codec = group.ledger, shards, steps, self.opts.make_codec()
+        self.clock, self.train_clock, self.ckpt = TrainClock(), None, ctx.strategy_dir(Spsa.name) / "checkpoints" / "latest.safetensors"
         self.records, self.infos, self.verified, self.curve, self.samples = {}, {}, [], [], 0
         self.per_step = {"payload": [], "wire": [], "control": [], "wall": []}
 
@@ -251,13 +236,9 @@ class SpsaRun:
     def exchange(self, step: int) -> dict:
         """Every node's step message up, the others' codes down; returns the step's progress."""
         t0, group, ledger = time.perf_counter(), self.group, self.ledger
-        calls = {k: group[k].compute.remote() for k in group.keys()}
-        messages = {}
-        for k, call in calls.items():
-            try:
-                messages[k] = ray.get(call)
-            except ray.exceptions.RayActorError:
-                self.leave(k, step, "died")
+        messages, dead = group.gather({k: group[k].compute.remote() for k in group.keys()})
+        for k in dead:
+            self.leave(k, step, "died")
         if not (pubs := sorted(messages)):
             raise RuntimeError(f"step {step}: every node has left")
         codes = {k: m[:-LOSS_BYTES] for k, m in messages.items()}
@@ -270,11 +251,8 @@ class SpsaRun:
             wire, control = wire + wire_nbytes(others), control + wire_nbytes(pubs)
             applies[k] = group[k].apply.remote(pubs, others)
         ledger.send("train", "control", pubs, copies=len(applies))
-        for k, call in applies.items():
-            try:
-                ray.get(call)
-            except ray.exceptions.RayActorError:
-                self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
+        for k in group.gather(applies)[1]:
+            self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
         self.samples += len(pubs) * self.cfg.optim.batch_size
         for key, value in (("payload", sum(map(len, codes.values()))), ("wire", wire), ("control", control),
                            ("wall", time.perf_counter() - t0)):
@@ -308,17 +286,15 @@ class SpsaRun:
         nodes = [{**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)} for k in sorted(self.records)]
         infos = list(self.infos.values())
         compute, replay = (max((i[key] for i in infos), default=0.0) for key in ("compute_s", "replay_s"))
-        wall = sum(self.per_step["wall"])
+        total = {key: sum(values) for key, values in self.per_step.items()}
         details = {
             "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
             "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "lr": opts.lr or self.cfg.optim.lr,
-            "eps": opts.eps, "shard_slots": len(self.shards), "verified": self.verified,
-            "grad_bytes": sum(self.per_step["payload"]), "grad_wire_bytes": sum(self.per_step["wire"]),
-            "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
-            "payload_bytes_per_step": sum(self.per_step["payload"]) / steps, "wire_bytes_per_step": sum(self.per_step["wire"]) / steps,
-            "control_wire_bytes_per_step": sum(self.per_step["control"]) / steps, "mean_step_s": wall / steps,
+            "eps": opts.eps, "shard_slots": len(self.shards), "verified": self.verified, "grad_bytes": total["payload"],
+            "grad_wire_bytes": total["wire"], "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
+            "payload_bytes_per_step": total["payload"] / steps, "wire_bytes_per_step": total["wire"] / steps,
+            "control_wire_bytes_per_step": total["control"] / steps, "mean_step_s": total["wall"] / steps,
             "curve_eval_s": self.train_clock.paused_s, "mean_compute_s": compute / steps, "mean_replay_s": replay / steps,
-            "mean_exchange_s": max(0.0, (wall - compute - replay) / steps),
-        }
+            "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps)}
         return finish_record(Spsa.name, self.ctx, self.ledger, self.clock, metrics=metrics, step=steps, samples=self.samples,
                              train_s=train_s, infos=infos, weights=state, curve=self.curve, nodes=nodes, details=details)
