@@ -3,7 +3,9 @@
 Same model, data, K, micro-batching and budget for every n (rule `farthest`, so n = K is
 end-to-end backprop); each n trains for `--budget` seconds of wall time and is then scored.
 Step time is the steady-state one (median interval between optimizer steps of the slowest
-stage), so pipeline fill and the final drain do not count; the ratio is to n = K.
+stage), so pipeline fill and the final drain do not count; the ratio is to n = K. With
+`--balance measured` (the default) units and aux heads are timed once and that split is used
+for every n; the table prints each stage's measured cost beside the ratio.
 
     python benchmarks/interlocking_steptime.py --budget 60 --out runs/interlocking_steptime.json
 """
@@ -15,7 +17,10 @@ import copy
 import json
 from pathlib import Path
 
+from raylowcomm.core.interlock import balanced_sizes, measure_balance
 from raylowcomm.strategies import from_dict
+from raylowcomm.tasks import ImageClassification
+from raylowcomm.training import batch_at
 from raylowcomm.runner import prepare
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies.base import RunContext
@@ -41,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--balance", default="blocks", choices=["blocks", "params", "measured"],
-                    help="blocks/params: the same split for every n; measured times units per run and may split n's differently")
+    ap.add_argument("--balance", default="measured", choices=["blocks", "params", "measured"],
+                    help="measured: units and aux heads timed once, that split for every n")
     ap.add_argument("--budget", type=float, default=60.0, help="seconds of training per n")
     ap.add_argument("--out", default="runs/interlocking_steptime.json")
     args = ap.parse_args(argv)
@@ -52,6 +57,16 @@ def main(argv: list[str] | None = None) -> None:
     cfg = from_dict(raw)
     out = Path(args.out)
     ctx = prepare(cfg, out.parent / (out.stem + "_runs"))
+    stage_costs = None
+    if args.balance == "measured":
+        x = ImageClassification(32).inputs(batch_at(ctx.data.train, 0, args.batch_size // args.micro_batches, cfg.seed))
+        costs = measure_balance(ctx.model, "timm", x, ctx.spec.num_classes, raw["interlocking"]["aux_widths"], cpus=1)
+        sizes = balanced_sizes(costs.units, args.stages, costs.boundaries)
+        ends = [sum(sizes[: k + 1]) for k in range(args.stages)]
+        stage_costs = [sum(costs.units[e - s:e]) + (costs.boundaries[e - 1] if k < args.stages - 1 else 0.0)
+                       for k, (s, e) in enumerate(zip(sizes, ends))]
+        raw["interlocking"]["split"] = sizes
+        cfg = from_dict(raw)
     init_ray(num_cpus=args.stages)
     rows = []
     for n in range(1, args.stages + 1):
@@ -70,14 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         r["ratio_to_end_to_end"] = r["steady_step_time_s"] / ref
     print(f"\nK={args.stages}, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}, "
-          f"budget {args.budget:.0f} s per n, rule farthest (n=K: end-to-end)")
+          f"budget {args.budget:.0f} s per n, rule farthest (n=K: end-to-end), units per stage {rows[0]['units_per_stage']}"
+          + (f", measured stage costs (units + aux head, fwd+bwd per micro-batch) "
+             f"{' / '.join(f'{c * 1000:.1f} ms' for c in stage_costs)}" if stage_costs else ""))
     print(f"{'n':>2}  {'step s':>7}  {'ratio':>5}  {'mean step s':>11}  {'batches':>7}  {'busy':>11}  {'final acc':>9}  aux acc")
     for r in rows:
         print(f"{r['n']:>2}  {r['steady_step_time_s']:7.3f}  {r['ratio_to_end_to_end']:5.2f}  {r['mean_step_time_s']:11.3f}  "
               f"{r['batches']:>7}  {'/'.join(f'{b:.2f}' for b in r['busy_fraction']):>11}  {r['id_accuracy']:9.4f}  "
               f"{' '.join(f'{a:.4f}' for a in r['aux_accuracy'])}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": raw, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"config": raw, "rows": rows, "stage_costs_s": stage_costs}, indent=2))
     print(f"saved {out}")
 
 

@@ -38,13 +38,13 @@ class _StdoutHandler(logging.StreamHandler):
 
 
 def log_to_stdout(level: int = logging.INFO) -> None:
-    """Send raylowcomm's log lines to stdout, once per process (the CLI's and each actor's)."""
-    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
+    """Send raylowcomm's log lines to stdout (the CLI's process, each actor's), unless logging is
+    configured already: then the process's own handlers get them, once."""
+    if not logger.handlers and not logging.getLogger().handlers:
         handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
     logger.setLevel(level)
-    logger.propagate = False
 
 
 def start_process(cpus: float, gpus: float) -> str:
@@ -136,12 +136,6 @@ class DriverFetches:
         self.tensors += count_tensors(value)
         return value
 
-    def as_ready(self, refs: list, phase: str, what: str):
-        """Yield (index in `refs`, value) as each result arrives, booked: one fetched at a time."""
-        pending = dict(zip(refs, range(len(refs))))
-        while pending:
-            [ready], _ = ray.wait(list(pending), num_returns=1)
-            yield pending.pop(ready), self.book(ray.get(ready), phase, what)
 
 
 class ReplicaMismatch(RuntimeError):
@@ -166,14 +160,21 @@ def check_replicas(nodes: dict, step: int, ledger: Ledger) -> str:
 
 class NodeGroup:
     """A strategy's actors, keyed by node id: started from `cfg.nodes`, every transfer booked,
-    all killed when the `with` block ends however it ends."""
+    all killed when the `with` block ends however it ends.
+
+    Restarts are the group's, not Ray's: an actor that dies during a `call` or `stream` is
+    started again with its constructor arguments (up to `restarts` times; its constructor
+    resumes from its own checkpoint) and the call is repeated. Ray's own actor restarts would
+    pin the constructor's object-store arguments and warn on every healthy run (ray#53727)."""
 
     def __init__(self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0):
-        self.actor_class, self.cfg, self.ledger = actor_class, cfg, ledger
+        self.actor_class, self.cfg, self.ledger, self.restarts = actor_class, cfg, ledger, restarts
         n = cfg.nodes
-        self.options = actor_options(n.cpus, n.gpus, restarts, n.placement, n.resources)
+        self.options = actor_options(n.cpus, n.gpus, 0, n.placement, n.resources)
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.fetch = DriverFetches(ledger)
+        self._started: dict[int, tuple] = {}
+        self.restarted: dict[int, int] = {}
         self._eval_sets: dict = {}
         self._eval_ref = None
         self._holding_eval_sets: set[int] = set()
@@ -198,9 +199,20 @@ class NodeGroup:
 
     def start(self, key: int, *args, **kwargs):
         """Start actor `key` (its constructor gets `*args, **kwargs`); ObjectRefs among them are
-        fetched by the actor itself, from wherever they live."""
+        fetched by the actor itself, from wherever they live, and held here for restarts."""
+        self._started[key] = (args, kwargs)
         self.actors[key] = self.actor_class.options(**self.options).remote(*args, **kwargs)
         return self.actors[key]
+
+    def _restart(self, key: int, err: Exception) -> None:
+        """Start a dead actor again, or re-raise `err` when its restarts are spent."""
+        done = self.restarted.get(key, 0)
+        if key not in self.actors or done >= self.restarts:
+            raise err
+        self.restarted[key] = done + 1
+        logger.warning("node %d died (%s); restarting it (%d of %d)", key, type(err).__name__, done + 1, self.restarts)
+        args, kwargs = self._started[key]
+        self.actors[key] = self.actor_class.options(**self.options).remote(*args, **kwargs)
 
     def ready(self) -> None:
         ray.get([a.__ray_ready__.remote() for a in self.actors.values()])
@@ -210,10 +222,29 @@ class NodeGroup:
         self.ledger.send(phase, what, obj, copies=copies)
         return ray.put(obj)
 
-    def call(self, method: str, *args, phase: str, what: str, keys: list[int] | None = None) -> list:
-        """`method(*args)` on the actors (all, or `keys`), results booked as they come back."""
+    def stream(self, method: str, *args, phase: str, what: str | None, keys: list[int] | None = None,
+               fetch: DriverFetches | None = None):
+        """Yield (key, result) of `method(*args)` on the actors as each arrives, booked by `fetch`
+        (the group's; none without `what`); an actor that dies is restarted and asked again."""
+        fetch = fetch or self.fetch
+        pending = {getattr(self.actors[k], method).remote(*args): k for k in (self.keys() if keys is None else keys)}
+        while pending:
+            [ready], _ = ray.wait(list(pending), num_returns=1)
+            key = pending.pop(ready)
+            try:
+                value = ray.get(ready)
+            except ray.exceptions.RayActorError as err:
+                self._restart(key, err)
+                pending[getattr(self.actors[key], method).remote(*args)] = key
+                continue
+            yield key, (fetch.book(value, phase, what) if what else value)
+
+    def call(self, method: str, *args, phase: str = "final", what: str | None = None, keys: list[int] | None = None) -> list:
+        """`method(*args)` on the actors (all, or `keys`), in key order; results booked under
+        `what` (nothing is booked without it)."""
         keys = self.keys() if keys is None else keys
-        return self.fetch.get([getattr(self.actors[k], method).remote(*args) for k in keys], phase, what)
+        results = dict(self.stream(method, *args, phase=phase, what=what, keys=keys))
+        return [results[k] for k in keys]
 
     def share_eval_sets(self, sets: dict, keys: list[int] | None = None, phase: str = "setup") -> None:
         """Make the evaluation sets available; each actor's fetch of them is booked once, here
@@ -250,12 +281,11 @@ class NodeGroup:
                 dead.append(key)
         return values, dead
 
-    def remove(self, key: int) -> None:
-        ray.kill(self.actors.pop(key))
-
-    def forget(self, key: int) -> None:
-        """Drop an actor that died by itself."""
-        self.actors.pop(key)
+    def remove(self, key: int, kill: bool = True) -> None:
+        """Take an actor out of the group: killed, or (kill=False) already dead by itself."""
+        actor = self.actors.pop(key)
+        if kill:
+            ray.kill(actor)
 
     def shutdown(self) -> None:
         for actor in self.actors.values():

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set optim.lr=0.01 (repeatable)")
     run_p.add_argument("--out", help="output directory (default: the config's out_dir)")
+    run_p.add_argument("--verbose", action="store_true", help="also show what node actors and Ray print")
     tune_p = sub.add_parser("tune", help="sweep config fields with Ray Tune (a sweep file: see tune_configs/)")
     tune_p.add_argument("sweep")
     tune_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -190,7 +191,7 @@ def _run(args) -> int:
         from raylowcomm.runner import run
 
         log_to_stdout()
-        records = run(cfg)
+        records = run(cfg, verbose=args.verbose)
     except (ConfigError, assets.AssetError) as err:
         return _fail(err)
     return 1 if any("error" in r for r in records) else 0

@@ -72,6 +72,7 @@ def _reviews(path: str | None, tokenizer, max_length: int) -> Split:
     from datasets import load_dataset
 
     table = load_dataset("csv", data_files=str(path or assets.require("rotten_tomatoes")), split="train")
+    tokenizer.padding_side = "right"  # tasks.trim_padding cuts batches to their longest row
     enc = tokenizer(list(table["text"]), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
     return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": torch.tensor(list(table["label"]), dtype=torch.long)}
 

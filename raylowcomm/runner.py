@@ -15,6 +15,7 @@ from raylowcomm.config import RunConfig
 from raylowcomm.env import set_hub_defaults
 from raylowcomm.data import load_datasets, num_examples
 from raylowcomm.models import load_pretrained
+from raylowcomm.progress import ProgressView
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies import STRATEGIES
 from raylowcomm.strategies.base import RunContext
@@ -24,25 +25,35 @@ from raylowcomm.training import total_steps
 logger = logging.getLogger("raylowcomm")
 
 
-def prepare(cfg: RunConfig, out_dir: Path) -> RunContext:
-    """Everything that can fail on bad input happens here, before any actor starts."""
+def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None) -> RunContext:
+    """Everything that can fail on bad input happens here, before any actor starts; `timings`
+    gets the seconds spent loading the model and the data (asset materialisation included)."""
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
     model, spec, tokenizer = load_pretrained(cfg.model, catalog.num_classes(cfg.model.family, cfg.data.name), cfg.seed)
+    t1 = time.perf_counter()
     data = load_datasets(cfg.data, tokenizer, prompt=catalog.task_name(cfg.model.family, cfg.data.name) == "prompt_classification")
+    timings.update(model_load_s=round(t1 - t0, 3), data_load_s=round(time.perf_counter() - t1, 3))
     total_steps(cfg.optim, num_examples(data.train) // cfg.nodes.count)  # batch size vs shard size, checked now
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return RunContext(cfg, model, spec, data, out_dir)
 
 
-def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[str, dict], None] | None = None) -> list[dict]:
+def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[str, dict], None] | None = None,
+        verbose: bool = False, bar: bool | None = None) -> list[dict]:
     """Run every strategy of `cfg` and return their records (what results.json holds); the file
     is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
-    the strategies report while they train (step, train_loss, evaluations)."""
+    the strategies report while they train (step, steps planned, train_loss, bytes, evaluations);
+    `verbose` shows what actors and Ray print; `bar`: a progress bar (default: on a terminal)."""
     set_hub_defaults()
-    out = Path(out_dir or cfg.out_dir)
-    ctx = prepare(cfg, out)
-    init_ray()
+    out, timings = Path(out_dir or cfg.out_dir), {}
+    ctx = prepare(cfg, out, timings)
+    t0 = time.perf_counter()
+    init_ray(verbose=verbose)
+    timings["ray_start_s"] = round(time.perf_counter() - t0, 3)
     records: list[dict] = []
+    view = ProgressView(bar)
     with TensorBoardLog(out) as board:
         for name in cfg.strategies:
             logger.info("=== %s ===", name)
@@ -50,6 +61,7 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
 
             def report(metrics: dict, name: str = name) -> None:
                 board.progress(name, metrics)
+                view.update(name, metrics)
                 if progress is not None:
                     progress(name, metrics)
 
@@ -59,11 +71,23 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
             except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
                 logger.exception("%s failed; its actors were released", name)
                 records.append({"strategy": name, "error": f"{type(err).__name__}: {err}", "wall_s": round(time.time() - started, 3)})
+            view.close()
             board.record(records[-1])
+            timings[name] = strategy_timing(records[-1])
             (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
+            (out / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("%s", format_table(records))
+    logger.info("time: %s", ", ".join(f"{k} {v}" if not isinstance(v, dict) else f"{k} {v['wall_s']:.1f} s "
+                                       f"(training {v.get('train_s') or 0:.1f} s)" for k, v in timings.items()))
     logger.info("results: %s; curves: tensorboard --logdir %s", out / "results.json", out / "tensorboard")
     return records
+
+
+def strategy_timing(record: dict) -> dict:
+    """Where a strategy's wall time went: training (the strategy's own train_s, evaluation left
+    out) and the rest (actors and data out, evaluation, collecting the result)."""
+    wall, train = record["wall_s"], record.get("train_s")
+    return {"wall_s": wall, "train_s": train, "setup_eval_collect_s": round(wall - train, 3) if train is not None else None}
 
 
 def _mb(n: int | None) -> str:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 
-def init_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster in RAY_ADDRESS, or start a local embedded Ray kept on 127.0.0.1.
+def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
+    """Join the cluster in RAY_ADDRESS, or start a local embedded Ray kept on 127.0.0.1. Unless
+    `verbose`, what actors print stays in their log files (the driver's progress view says what
+    they do; their errors come back as exceptions) and Ray's own INFO lines are off.
 
     A Ray already initialised (e.g. by the caller's own `ray.init`) is used as it is. Otherwise
     every actor gets the hub settings of `raylowcomm.env.hub_env` (offline unless the user set
@@ -34,7 +37,8 @@ def init_ray(num_cpus: int | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=verbose,
+                 logging_level=logging.INFO if verbose else logging.WARNING)
         return
     for key, value in LOCAL_RAY_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -50,7 +54,8 @@ def init_ray(num_cpus: int | None = None) -> None:
         else:
             warnings.warn(f"this Ray has no {module.__name__}.{name}: {key} counts only if set before `import ray`",
                           stacklevel=2)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, runtime_env=runtime_env,
+             logging_level=logging.INFO if verbose else logging.WARNING)
 
 
 def actor_options(cpus: float, gpus: float, max_restarts: int = 0, placement: str = "PACK",

@@ -62,7 +62,7 @@ from typing import Any
 TIME_SCALE = 1000
 """Step units per second of training wall time in the ``*_vs_time/`` tags (milliseconds)."""
 
-_CURVE_AXES = ("step", "wall_s", "samples", "bytes")
+_CURVE_AXES = ("step", "steps", "wall_s", "samples", "bytes")  # "steps": the planned total, for progress bars
 
 
 def metric_tag(key: str) -> str:

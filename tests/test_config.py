@@ -55,3 +55,23 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
     path.write_text("optim:\n  lr: 3e-5\n")
     cfg = load_config(path, ["spsa.eps=1E-3"])
     assert cfg.optim.lr == 3e-5 and cfg.options["spsa"].eps == 1e-3
+
+
+@pytest.mark.parametrize("strategy, field, warned", [
+    ("ddp", {"checkpoint_every": 10}, "checkpoint_every=10 does not apply"),
+    ("ddp", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
+    ("interlocking", {"checkpoint_every": 10}, "checkpoint_every=10 does not apply"),
+    ("spsa", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
+    ("lofi", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # lo-fi checkpoints and restarts
+    ("spsa", {"checkpoint_every": 10}, None),  # SPSA joiners start from its checkpoints
+])
+def test_options_a_strategy_does_not_offer_are_said(caplog, strategy, field, warned):
+    model = {"name": "test_resnet", "family": "timm", "pretrained": False}
+    with caplog.at_level("WARNING", logger="raylowcomm"):
+        cfg = from_dict({"model": model, "strategies": [strategy], **field})
+    messages = [r.getMessage() for r in caplog.records]
+    if warned:
+        assert any(warned in m and strategy in m for m in messages), messages
+    else:
+        assert not messages
+    assert cfg.checkpoint_steps == field.get("checkpoint_every", 50) and cfg.restarts == field.get("nodes", {}).get("max_restarts", 2)

@@ -45,7 +45,19 @@ Rule = Literal["farthest", "sum"]
 RULES: tuple[str, ...] = ("farthest", "sum")
 LossFn = Callable[[Tensor, Tensor], Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-Balance = str | Sequence[float]
+
+
+@dataclass
+class StageCosts:
+    """Measured seconds (forward + backward) per unit, and of the aux head that a stage ending
+    after unit i carries (``boundaries[i]``, one fewer than units): what a stage costs in
+    1-way training is its units plus its head."""
+
+    units: list[float]
+    boundaries: list[float]
+
+
+Balance = str | Sequence[float] | StageCosts
 
 
 # ----------------------------------------------------------------------------- routing
@@ -76,10 +88,12 @@ def upstream_heads(k: int, num_stages: int, n: int, rule: Rule) -> frozenset[int
 # ----------------------------------------------------------------------------- splitting
 
 
-def balanced_sizes(costs: Sequence[float], num_parts: int) -> list[int]:
+def balanced_sizes(costs: Sequence[float], num_parts: int, boundaries: Sequence[float] | None = None) -> list[int]:
     """Contiguous partition of ``costs`` into ``num_parts`` non-empty parts minimising the
-    largest part's total; among optimal partitions later parts are kept small (the last
-    stage also carries the real head)."""
+    largest part's total, a part that ends after unit i (not the last) adding ``boundaries[i]``
+    (its aux head); among optimal partitions later parts are kept small (the last stage also
+    carries the real head)."""
+    boundaries = list(boundaries) if boundaries is not None else [0.0] * len(costs)
     n = len(costs)
     if not 1 <= num_parts <= n:
         raise ValueError(f"cannot split {n} units into {num_parts} non-empty stages")
@@ -93,8 +107,9 @@ def balanced_sizes(costs: Sequence[float], num_parts: int) -> list[int]:
     best[0][0] = 0.0
     for p in range(1, num_parts + 1):
         for i in range(p, n + 1):
+            head = boundaries[i - 1] if p < num_parts and i < n else 0.0
             for j in range(p - 1, i):  # last part = units j..i-1; larger j wins ties
-                value = max(best[p - 1][j], prefix[i] - prefix[j])
+                value = max(best[p - 1][j], prefix[i] - prefix[j] + head)
                 if value <= best[p][i]:
                     best[p][i], start[p][i] = value, j
     sizes, i = [], n
@@ -109,11 +124,23 @@ def _unit_costs(units: Sequence[nn.Module], balance: Balance) -> list[float]:
         return [1.0] * len(units)
     if balance == "params":
         return [float(sum(p.numel() for p in u.parameters())) for u in units]
+    if isinstance(balance, StageCosts):
+        balance = balance.units
     if isinstance(balance, str):
         raise ValueError(f"balance must be 'blocks', 'params' or per-unit costs, got {balance!r}")
     if len(balance) != len(units):
         raise ValueError(f"got {len(balance)} unit costs for {len(units)} units")
     return [float(c) for c in balance]
+
+
+def _sizes(costs: list[float], num_stages: int, balance: Balance, sizes: Sequence[int] | None) -> list[int]:
+    """Units per stage: the given `sizes` (checked), or balanced by cost (and measured aux heads)."""
+    if sizes is None:
+        return balanced_sizes(costs, num_stages, balance.boundaries if isinstance(balance, StageCosts) else None)
+    if len(sizes) != num_stages or sum(sizes) != len(costs) or min(sizes) < 1:
+        raise ValueError(f"a split of {len(costs)} units into {num_stages} stages needs {num_stages} sizes >= 1 summing to "
+                         f"{len(costs)}, got {list(sizes)}")
+    return list(sizes)
 
 
 def _chunks(items: Sequence, sizes: Sequence[int]) -> list[list]:
@@ -138,7 +165,8 @@ class _ResNetHead(nn.Module):
         return self.fc(x)
 
 
-def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[nn.Sequential]:
+def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blocks",
+                      sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
     """Split a timm ResNet into ``num_stages`` sequential stages sharing the model's modules.
 
     Units are the stem (conv1, bn1, act1, maxpool) and every residual block of layer1..layer4,
@@ -149,35 +177,38 @@ def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blo
     """
     stem = nn.Sequential(model.conv1, model.bn1, model.act1, model.maxpool)
     blocks = [b for name in ("layer1", "layer2", "layer3", "layer4") for b in getattr(model, name)]
-    return _group_units([stem, *blocks], _ResNetHead(model.global_pool, model.fc, float(model.drop_rate)), num_stages, balance)
+    return _group_units([stem, *blocks], _ResNetHead(model.global_pool, model.fc, float(model.drop_rate)), num_stages, balance, sizes)
 
 
-def _group_units(units: list[nn.Module], head: nn.Module, num_stages: int, balance: Balance) -> list[nn.Sequential]:
-    """Contiguous groups of units by cost; the head (never split off alone) ends the last."""
-    costs = _unit_costs(units, balance)
-    if balance == "params":
+def _group_units(units: list[nn.Module], head: nn.Module, num_stages: int, balance: Balance,
+                 sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """Contiguous groups of units by cost (or of the given `sizes`); the head ends the last."""
+    costs = _unit_costs(units, balance) if sizes is None else [1.0] * len(units)  # given sizes need no costs
+    if balance == "params" and sizes is None:
         costs[-1] += sum(p.numel() for p in head.parameters())
-    groups = _chunks(units, balanced_sizes(costs, num_stages))
+    groups = _chunks(units, _sizes(costs, num_stages, balance, sizes))
     groups[-1].append(head)
     return [nn.Sequential(*g) for g in groups]
 
 
-def split_timm_efficientnet(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[nn.Sequential]:
+def split_timm_efficientnet(model: nn.Module, num_stages: int, balance: Balance = "blocks",
+                            sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
     """The same for timm's EfficientNet / MobileNet family: units are the stem (conv_stem, bn1)
     and every block of ``model.blocks``; the last stage ends with conv_head, bn2, pool and
     classifier (timm ``forward_head``)."""
     stem = nn.Sequential(model.conv_stem, model.bn1)
     blocks = [b for stage in model.blocks for b in stage]
     head = nn.Sequential(model.conv_head, model.bn2, _ResNetHead(model.global_pool, model.classifier, float(model.drop_rate)))
-    return _group_units([stem, *blocks], head, num_stages, balance)
+    return _group_units([stem, *blocks], head, num_stages, balance, sizes)
 
 
-def split_timm_cnn(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[nn.Sequential]:
+def split_timm_cnn(model: nn.Module, num_stages: int, balance: Balance = "blocks",
+                   sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
     """A timm ResNet or EfficientNet-style model (``conv_stem`` + ``blocks``), split as above."""
     if hasattr(model, "layer1"):
-        return split_timm_resnet(model, num_stages, balance)
+        return split_timm_resnet(model, num_stages, balance, sizes)
     if hasattr(model, "conv_stem") and hasattr(model, "blocks"):
-        return split_timm_efficientnet(model, num_stages, balance)
+        return split_timm_efficientnet(model, num_stages, balance, sizes)
     raise ValueError(f"cannot split {type(model).__name__}: interlocking splits timm ResNets and EfficientNet/MobileNet models")
 
 
@@ -221,7 +252,8 @@ class DecoderStage(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
 
-def split_hf_decoder(model: nn.Module, num_stages: int, balance: Balance = "blocks") -> list[DecoderStage]:
+def split_hf_decoder(model: nn.Module, num_stages: int, balance: Balance = "blocks",
+                     sizes: Sequence[int] | None = None) -> list[DecoderStage]:
     """Split a Hugging Face Llama-style causal LM (``model.model.{embed_tokens, layers, norm,
     rotary_emb}``, ``model.lm_head``) into stages sharing its modules; decoder layers are the
     units (``balance`` as in :func:`split_timm_resnet`; embeddings count with the first layer,
@@ -233,11 +265,11 @@ def split_hf_decoder(model: nn.Module, num_stages: int, balance: Balance = "bloc
     if num_stages > 1 and model.lm_head.weight is inner.embed_tokens.weight:
         raise ValueError("lm_head is tied to embed_tokens; untie it (clone the weight) before splitting")
     layers = list(inner.layers[: model.config.num_hidden_layers])
-    costs = _unit_costs(layers, balance)
-    if balance == "params":
+    costs = _unit_costs(layers, balance) if sizes is None else [1.0] * len(layers)
+    if balance == "params" and sizes is None:
         costs[0] += inner.embed_tokens.weight.numel()
         costs[-1] += sum(p.numel() for p in (*inner.norm.parameters(), *model.lm_head.parameters()))
-    groups = _chunks(layers, balanced_sizes(costs, num_stages))
+    groups = _chunks(layers, _sizes(costs, num_stages, balance, sizes))
     last = num_stages - 1
     return [
         DecoderStage(model.config, g, inner.rotary_emb,
@@ -568,9 +600,10 @@ def reference_gradients(full_model_parts: Sequence[nn.Module], heads: Sequence[n
 # ----------------------------------------------------------------------------- model preparation
 
 
-def split_model(model: nn.Module, family: str, num_stages: int, balance) -> list[nn.Module]:
-    """A timm CNN or an HF decoder, split into `num_stages` stage modules."""
-    return split_timm_cnn(model, num_stages, balance) if family == "timm" else split_hf_decoder(model, num_stages, balance)
+def split_model(model: nn.Module, family: str, num_stages: int, balance: Balance, sizes: Sequence[int] | None = None) -> list[nn.Module]:
+    """A timm CNN or an HF decoder, split into `num_stages` stage modules (of `sizes` units if given)."""
+    split = split_timm_cnn if family == "timm" else split_hf_decoder
+    return split(model, num_stages, balance, sizes)
 
 
 def aux_heads(model: nn.Module, stages: Sequence[nn.Module], family: str, num_classes: int | None,
@@ -586,11 +619,32 @@ def units_per_stage(stages: Sequence[nn.Module], family: str) -> list[int]:
     return [len(m) - (k == len(stages) - 1) if family == "timm" else len(m.layers) for k, m in enumerate(stages)]
 
 
-def measure_balance(model: nn.Module, family: str, x: Tensor) -> list[float]:
-    """Per-unit forward + backward costs on input `x`, timed on a copy of the model."""
-    probe = copy.deepcopy(model)
+def measure_balance(model: nn.Module, family: str, x: Tensor, num_classes: int | None, widths: Sequence[int],
+                    cpus: float | None = None, repeats: int = 3) -> StageCosts:
+    """Forward + backward seconds of every unit and of the aux head a stage ending after it
+    would carry, on input `x`, timed on a copy of the model (the last unit includes the model's
+    own head) with the torch threads a stage actor of `cpus` CPUs has. Decoder aux heads are all
+    alike, so one is timed for every boundary."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(cpus)) if cpus else before)
+    try:
+        return _measure_balance(copy.deepcopy(model), family, x, num_classes, widths, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_balance(probe: nn.Module, family: str, x: Tensor, num_classes: int | None, widths: Sequence[int],
+                     repeats: int) -> StageCosts:
     units = split_model(probe, family, timm_cnn_units(probe) if family == "timm" else probe.config.num_hidden_layers, "blocks")
-    return measure_unit_costs(units, x)
+    unit_costs = measure_unit_costs(units, x, repeats)
+    heads = resnet_aux_heads(units, num_classes, widths) if family == "timm" else decoder_aux_heads(probe, 2, False)
+    outputs, h = [], x
+    with torch.no_grad():
+        for unit in units[:-1]:
+            h = unit(h)
+            outputs.append(h)
+    costs = [measure_unit_costs([head], out, repeats)[0] for head, out in zip(heads, outputs)]
+    return StageCosts(unit_costs, costs if family == "timm" else costs * (len(units) - 1))
 
 
 def message_plan(num_stages: int, n: int, rule: str) -> list[list[frozenset[int]]]:

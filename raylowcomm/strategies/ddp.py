@@ -189,7 +189,7 @@ class Ddp:
             _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
             raise
         workers, setup_bytes = result.metrics["workers"], ledger.bytes_by_phase["setup"]
-        ctx.report({"step": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
+        ctx.report({"step": steps, "steps": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
         curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n, setup_bytes + n * p["allreduce_bytes"],
                              {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")})
                  for p in result.metrics["curve"]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal
 
 import ray
@@ -28,7 +28,7 @@ from raylowcomm.ledger import Ledger
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
 from raylowcomm.tasks import SET_PREFIX, CausalLM, ImageClassification, add_sums, task_for
-from raylowcomm.training import TrainClock, batch_at, make_optimizer, total_steps
+from raylowcomm.training import TrainClock, make_optimizer, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class InterlockingConfig:
     rule: Literal["farthest", "sum"] = "farthest"
     micro_batches: int = 4
     """Micro-batches per optimizer step, in flight together; optim.batch_size is split evenly."""
-    balance: Literal["blocks", "params", "measured"] = "blocks"
-    """How units (stem + blocks / decoder layers) are grouped into stages; measured: by their timed forward + backward."""
+    balance: Literal["blocks", "params", "measured"] = "measured"
+    """How units (stem + blocks / decoder layers) group into stages; measured: by timed forward + backward, aux heads included."""
+    split: list[int] | None = None  # units per stage, fixed (e.g. to compare n on one split); overrides balance
     aux_widths: list[int] = field(default_factory=lambda: [128, 64])
     """ResNet aux heads: (3x3 conv, BN, ReLU) widths before pool + linear."""
     aux_init_from_lm_head: bool = True  # decoder aux heads: a copy of the final norm + lm_head (else random)
@@ -186,8 +187,7 @@ class Interlocking:
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict[str, float]]:
-        """One actor per stage, whatever nodes.count says."""
-        return [node_bundle(cfg)] * cfg.options["interlocking"].stages
+        return [node_bundle(cfg)] * cfg.options["interlocking"].stages  # one actor per stage, whatever nodes.count says
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
@@ -202,29 +202,30 @@ class Interlocking:
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
         warn_unused(cfg, "interlocking", restarts="a dead stage stops the run", checkpoints="stages keep no checkpoints")
-        if not o.aux_widths or any(w < 1 for w in o.aux_widths):
-            raise ConfigError("interlocking.aux_widths", o.aux_widths, "must be a non-empty list of positive widths")
+        for name, per_stage in (("aux_widths", False), ("split", True)):
+            value = getattr(o, name)
+            if value is not None and (not value or min(value) < 1 or (per_stage and len(value) != o.stages)):
+                raise ConfigError(f"interlocking.{name}", value,
+                                  "must be a non-empty list of positive numbers" + (", one per stage" if per_stage else ""))
         if cfg.model.family == "hf_classifier":
             raise ConfigError("model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
         if cfg.model.family == "hf_causal_lm" and catalog.dataset(cfg.data.name).kind != "text":
             raise ConfigError("data.name", cfg.data.name, f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}")
-        if cfg.model.family == "timm":
-            arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
-            if not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
-                raise ConfigError("model.name", cfg.model.name,
-                                  "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18, efficientnet_lite0)")
+        arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
+        if cfg.model.family == "timm" and not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
+            raise ConfigError("model.name", cfg.model.name, "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18)")
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, family, clock = ctx.cfg, ctx.cfg.options["interlocking"], ctx.spec.family, TrainClock()
-        K = opts.stages
         torch.manual_seed(cfg.seed)
-        model = copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
+        K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         source = Source("image" if family == "timm" else "tokens", ctx.data.train, ctx.eval_sets(), cfg.optim.batch_size,
                         cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
-        probe = batch_at(source.train, 0, source.batch_size // opts.micro_batches, source.seed)
-        balance = measure_balance(model, family, task_for(family, cfg.data.image_size).inputs(probe)) if opts.balance == "measured" else opts.balance
-        modules = split_model(model, family, K, balance)
+        x = task_for(family, cfg.data.image_size).inputs(source.micro_batch(0, 0, opts.micro_batches))
+        measure = opts.balance == "measured" and opts.split is None
+        balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus) if measure else opts.balance
+        modules = split_model(model, family, K, balance, opts.split)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
         with NodeGroup(StageActor, cfg, Ledger()) as group:
             self._load(group, modules, heads, source, cfg, family)
@@ -248,7 +249,7 @@ class Interlocking:
                       for name, heads_m in per_set.items()},
             "train_head_loss_last": [v[-1] if v else None for v in stage_losses],
             "driver_fetched": {"train": trained["fetched"], "eval": fetched_eval},
-            "lm_head_untied": untied, **({"measured_unit_costs_s": balance} if balance != opts.balance else {}),
+            "lm_head_untied": untied, **({"measured_costs_s": asdict(balance)} if balance != opts.balance else {}),
         }
         return finish_record(self.name, ctx, group.ledger, clock, metrics=final_head_metrics(per_set), step=batches,
                              samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos, weights=state_dict_of(model),
@@ -257,11 +258,10 @@ class Interlocking:
     def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, cfg: RunConfig, family: str) -> None:
         """One stage actor per module, its aux head beside it; stage 0 also gets the data."""
         opts, K, loaded = cfg.options["interlocking"], len(modules), []
+        for what, data in (("train_data", source.train), ("eval_data", source.eval_sets)):  # stage 0's
+            group.ledger.send("setup", what, data)
         for k in range(K):
             ref = group.put((modules[k], heads[k] if k < K - 1 else None), "setup", "stage_modules")
-            if k == 0:
-                group.ledger.send("setup", "train_data", source.train)
-                group.ledger.send("setup", "eval_data", source.eval_sets)
             actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
             loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ref, LOSS_OF_FAMILY[family], cfg.optim,
                                             opts.micro_batches, source if k == 0 else None))
@@ -283,7 +283,7 @@ class Interlocking:
                 busy[k] += r["busy_s"]
                 for what, size in ((what, size) for what, sizes in r["sent"].items() for size in sizes):
                     ledger.record("train", what, size)
-            ctx.report({"step": len(stage_losses[K - 1]), "train_loss": stage_losses[K - 1][-1]})
+            ctx.report({"step": len(stage_losses[K - 1]), "steps": steps, "bytes": ledger.total_bytes, "train_loss": stage_losses[K - 1][-1]})
 
         def evaluate(batch: int, train_s: float) -> None:
             per_set, sent = evaluate_chained(actors, ctx.eval_sets(("test", "shift")), cfg.optim.eval_batch_size, group.fetch,

@@ -114,11 +114,12 @@ class LofiNode(Node):
         return {"examples": num_examples(self.shard)}
 
 
-def average_nodes(refs: list, weights: list[float], fetch: DriverFetches, phase: str) -> dict:
-    """Fetch node weights one at a time as they are ready: one running sum + one incoming copy."""
+def average_nodes(group: NodeGroup, weights: list[float], phase: str, method: str = "weights", *args,
+                  fetch: DriverFetches | None = None) -> dict:
+    """Stream the nodes' `method(*args)` state dicts in as they are ready: one running sum + one incoming copy."""
     avg = StreamingAverage()
-    for i, state in fetch.as_ready(refs, phase, "node_weights"):
-        avg.add(state, weights[i])
+    for k, state in group.stream(method, *args, phase=phase, what="node_weights", fetch=fetch):
+        avg.add(state, weights[k])
         del state
     return avg.result()
 
@@ -200,7 +201,7 @@ class Lofi:
                 if times:
                     snapshots.append((s, train_s + max(times), sent))
             train_s += max(s["train_s"] for s in rounds[-1])
-            ctx.report({"step": until, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
+            ctx.report({"step": until, "steps": plan.steps, "bytes": ledger.total_bytes, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
             for stats in rounds[-1]:
                 if stats["restored_from"] is not None:
                     logger.info("[lofi] node %d died and resumed from its checkpoint at step %d", stats["node"], stats["restored_from"])
@@ -208,9 +209,9 @@ class Lofi:
                     ledger.send("train", "recovery_refetch", shards[stats["node"]])
             if not last:
                 round_clock = TrainClock()
-                average = average_nodes([group[k].weights.remote() for k in group.keys()], plan.weights, group.fetch, "train")
+                average = average_nodes(group, plan.weights, "train")
                 ref = group.put(outer.step(average) if outer is not None else average, "train", "global_weights", copies=n)
-                ray.get([group[k].load_weights.remote(ref) for k in group.keys()])
+                group.call("load_weights", ref)
                 train_s += round_clock.elapsed()
         return {"rounds": rounds, "train_s": train_s, "snapshots": snapshots}
 
@@ -223,7 +224,7 @@ class Lofi:
         if opts.soup == "greedy":
             average, soup_kept = self._greedy_soup(ctx, group, task, node_metrics)
         else:
-            average = average_nodes([group[k].weights.remote() for k in group.keys()], plan.weights, group.fetch, "final")
+            average = average_nodes(group, plan.weights, "final")
             soup_kept = list(range(n))
         collect_s = collect_clock.elapsed()
         if outer is not None:
@@ -259,14 +260,13 @@ class Lofi:
         """Add nodes' models best first while the held-out score does not drop."""
         metric, sign = task.metric, (1 if task.metric == "accuracy" else -1)
         order = sorted(range(len(group)), key=lambda k: node_metrics[k]["val_" + metric], reverse=sign > 0)
-        refs = [group[k].weights.remote() for k in order]
         scorer = build_model(ctx.spec)
 
         def score(state):
             scorer.load_state_dict(state)
             return task.evaluate(scorer, ctx.data.val, ctx.cfg.optim.eval_batch_size)[metric] * sign
 
-        average, kept, _ = greedy_soup([lambda ref=ref: group.fetch.get([ref], "final", "node_weights")[0] for ref in refs], score)
+        average, kept, _ = greedy_soup([lambda k=k: group.call("weights", what="node_weights", keys=[k])[0] for k in order], score)
         return average, [order[j] for j in kept]
 
     @staticmethod
@@ -278,7 +278,7 @@ class Lofi:
         final = {k: v.clone() for k, v in model.state_dict().items()}
         for step, train_s, sent in snapshots:
             try:  # fetching snapshots is measurement: a scratch ledger
-                average = average_nodes([group[k].snapshot.remote(step) for k in group.keys()], weights, DriverFetches(Ledger()), "final")
+                average = average_nodes(group, weights, "final", "snapshot", step, fetch=DriverFetches(Ledger()))
             except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
                 logger.warning("[lofi] no curve point at step %d: a node's snapshot is gone (%s)", step, type(err.cause).__name__)
                 continue

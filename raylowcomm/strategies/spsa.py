@@ -209,9 +209,7 @@ class SpsaRun:
     def leave(self, k: int, step: int, how: str) -> None:
         if how == "remove":
             self.infos[k] = self.group.fetch.get([self.group[k].info.remote()], "final", "node_info")[0]
-            self.group.remove(k)
-        else:
-            self.group.forget(k)
+        self.group.remove(k, kill=how == "remove")
         self.records[k].update(left_step=step, left_how=how)
         logger.info("[spsa] step %d: node %d left (%s); running: %s", step, k, how, self.group.keys())
 
@@ -257,7 +255,8 @@ class SpsaRun:
         for key, value in (("payload", sum(map(len, codes.values()))), ("wire", wire), ("control", control),
                            ("wall", time.perf_counter() - t0)):
             self.per_step[key].append(value)
-        return {"step": step + 1, "train_loss": sum(struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()) / len(pubs)}
+        losses = [struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()]
+        return {"step": step + 1, "steps": self.steps, "bytes": ledger.total_bytes, "train_loss": sum(losses) / len(pubs)}
 
     def verify(self, step: int) -> None:
         digest = check_replicas(self.group.actors, step, self.ledger)

@@ -365,3 +365,26 @@ def test_stage_is_a_plain_object_for_actors():
     assert msg.keys() == {1} and msg[1].grad_fn is None and not msg[1].requires_grad
     assert stages[0].backward(7, msg) == {}
     assert stages[1].pop_losses().keys() == {7}
+
+
+def test_balanced_sizes_count_the_aux_head_each_stage_carries():
+    assert balanced_sizes([1, 1, 1, 1], 2) == [2, 2]
+    # a stage ending after unit 1 would carry a head costing 5: the best split avoids that boundary
+    assert balanced_sizes([1, 1, 1, 1], 2, [0, 5, 0]) == [3, 1]
+    assert balanced_sizes([1, 1, 1, 1], 2, [5, 0, 5]) == [2, 2]
+
+
+def test_measured_costs_time_every_unit_and_boundary_head_and_a_fixed_split_is_kept():
+    from raylowcomm.core.interlock import StageCosts, measure_balance
+
+    model = tiny_resnet()
+    units = timm_cnn_units(model)
+    costs = measure_balance(model, "timm", torch.randn(4, 3, 16, 16), NUM_CLASSES, (8,), cpus=1, repeats=1)
+    assert isinstance(costs, StageCosts) and len(costs.units) == units and len(costs.boundaries) == units - 1
+    assert all(c > 0 for c in costs.units + costs.boundaries)
+    stages = split_timm_cnn(model, 2, costs)
+    assert sum(len(s) for s in stages) == units + 1  # every unit, plus the model's own head
+    fixed = split_timm_cnn(model, 2, "blocks", sizes=[1, units - 1])
+    assert len(fixed[0]) == 1 and len(fixed[1]) == units
+    with pytest.raises(ValueError, match="sizes"):
+        split_timm_cnn(model, 2, "blocks", sizes=[1, 1])

@@ -104,7 +104,7 @@ def tiny_cfg(**interlocking):
         "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
         "nodes": {"cpus": 1},
         "strategies": ["interlocking"],
-        "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8], **interlocking},
+        "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8], "balance": "blocks", **interlocking},
     })
 
 
