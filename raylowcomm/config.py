@@ -313,11 +313,6 @@ def validate(cfg: RunConfig) -> None:
     _positive("checkpoint_every", cfg.checkpoint_every)
     if cfg.eval_every < 0:
         raise ConfigError("eval_every", cfg.eval_every, "an integer >= 0 (0: evaluate at the end only)")
-    if cfg.nodes.gpus > 0:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("nodes.gpus", cfg.nodes.gpus, "this machine has no CUDA GPU; set nodes.gpus=0")
     if cfg.data.name not in catalog.DATASETS:
         raise ConfigError("data.name", cfg.data.name, f"expected one of {', '.join(map(repr, catalog.DATASETS))}")
     if catalog.task_name(cfg.model.family, cfg.data.name) is None:

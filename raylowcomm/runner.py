@@ -11,14 +11,14 @@ from typing import Callable
 import yaml
 
 from raylowcomm import catalog
-from raylowcomm.config import RunConfig
+from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.env import set_hub_defaults
 from raylowcomm.data import load_datasets, num_examples
 from raylowcomm.models import load_pretrained
 from raylowcomm.progress import ProgressView
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies import STRATEGIES
-from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.base import RunContext, actor_bundles, external_bundles
 from raylowcomm.tensorboard import TensorBoardLog
 from raylowcomm.training import total_steps
 
@@ -52,6 +52,7 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     t0 = time.perf_counter()
     init_ray(verbose=verbose)
     timings["ray_start_s"] = round(time.perf_counter() - t0, 3)
+    check_cluster_fits(cfg)
     records: list[dict] = []
     view = ProgressView(bar)
     with TensorBoardLog(out) as board:
@@ -81,6 +82,44 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
                                        f"(training {v.get('train_s') or 0:.1f} s)" for k, v in timings.items()))
     logger.info("results: %s; curves: tensorboard --logdir %s", out / "results.json", out / "tensorboard")
     return records
+
+
+def check_cluster_fits(cfg: RunConfig) -> None:
+    """Every strategy's actors must fit the cluster: on the local Ray, which cannot grow, asking
+    for more CPUs, GPUs or custom resources than it has stops the run now (ConfigError naming the
+    field) instead of waiting forever; on a joined cluster, which may autoscale, it is a warning,
+    and the actor layer says what it waits for while it waits."""
+    import os
+
+    import ray
+
+    capacity = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    total = ray.cluster_resources()
+    for name in cfg.strategies:
+        bundles = actor_bundles(STRATEGIES[name], cfg) + external_bundles(STRATEGIES[name], cfg)
+        for key in sorted({k for b in bundles for k in b}):
+            need, each, have = sum(b.get(key, 0) for b in bundles), max(b.get(key, 0) for b in bundles), total.get(key, 0)
+            largest = max((n.get(key, 0) for n in capacity), default=0)
+            if need <= have and each <= largest:
+                continue
+            field, value = _resource_field(cfg, name, key, too_big_each=each > largest)
+            message = (f"{name} starts {len(bundles)} actors needing {need:g} {key} in all ({each:g} each), but the cluster "
+                       f"has {have:g} {key}{' (none)' if not have else ''}, at most {largest:g} on one node: lower {field} or add nodes")
+            if os.environ.get("RAY_ADDRESS"):
+                logger.warning("%s; waiting for the cluster to grow", message)
+            else:
+                raise ConfigError(field, value, message)
+
+
+def _resource_field(cfg: RunConfig, strategy: str, key: str, too_big_each: bool) -> tuple[str, object]:
+    """The config field to change: what one actor asks for when no node can hold it, else how many actors."""
+    if too_big_each:
+        if key in ("CPU", "GPU"):
+            return f"nodes.{key.lower()}s", getattr(cfg.nodes, f"{key.lower()}s")
+        return f"nodes.resources.{key}", cfg.nodes.resources.get(key)
+    if strategy == "interlocking":
+        return "interlocking.stages", cfg.options["interlocking"].stages
+    return "nodes.count", cfg.nodes.count
 
 
 def strategy_timing(record: dict) -> dict:

@@ -125,3 +125,23 @@ def test_the_chain_of_one_decoder_stage_scores_what_the_causal_lm_scores(ray_ses
         ray.kill(stage)
     assert per_set["test"][0]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
     assert per_set["test"][0]["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-6)
+
+
+@pytest.mark.parametrize("change, field, says", [
+    ({"nodes": {"count": 8, "cpus": 1}}, "nodes.count", "needing 8 CPU in all"),
+    ({"nodes": {"count": 2, "cpus": 16}}, "nodes.cpus", "16 each"),
+    ({"nodes": {"count": 2, "cpus": 1, "gpus": 1}}, "nodes.gpus", "0 GPU (none)"),
+    ({"nodes": {"count": 2, "cpus": 1, "resources": {"trainer": 1}}}, "nodes.resources.trainer", "0 trainer (none)"),
+    ({"strategies": ["interlocking"], "interlocking": {"stages": 6, "micro_batches": 2, "aux_widths": [8]}},
+     "interlocking.stages", "6 actors"),
+])
+def test_a_run_the_local_cluster_can_never_hold_stops_before_any_actor(ray_session, tmp_path, change, field, says):
+    from raylowcomm.config import ConfigError
+
+    raw = {"model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+           "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
+           "optim": {"batch_size": 16, "max_steps": 2}, "strategies": ["lofi"], **change}
+    with pytest.raises(ConfigError) as err:
+        run(from_dict(raw), tmp_path)  # the session's Ray has 4 CPUs, no GPU
+    assert err.value.field_name == field and says in str(err.value) and "add nodes" in str(err.value)
+    assert not (tmp_path / "results.json").exists()
