@@ -117,9 +117,9 @@ def _resource_field(cfg: RunConfig, strategy: str, key: str, too_big_each: bool)
         if key in ("CPU", "GPU"):
             return f"nodes.{key.lower()}s", getattr(cfg.nodes, f"{key.lower()}s")
         return f"nodes.resources.{key}", cfg.nodes.resources.get(key)
-    if strategy == "interlocking":
-        return "interlocking.stages", cfg.options["interlocking"].stages
-    return "nodes.count", cfg.nodes.count
+    field = getattr(STRATEGIES[strategy], "count_field", "nodes.count")
+    section, key = field.split(".", 1)
+    return field, getattr(cfg.options[section] if section in cfg.options else getattr(cfg, section), key)
 
 
 def strategy_timing(record: dict) -> dict:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylowcomm import catalog
-from raylowcomm.data import Split, eval_batches
+from raylowcomm.data import Split, eval_batches, take
 
 SET_PREFIX = {"test": "id", "shift": "shift", "val": "val"}
 """Evaluation set name -> the prefix of its metrics in a record (id_accuracy, shift_loss, ...)."""
@@ -62,6 +62,10 @@ class ImageClassification:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: Split, batch_size: int) -> dict:
+        """Metrics of `model` on `split`; padded text is scored shortest first, so that each
+        batch, cut to its longest row, carries little padding (the sums do not depend on order)."""
+        if "attention_mask" in split:
+            split = take(split, split["attention_mask"].sum(1).argsort(stable=True))
         was = model.training
         model.eval()
         parts = [self.sums(self.forward(model, batch), self.targets(batch)) for batch in eval_batches(split, batch_size)]

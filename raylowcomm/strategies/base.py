@@ -101,6 +101,8 @@ def eval_points(cfg: RunConfig, steps: int) -> list[int]:
 class Strategy(Protocol):
     name: ClassVar[str]
     Config: ClassVar[type]
+    count_field: ClassVar[str]
+    """The option that sets how many actors it starts (optional; default nodes.count)."""
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:

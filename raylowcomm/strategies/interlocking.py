@@ -60,8 +60,7 @@ class StageActor:
     in and out through the object store; stage 0 builds the micro-batches from its `Source`."""
 
     def __init__(self, cpus: float, gpus: float):
-        self.device = start_process(cpus, gpus)
-        self.worker = None
+        self.device, self.worker = start_process(cpus, gpus), None
 
     def load(self, index: int, num_stages: int, n: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
              micro_batches: int, source: Source | None = None) -> None:
@@ -184,6 +183,7 @@ def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
 class Interlocking:
     name: ClassVar[str] = "interlocking"
     Config: ClassVar[type] = InterlockingConfig
+    count_field: ClassVar[str] = "interlocking.stages"  # the option that sets how many actors it starts
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict[str, float]]:
