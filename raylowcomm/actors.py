@@ -214,15 +214,17 @@ class NodeGroup:
         args, kwargs = self._started[key]
         self.actors[key] = self.actor_class.options(**self.options).remote(*args, **kwargs)
 
-    def ready(self, every_s: float = 10.0) -> None:
-        """Wait until every actor has started, saying every `every_s` seconds how many still wait
-        and what the cluster has free: on a busy or autoscaling cluster a wait is not silent."""
+    def ready(self, every_s: float = 30.0) -> None:
+        """Wait until every actor has started, saying every `every_s` seconds how many are still
+        starting (or waiting for resources) and what the cluster has free: on a busy or
+        autoscaling cluster a wait is not silent."""
         pending = [a.__ray_ready__.remote() for a in self.actors.values()]
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=every_s)
             ray.get(done)
             if pending:
-                logger.info("waiting for %d of %d actors (each %s); free in the cluster: %s", len(pending), len(self.actors),
+                logger.info("%d of %d actors still starting or waiting for resources (each %s); free in the cluster now: %s",
+                            len(pending), len(self.actors),
                             {k: v for k, v in self.options.items() if k in ("num_cpus", "num_gpus", "resources")},
                             {k: v for k, v in ray.available_resources().items() if not k.startswith(("node:", "object_store"))})
 

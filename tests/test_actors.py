@@ -73,6 +73,16 @@ def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(ra
     assert ray.available_resources().get("CPU", 0) >= cpus, "every CPU the run took is free again"
 
 
+@pytest.mark.slow
+def test_ctrl_c_mid_run_releases_the_actors(ray_session, tmp_path):
+    def progress(name, metrics):
+        raise KeyboardInterrupt  # what Ctrl-C raises in the driver
+
+    with pytest.raises(KeyboardInterrupt):
+        run(small_config(["lofi", "spsa"]), tmp_path, progress=progress)
+    assert wait_until_gone("LofiNode") == []
+
+
 def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     """The driver (lo-fi's average), a lo-fi node, an SPSA node, a DDP worker's Node and the
     interlocking chain of one stage all score one model through tasks: identical metrics."""
