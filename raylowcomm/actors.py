@@ -137,7 +137,6 @@ class DriverFetches:
         return value
 
 
-
 class ReplicaMismatch(RuntimeError):
     pass
 
@@ -156,8 +155,6 @@ def check_replicas(nodes: dict, step: int, ledger: Ledger) -> str:
     return next(iter(groups))
 
 
-
-
 class NodeGroup:
     """A strategy's actors, keyed by node id: started from `cfg.nodes`, every transfer booked,
     all killed when the `with` block ends however it ends.
@@ -168,7 +165,7 @@ class NodeGroup:
     pin the constructor's object-store arguments and warn on every healthy run (ray#53727)."""
 
     def __init__(self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0):
-        self.actor_class, self.cfg, self.ledger, self.restarts = actor_class, cfg, ledger, restarts
+        self.actor_class, self.ledger, self.restarts = actor_class, ledger, restarts
         n = cfg.nodes
         self.options = actor_options(n.cpus, n.gpus, 0, n.placement, n.resources)
         self.actors: dict[int, ray.actor.ActorHandle] = {}

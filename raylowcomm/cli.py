@@ -194,6 +194,10 @@ def _run(args) -> int:
         records = run(cfg, verbose=args.verbose)
     except (ConfigError, assets.AssetError) as err:
         return _fail(err)
+    except KeyboardInterrupt:  # the running strategy's actors were released on the way out
+        print(f"error: interrupted; the running strategy's actors were released; strategies that finished, if any, "
+              f"are in {Path(cfg.out_dir) / 'results.json'}", file=sys.stderr)
+        return 130
     return 1 if any("error" in r for r in records) else 0
 
 

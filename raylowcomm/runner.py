@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import ray
 import yaml
 
 from raylowcomm import catalog
@@ -71,7 +72,8 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
                 records.append(STRATEGIES[name]().run(ctx).to_dict())
             except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
                 logger.exception("%s failed; its actors were released", name)
-                records.append({"strategy": name, "error": f"{type(err).__name__}: {err}", "wall_s": round(time.time() - started, 3)})
+                cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err  # an actor's own exception
+                records.append({"strategy": name, "error": f"{type(cause).__name__}: {cause}", "wall_s": round(time.time() - started, 3)})
             view.close()
             board.record(records[-1])
             timings[name] = strategy_timing(records[-1])

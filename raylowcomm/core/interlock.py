@@ -41,6 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raylowcomm.ledger import payload_nbytes
+from raylowcomm.training import batch_at
+
 Rule = Literal["farthest", "sum"]
 RULES: tuple[str, ...] = ("farthest", "sum")
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -664,10 +667,6 @@ def map_tensors(value, fn):
     return tuple(fn(v) for v in value) if isinstance(value, tuple) else {j: fn(g) for j, g in value.items()}
 
 
-def _nbytes(*tensors: Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class StageWorker:
     """An :class:`InterlockStage` as a pipeline worker, without any transport: micro-batch ids
     from (batch, micro-batch), the optimizer step as soon as a batch is complete, busy time, the
@@ -700,7 +699,7 @@ class StageWorker:
 
     def _upstream(self, msg: dict[int, Tensor]) -> dict[int, Tensor]:
         if msg:
-            self.sent["gradients"].append(_nbytes(*msg.values()))
+            self.sent["gradients"].append(payload_nbytes(msg))
         return msg
 
     def forward(self, step: int, mb: int, x: Tensor, y: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
@@ -708,8 +707,8 @@ class StageWorker:
         mb_id = step * self.micro_batches + mb
         h, early = self._timed(lambda: (self.stage.forward(mb_id, x, y), self.stage.backward(mb_id, {})))
         if not self.last:
-            self.sent["activations"].append(_nbytes(h))
-            self.sent["targets"].append(_nbytes(y))
+            self.sent["activations"].append(payload_nbytes(h))
+            self.sent["targets"].append(payload_nbytes(y))
         return h, self._upstream(early)
 
     def backward(self, step: int, mb: int, msg: dict[int, Tensor]) -> dict[int, Tensor]:
@@ -727,7 +726,7 @@ class StageWorker:
         metrics = self.task.sums(self.stage.head(h) if self.stage.head is not None else h, y)
         for m, w in zip(modules, was):
             m.train(w)
-        metrics["sent_bytes"] = 0 if self.last else _nbytes(h, y)
+        metrics["sent_bytes"] = 0 if self.last else payload_nbytes((h, y))
         return h, metrics
 
     def report(self) -> dict:
@@ -762,8 +761,6 @@ class Source:
 
     def micro_batch(self, step: int, mb: int, micro_batches: int) -> dict[str, Tensor]:
         """Micro-batch `mb` of training batch `step` (batches as every strategy draws them)."""
-        from raylowcomm.training import batch_at
-
         size = self.batch_size // micro_batches
         return {k: v[mb * size:(mb + 1) * size] for k, v in batch_at(self.train, step, self.batch_size, self.seed).items()}
 

@@ -523,6 +523,9 @@ class Replica:
         """(this step's codes, the (L+, L−) pairs measured); the codes are kept to apply."""
         seeds = step_seeds(self.schedule, self.step, self.node, self.samples)
         pairs = spsa_losses(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind)
+        if not all(math.isfinite(lp) and math.isfinite(lm) for lp, lm in pairs):
+            raise FloatingPointError(f"node {self.node}, step {self.step}: the loss is not finite ({pairs[0]}): the weights "
+                                     f"diverged; lower the learning rate (spsa.lr) or eps (spsa.eps)")
         payload = self.codec.to_bytes([(lp - lm) / (2 * self.eps) for lp, lm in pairs])
         self.published = (self.step, payload)
         return payload, pairs
