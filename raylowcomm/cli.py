@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set optim.lr=0.01 (repeatable)")
     run_p.add_argument("--out", help="output directory (default: the config's out_dir)")
+    run_p.add_argument("--resume", metavar="OUT", help="continue the run in OUT whose driver stopped: finished strategies "
+                       "are kept, the others continue from their last checkpoint in storage")
     run_p.add_argument("--verbose", action="store_true", help="also show what node actors and Ray print")
     tune_p = sub.add_parser("tune", help="sweep config fields with Ray Tune (a sweep file: see tune_configs/)")
     tune_p.add_argument("sweep")
@@ -184,14 +186,18 @@ def _run(args) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.out:
-            cfg.out_dir = args.out
-        check_out_dir(cfg.out_dir, "--out" if args.out else "out_dir")
+        if args.resume and args.out and Path(args.out) != Path(args.resume):
+            raise ConfigError("--out", args.out, "--resume OUT continues the run in OUT: drop --out or give the same folder")
+        if args.out or args.resume:
+            cfg.out_dir = args.resume or args.out
+        check_out_dir(cfg.out_dir, "--resume" if args.resume else "--out" if args.out else "out_dir")
         from raylowcomm.actors import log_to_stdout
-        from raylowcomm.runner import run
+        from raylowcomm.runner import check_resumable, run
 
+        if args.resume:
+            check_resumable(cfg, cfg.out_dir)
         log_to_stdout()
-        records = run(cfg, verbose=args.verbose)
+        records = run(cfg, verbose=args.verbose, resume=bool(args.resume))
     except (ConfigError, assets.AssetError) as err:
         return _fail(err)
     except KeyboardInterrupt:  # the running strategy's actors were released on the way out

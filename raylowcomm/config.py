@@ -101,6 +101,10 @@ class RunConfig:
     strategies: list[str] = field(default_factory=lambda: ["lofi", "ddp"])
     seed: int = 0
     out_dir: str = "runs/default"
+    storage: str | None = None
+    """Where everything a run must not lose lives: node checkpoints, curve snapshots, the SPSA
+    replay log, final weights and results. A path every Ray node can reach (NFS) or an object
+    store URI (s3://bucket/run, gs://...); None: OUT/state, enough on one machine."""
     log_every: int = 10
     checkpoint_every: int | None = None
     """Steps between node checkpoints (what a restarted lo-fi node resumes from, what a joining

@@ -71,6 +71,11 @@ class Ledger:
     def total_bytes(self) -> int:
         return sum(self.bytes_by_phase.values())
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Ledger":
+        """The ledger `to_dict` wrote (a resumed run continues its counts)."""
+        return cls(dict(d["by_phase"]), defaultdict(int, d["by_kind"]), d["messages"])
+
     def to_dict(self) -> dict:
         return {
             "total_bytes": self.total_bytes,

@@ -18,6 +18,7 @@ from raylowcomm.data import load_datasets, num_examples
 from raylowcomm.models import load_pretrained
 from raylowcomm.progress import ProgressView
 from raylowcomm.runtime import init_ray
+from raylowcomm.storage import Storage
 from raylowcomm.strategies import STRATEGIES
 from raylowcomm.strategies.base import RunContext, actor_bundles, external_bundles
 from raylowcomm.tensorboard import TensorBoardLog
@@ -26,7 +27,7 @@ from raylowcomm.training import total_steps
 logger = logging.getLogger("raylowcomm")
 
 
-def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None) -> RunContext:
+def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: bool = False) -> RunContext:
     """Everything that can fail on bad input happens here, before any actor starts; `timings`
     gets the seconds spent loading the model and the data (asset materialisation included)."""
     timings = {} if timings is None else timings
@@ -38,18 +39,46 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None) -> RunCo
     total_steps(cfg.optim, num_examples(data.train) // cfg.nodes.count)  # batch size vs shard size, checked now
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return RunContext(cfg, model, spec, data, out_dir)
+    return RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume)
+
+
+def check_resumable(cfg: RunConfig, out_dir: str | Path) -> None:
+    """A run can be resumed from `out_dir` only with the config it was started with."""
+    saved = Path(out_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError("--resume", str(out_dir), "holds no run (no config.yaml): give the folder a run wrote")
+    before, now = yaml.safe_load(saved.read_text()), yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    changed = sorted(_differences(before, now))
+    if changed:
+        raise ConfigError("--resume", str(out_dir), f"the run there had other settings ({', '.join(changed[:5])}): "
+                                                    f"resume with the config it was started with")
+
+
+def _differences(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if a != b else []
+
+
+def finished_records(out_dir: Path) -> dict[str, dict]:
+    """The strategies a stopped run finished (results.json), by name: a resumed run keeps them."""
+    path = out_dir / "results.json"
+    records = json.loads(path.read_text()) if path.is_file() else []
+    return {r["strategy"]: r for r in records if "error" not in r}
 
 
 def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[str, dict], None] | None = None,
-        verbose: bool = False, bar: bool | None = None) -> list[dict]:
+        verbose: bool = False, bar: bool | None = None, resume: bool = False) -> list[dict]:
     """Run every strategy of `cfg` and return their records (what results.json holds); the file
     is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
     the strategies report while they train (step, steps planned, train_loss, bytes, evaluations);
-    `verbose` shows what actors and Ray print; `bar`: a progress bar (default: on a terminal)."""
+    `verbose` shows what actors and Ray print; `bar`: a progress bar (default: on a terminal);
+    `resume`: keep the strategies the run in `out_dir` finished and continue the others from
+    their checkpoints in storage."""
     set_hub_defaults()
     out, timings = Path(out_dir or cfg.out_dir), {}
-    ctx = prepare(cfg, out, timings)
+    done = finished_records(out) if resume else {}
+    ctx = prepare(cfg, out, timings, resume=resume)
     t0 = time.perf_counter()
     init_ray(verbose=verbose)
     timings["ray_start_s"] = round(time.perf_counter() - t0, 3)
@@ -58,6 +87,10 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     view = ProgressView(bar)
     with TensorBoardLog(out) as board:
         for name in cfg.strategies:
+            if name in done:
+                logger.info("=== %s: finished before, kept ===", name)
+                records.append(done[name])
+                continue
             logger.info("=== %s ===", name)
             started = time.time()
 
@@ -78,6 +111,7 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
             board.record(records[-1])
             timings[name] = strategy_timing(records[-1])
             (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
+            ctx.storage.write_json("results.json", records)
             (out / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("%s", format_table(records))
     logger.info("time: %s", ", ".join(f"{k} {v}" if not isinstance(v, dict) else f"{k} {v['wall_s']:.1f} s "

@@ -3,20 +3,19 @@ and checkpoints that a restarted node resumes from, bit for bit."""
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.data import Split, batch_order, num_examples, take
 from raylowcomm.seeding import step_seed
+from raylowcomm.storage import Storage
 
 
 class TrainClock:
@@ -90,8 +89,9 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
             "mean_loss": sum(losses) / len(losses) if losses else None}
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None = None) -> None:
-    """Model + optimizer state as one safetensors file, written atomically."""
+def save_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
+                    extra: dict | None = None) -> int:
+    """Model + optimizer state as one safetensors file in `storage` (atomic); returns its size."""
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     meta = {"step": step, "extra": extra or {}}
     if optimizer is not None:
@@ -105,13 +105,10 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                     scalars[f"{pid}.{key}"] = value
         meta["optim_scalars"] = scalars
         meta["param_groups"] = state["param_groups"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(_dedupe_shared(tensors), str(tmp), metadata={"raylowcomm": json.dumps(meta)})
-    os.replace(tmp, path)
+    return storage.save_tensors(rel, dedupe_shared(tensors), meta)
 
 
-def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors that share memory (tied embeddings): store copies."""
     seen, out = set(), {}
     for k, v in tensors.items():
@@ -121,12 +118,9 @@ def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["raylowcomm"])
-    tensors = load_file(str(path))
+def load_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Restore what `save_checkpoint` wrote onto `model` (on its device) and `optimizer`; returns the metadata."""
+    tensors, meta = storage.load_tensors(rel)
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     if optimizer is not None and "param_groups" in meta:
         state: dict[int, dict] = {}
@@ -144,7 +138,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def save_weights(path: Path, state: dict) -> str:
     """Final weights: safetensors only, so loading them never runs code."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(_dedupe_shared({k: v.contiguous() for k, v in state.items()}), str(path))
+    save_file(dedupe_shared({k: v.contiguous() for k, v in state.items()}), str(path))
     return str(path)
 
 

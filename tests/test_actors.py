@@ -95,8 +95,8 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     assert {"id_accuracy", "id_loss", "shift_accuracy", "shift_loss"} == expected.keys()
     sets_ref = ray.put(sets)
 
-    lofi = LofiNode.remote(0, ctx.spec, weights, ctx.data.train, cfg, str(tmp_path / "node0.safetensors"))
-    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.train, cfg, weights=weights)
+    lofi = LofiNode.remote(0, ctx.spec, weights, ctx.data.train, cfg, ctx.storage)
+    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.train, cfg, ctx.storage, weights=weights)
     try:
         assert ray.get(lofi.evaluate.remote([sets_ref])) == expected
         assert ray.get(spsa.evaluate.remote([sets_ref])) == expected

@@ -13,7 +13,8 @@ from raylowcomm.config import RunConfig
 from raylowcomm.data import Datasets, Split, num_examples, shard_indices, take
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec
-from raylowcomm.training import TrainClock, save_weights
+from raylowcomm.storage import Storage
+from raylowcomm.training import TrainClock, dedupe_shared
 
 
 logger = logging.getLogger("raylowcomm")
@@ -32,6 +33,10 @@ class RunContext:
     spec: ModelSpec
     data: Datasets
     out_dir: Path
+    storage: Storage | None = None
+    """Where checkpoints, snapshots, logs and final weights live (config `storage`; default OUT/state)."""
+    resume: bool = False
+    """Continue from what `storage` holds (raylowcomm run --resume) instead of starting afresh."""
     report: Callable[[dict], None] = _no_report
     """Strategies call it with flat numeric progress metrics at each step, round or eval, e.g.
     {"step": 10, "train_loss": 0.3}; a sweep forwards them to Tune (ASHA stops trials on them)
@@ -45,6 +50,15 @@ class RunContext:
     def eval_sets(self, names: tuple[str, ...] = ("test", "shift", "val")) -> dict[str, Split]:
         sets = {"test": self.data.test, "shift": self.data.shift, "val": self.data.val}
         return {k: sets[k] for k in names if sets[k] is not None}
+
+    def __post_init__(self) -> None:
+        if self.storage is None:
+            self.storage = Storage(self.out_dir / "state")
+
+    def fresh_state(self, name: str) -> None:
+        """A new run of strategy `name` starts from nothing; a resumed one keeps what storage holds."""
+        if not self.resume:
+            self.storage.delete(name)
 
     def strategy_dir(self, name: str) -> Path:
         path = self.out_dir / name
@@ -147,6 +161,8 @@ def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock,
     training time (`curve_wall_s` where collecting counts too), the weights are saved as
     safetensors, and peak memory is the largest of any actor's."""
     curve = [*(curve or []), curve_point(step, train_s if curve_wall_s is None else curve_wall_s, samples, ledger.total_bytes, metrics)]
-    weights_path = save_weights(ctx.strategy_dir(name) / "model.safetensors", weights)
+    rel = f"{name}/model.safetensors"
+    ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
+    weights_path = ctx.storage.uri_of(rel)
     return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),
                      nodes or [], details or {}, weights_path, curve)

@@ -11,14 +11,11 @@ by s plus one collection. Fetching the snapshots is measurement, outside the run
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Literal
 
 import ray
-from safetensors.torch import load_file
 
 from raylowcomm.actors import DriverFetches, Node, NodeGroup
 from raylowcomm.config import ConfigError, RunConfig
@@ -27,9 +24,10 @@ from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import build_model, state_dict_of
 from raylowcomm.seeding import node_seed
+from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record
 from raylowcomm.tasks import score_sets, task_for
-from raylowcomm.training import (TrainClock, batch_at, load_checkpoint, make_optimizer, save_checkpoint, save_weights,
+from raylowcomm.training import (TrainClock, batch_at, load_checkpoint, make_optimizer, save_checkpoint,
                                  steps_per_epoch, total_steps, train_steps)
 
 logger = logging.getLogger(__name__)
@@ -59,23 +57,25 @@ class LofiNode(Node):
 
     label = "lofi node"
 
-    def __init__(self, node: int, spec, weights: dict, shard: dict, cfg: RunConfig, checkpoint: str):
+    def __init__(self, node: int, spec, weights: dict, shard: dict, cfg: RunConfig, storage: Storage):
         super().__init__(node, cfg, spec)
-        self.shard, self.seed, self.checkpoint = shard, node_seed(cfg.seed, node), Path(checkpoint)
+        self.shard, self.seed, self.storage = shard, node_seed(cfg.seed, node), storage
+        self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
-        self.step, self.restored_from = 0, None
-        if self.checkpoint.exists():
-            self.step = load_checkpoint(self.checkpoint, self.model, self.optimizer)["step"]
+        self.step, self.restored_from, self.rounds = 0, None, 0
+        if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
+            meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
+            self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
-            self.log(f"restarted: resuming from checkpoint at step {self.step}")
+            self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
         else:
             self.model.load_state_dict(weights)
 
     def _save(self, step: int) -> None:
-        save_checkpoint(self.checkpoint, self.model, self.optimizer, step)
+        save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds})
 
-    def _snapshot_path(self, step: int) -> Path:
-        return self.checkpoint.parent / "snapshots" / f"{self.checkpoint.stem}_step{step}.safetensors"
+    def _snapshot_path(self, step: int) -> str:
+        return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
 
     def train(self, until: int, snapshot_at: list[int]) -> dict:
         """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
@@ -88,7 +88,7 @@ class LofiNode(Node):
             if step in snaps:
                 snapshot_s[step] = clock.elapsed()
                 with clock.paused():
-                    save_weights(self._snapshot_path(step), state_dict_of(self.model))
+                    self.storage.save_tensors(self._snapshot_path(step), state_dict_of(self.model))
 
         stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
                             self.seed, log=self.log, log_every=self.cfg.log_every, on_step=on_step, clock=clock)
@@ -96,11 +96,15 @@ class LofiNode(Node):
         return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
 
     def snapshot(self, step: int) -> dict:
-        return load_file(str(self._snapshot_path(step)))
+        return self.storage.load_tensors(self._snapshot_path(step))[0]
 
-    def load_weights(self, state: dict) -> None:
-        """A new global model (averaging round); checkpointed at once so a restart keeps it."""
+    def load_weights(self, state: dict, rounds: int) -> None:
+        """The global model of averaging round `rounds`; checkpointed at once so a restart keeps it
+        (a node that has it already, resuming, keeps what it has)."""
+        if rounds <= self.rounds:
+            return
         self.model.load_state_dict(state)
+        self.rounds = rounds
         self._save(self.step)
 
     def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
@@ -165,8 +169,8 @@ class Lofi:
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
-        clock, ledger, ckpt_dir = TrainClock(), Ledger(), ctx.strategy_dir(self.name) / "checkpoints"
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        clock, ledger = TrainClock(), Ledger()
+        ctx.fresh_state(self.name)
         shards = ctx.shards()
         plan = plan_rounds(cfg, opts, [num_examples(s) for s in shards])
         initial = state_dict_of(ctx.model)
@@ -175,22 +179,45 @@ class Lofi:
             group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
             shard_refs = [group.put(shard, "setup", "data_shard") for shard in shards]  # kept for restarts
             for k in range(n):
-                group.start(k, k, ctx.spec, weights_ref, shard_refs[k], cfg, str(ckpt_dir / f"node{k}.safetensors"))
+                group.start(k, k, ctx.spec, weights_ref, shard_refs[k], cfg, ctx.storage)
             group.ready()
             logger.info("[lofi] %d nodes x %d steps, averaging at steps %s", n, plan.steps,
                         plan.boundaries if plan.averaging else [plan.steps])
             outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
                 if opts.outer_optimizer == "nesterov" else None
-            trained = self._train(ctx, group, plan, outer, initial, shards)
+            first = self._resume_round(ctx, group, outer) if ctx.resume else 0
+            trained = self._train(ctx, group, plan, outer, initial, shards, first)
             return self._finish(ctx, group, plan, outer, trained, clock)
 
-    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, shards: list) -> dict:
-        """The rounds: train to each boundary with no communication, average between rounds.
-        Training time as DDP measures it: the nodes' own loop time (slowest node per round) plus
-        the driver's averaging rounds; Ray call overhead is left out of both."""
+    GLOBAL = "lofi/global.safetensors"
+    """The last averaging round's global model (and outer momentum): what a resumed run starts from."""
+
+    def _resume_round(self, ctx: RunContext, group: NodeGroup, outer) -> int:
+        """The averaging round a resumed run continues at: nodes whose checkpoint predates the last
+        global model saved in storage load it (the others have it already)."""
+        if not ctx.storage.exists(self.GLOBAL):
+            return 0
+        tensors, meta = ctx.storage.load_tensors(self.GLOBAL)
+        state = {k[7:]: v for k, v in tensors.items() if k.startswith("global.")}
+        if outer is not None:
+            outer.state, outer.buf = state, {k[9:]: v for k, v in tensors.items() if k.startswith("momentum.")}
+        group.call("load_weights", group.put(state, "train", "resume_global_weights", copies=len(group)), meta["round"])
+        logger.info("[lofi] resuming after averaging round %d", meta["round"])
+        return meta["round"]
+
+    def _save_global(self, ctx: RunContext, state: dict, outer, rounds: int) -> None:
+        tensors = {f"global.{k}": v for k, v in state.items()}
+        if outer is not None:
+            tensors.update({f"momentum.{k}": v for k, v in outer.buf.items()})
+        ctx.storage.save_tensors(self.GLOBAL, tensors, {"round": rounds})
+
+    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, shards: list, first: int = 0) -> dict:
+        """The rounds from round `first`: train to each boundary with no communication, average
+        between rounds. Training time as DDP measures it: the nodes' own loop time (slowest node
+        per round) plus the driver's averaging rounds; Ray call overhead is left out of both."""
         n, ledger = len(group), group.ledger
         train_s, rounds, snapshots = 0.0, [], []  # snapshots: (step, train_s at step, bytes sent by then)
-        for i, until in enumerate(plan.boundaries):
+        for i, until in enumerate(plan.boundaries[first:], first):
             last = i == len(plan.boundaries) - 1
             ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
             due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
@@ -201,7 +228,8 @@ class Lofi:
                 if times:
                     snapshots.append((s, train_s + max(times), sent))
             train_s += max(s["train_s"] for s in rounds[-1])
-            ctx.report({"step": until, "steps": plan.steps, "bytes": ledger.total_bytes, "train_loss": sum(s["mean_loss"] for s in rounds[-1]) / n})
+            losses = [s["mean_loss"] for s in rounds[-1] if s["mean_loss"] is not None]
+            ctx.report({"step": until, "steps": plan.steps, "bytes": ledger.total_bytes, **({"train_loss": sum(losses) / len(losses)} if losses else {})})
             for stats in rounds[-1]:
                 if stats["restored_from"] is not None:
                     logger.info("[lofi] node %d died and resumed from its checkpoint at step %d", stats["node"], stats["restored_from"])
@@ -210,8 +238,9 @@ class Lofi:
             if not last:
                 round_clock = TrainClock()
                 average = average_nodes(group, plan.weights, "train")
-                ref = group.put(outer.step(average) if outer is not None else average, "train", "global_weights", copies=n)
-                group.call("load_weights", ref)
+                average = outer.step(average) if outer is not None else average
+                self._save_global(ctx, average, outer, i + 1)
+                group.call("load_weights", group.put(average, "train", "global_weights", copies=n), i + 1)
                 train_s += round_clock.elapsed()
         return {"rounds": rounds, "train_s": train_s, "snapshots": snapshots}
 

@@ -13,13 +13,10 @@ N−1 others), `train/train_loss` (4 B), `train/control` (publisher lists); `det
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 import struct
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar, Literal
 
 import ray
@@ -32,6 +29,7 @@ from raylowcomm.data import num_examples, shard_indices, take
 from raylowcomm.ledger import Ledger, wire_nbytes
 from raylowcomm.models import state_dict_of
 from raylowcomm.seeding import node_seed
+from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
 from raylowcomm.training import TrainClock, batch_at, load_checkpoint, save_checkpoint, total_steps
 
@@ -39,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 LOSS_FORMAT = "<f"  # the mean loss closing a step message; a format, not a Struct: Ray pickles an actor's globals
 LOSS_BYTES = struct.calcsize(LOSS_FORMAT)
+CHECKPOINT, REPLAY_LOG, DRIVER_STATE = "spsa/checkpoint.safetensors", "spsa/replay_log.bin", "spsa/driver.json"
+"""In storage: θ at the last checkpoint step, the log a joiner replays from it, and the driver's
+counts at that checkpoint (what `--resume` continues from)."""
 
 
 @dataclass
@@ -73,21 +74,23 @@ class SpsaNode(Node):
 
     label = "spsa node"
 
-    def __init__(self, node: int, spec, shard: dict, cfg: RunConfig, weights: dict | None = None,
-                 checkpoint: str | None = None, log: bytes = b"", until: int = 0):
+    def __init__(self, node: int, spec, shard: dict, cfg: RunConfig, storage: Storage, weights: dict | None = None,
+                 until: int | None = None):
         super().__init__(node, cfg, spec, weights)
+        self.storage = storage
         o = cfg.options["spsa"]
         self.shard, self.seed, self.losses = shard, node_seed(cfg.seed, node), []
         self.replica = zo.Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                  kind=o.perturbation, include=o.include, step=until)
+                                  kind=o.perturbation, include=o.include, step=until or 0)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
-        if checkpoint is not None:
+        if until is not None:  # a joiner, or a resumed run: the checkpoint, then the replay log, from storage
             t0 = time.perf_counter()
-            start = load_checkpoint(Path(checkpoint), self.model, None)["step"]
+            start = load_checkpoint(storage, CHECKPOINT, self.model, None)["step"]
+            log = storage.read_bytes(REPLAY_LOG) if start < until else b""
             replayed = self.replica.catch_up(start, log)
-            self.log(f"joined at step {until}: checkpoint of step {start} + {replayed} replayed steps "
-                     f"({len(log)} log bytes) in {time.perf_counter() - t0:.2f}s")
+            self.log(f"started at step {until}: checkpoint of step {start} + {replayed} replayed steps "
+                     f"({len(log)} log bytes from {storage.uri}) in {time.perf_counter() - t0:.2f}s")
 
     def compute(self) -> bytes:
         """This node's step message: its codes, then its mean loss. The node keeps its own step
@@ -108,13 +111,13 @@ class SpsaNode(Node):
         self.replica.apply(publishers, others)
         self.times["replay_s"] += time.perf_counter() - t0
 
-    def log_bytes(self, from_step: int) -> bytes:
-        return self.replica.log.to_bytes(from_step)
+    def save_log(self, from_step: int) -> int:
+        """The replay log since `from_step` into storage, for a joiner; returns its size."""
+        return self.storage.write_bytes(REPLAY_LOG, self.replica.log.to_bytes(from_step))
 
-    def save(self, path: str) -> int:
-        """Checkpoint θ at the start of the node's step (safetensors, atomic); returns its size."""
-        save_checkpoint(Path(path), self.model, None, self.replica.step, extra={"node": self.rank})
-        return os.path.getsize(path)
+    def save(self) -> int:
+        """Checkpoint θ at the start of the node's step into storage; returns its size."""
+        return save_checkpoint(self.storage, CHECKPOINT, self.model, None, self.replica.step, extra={"node": self.rank})
 
     def extra_info(self) -> dict:
         return {"examples": num_examples(self.shard), "steps_computed": len(self.losses),
@@ -173,38 +176,67 @@ class SpsaRun:
     def __init__(self, ctx: RunContext, group: NodeGroup, shards: list[dict], steps: int):
         self.ctx, self.cfg, self.opts, self.group = ctx, ctx.cfg, ctx.cfg.options["spsa"], group
         self.ledger, self.shards, self.steps, self.codec = group.ledger, shards, steps, self.opts.make_codec()
-        self.clock, self.train_clock, self.ckpt = TrainClock(), None, ctx.strategy_dir(Spsa.name) / "checkpoints" / "latest.safetensors"
-        self.records, self.infos, self.verified, self.curve, self.samples = {}, {}, [], [], 0
+        self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0
+        self.records, self.infos, self.verified, self.curve, self.samples, self.step0 = {}, {}, [], [], 0, {}
         self.per_step = {"payload": [], "wire": [], "control": [], "wall": []}
 
-    def run(self) -> RunRecord:
-        cfg, group, count = self.cfg, self.group, self.cfg.nodes.count
-        shutil.rmtree(self.ckpt.parent, ignore_errors=True)
-        weights_ref = group.put(state_dict_of(self.ctx.model), "setup", "initial_weights", copies=count)
+    def start_nodes(self) -> int:
+        """The first nodes, or (resuming) the nodes running at the last checkpoint, from it; the step to start at."""
+        group, count, state = self.group, self.cfg.nodes.count, None
+        if self.ctx.resume and self.storage.exists(DRIVER_STATE):
+            state = self.storage.read_json(DRIVER_STATE)
+            self.ledger.merge(Ledger.from_dict(state["ledger"]))
+            for key in ("samples", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size"):
+                setattr(self, key, state[key])
+            self.records = {int(k): v for k, v in state["records"].items()}
+            self.resumed_train_s = state["train_s"]
+            logger.info("[spsa] resuming at step %d from %s", state["step"], self.storage.uri_of(CHECKPOINT))
+        else:
+            self.ctx.fresh_state(Spsa.name)
+            weights_ref = group.put(state_dict_of(self.ctx.model), "setup", "initial_weights", copies=count)
+        for k in state["running"] if state else range(count):
+            phase = "train" if state else "setup"
+            group.start(k, k, self.ctx.spec, group.put(self.shards[k], phase, "data_shard"), self.cfg, self.storage,
+                        **({"until": state["step"]} if state else {"weights": weights_ref}))
+            self.records.setdefault(k, {"node": k, "joined_step": 0, "left_step": None, "left_how": None})
         group.share_eval_sets(self.ctx.eval_sets(("test", "shift")))
-        for k in range(count):
-            group.start(k, k, self.ctx.spec, group.put(self.shards[k], "setup", "data_shard"), cfg, weights=weights_ref)
-            self.records[k] = {"node": k, "joined_step": 0, "left_step": None, "left_how": None}
         group.ready()
-        step0 = self.evaluate(0)
-        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s), verify every %d", count, self.steps,
+        return state["step"] if state else 0
+
+    def checkpoint(self, step: int) -> None:
+        """θ at `step` (from the lowest running node) and the driver's counts, into storage."""
+        self.ckpt_step, self.ckpt_size = step, ray.get(self.group[min(self.group.keys())].save.remote())
+        self.storage.write_json(DRIVER_STATE, {
+            "step": step, "running": self.group.keys(), "ledger": self.ledger.to_dict(), "train_s": self.train_clock.elapsed(),
+            "records": self.records, **{k: getattr(self, k) for k in ("samples", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size")}})
+
+    def run(self) -> RunRecord:
+        cfg = self.cfg
+        start = self.start_nodes()
+        if start == 0:
+            self.step0 = self.evaluate(0)
+        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s), verify every %d", len(self.group), self.steps,
                     self.opts.samples, self.codec.nbytes, self.opts.codec, self.opts.perturbation, self.opts.verify_every)
-        self.ckpt_step, self.ckpt_size = 0, ray.get(group[0].save.remote(str(self.ckpt)))
-        self.train_clock, points = TrainClock(), set(eval_points(cfg, self.steps))
-        for step in range(self.steps):
+        self.train_clock = TrainClock()
+        self.train_clock.start -= self.resumed_train_s
+        if start == 0:
+            with self.train_clock.paused():
+                self.checkpoint(0)
+        points = set(eval_points(cfg, self.steps))
+        for step in range(start, self.steps):
             self.membership(step)
             progress = self.exchange(step)
             if (step + 1) % self.opts.verify_every == 0 or step + 1 == self.steps:
                 self.verify(step + 1)
             if (step + 1) % cfg.checkpoint_steps == 0 and step + 1 < self.steps:
-                self.ckpt_step, self.ckpt_size = step + 1, ray.get(group[min(group.keys())].save.remote(str(self.ckpt)))
+                self.checkpoint(step + 1)
             if step + 1 in points:
                 with self.train_clock.paused():
                     metrics = self.evaluate(step + 1)
                 self.curve.append(curve_point(step + 1, self.train_clock.elapsed(), self.samples, self.ledger.total_bytes, metrics))
                 progress.update(metrics)
             self.ctx.report(progress)
-        return self.finish(step0)
+        return self.finish(self.step0)
 
     def leave(self, k: int, step: int, how: str) -> None:
         if how == "remove":
@@ -222,13 +254,12 @@ class SpsaRun:
         for i, ev in enumerate(self.opts.join):
             if ev.step == step:
                 k, group = self.cfg.nodes.count + i, self.group
-                log = ray.get(group[min(group.keys())].log_bytes.remote(self.ckpt_step))
-                self.ledger.send("train", "join_log", log)
+                log_size = ray.get(group[min(group.keys())].save_log.remote(self.ckpt_step))  # a node writes it, the joiner reads it
+                self.ledger.record("train", "join_log", log_size)
                 self.ledger.record("train", "join_checkpoint", self.ckpt_size)
-                group.start(k, k, self.ctx.spec, group.put(self.shards[k], "train", "data_shard"), self.cfg,
-                            checkpoint=str(self.ckpt), log=log, until=step)
+                group.start(k, k, self.ctx.spec, group.put(self.shards[k], "train", "data_shard"), self.cfg, self.storage, until=step)
                 self.records[k] = {"node": k, "joined_step": step, "left_step": None, "left_how": None,
-                                   "joined_from_checkpoint_step": self.ckpt_step, "join_log_bytes": len(log)}
+                                   "joined_from_checkpoint_step": self.ckpt_step, "join_log_bytes": log_size}
                 self.verify(step)
 
     def exchange(self, step: int) -> dict:

@@ -47,7 +47,7 @@ def test_run_command_writes_results_for_every_strategy(tmp_path, ray_session):
     for r in records:
         assert {"strategy", "metrics", "comm", "wall_s", "samples_per_s", "peak_rss_bytes"} <= r.keys()
         assert {"total_bytes", "by_phase"} <= r["comm"].keys()
-        assert (out / r["strategy"] / "model.safetensors").exists()
+        assert (out / "state" / r["strategy"] / "model.safetensors").exists()
     lofi, ddp = records
     assert lofi["comm"]["by_phase"]["train"] == 0 and ddp["comm"]["by_phase"]["train"] > 0
     assert len(lofi["nodes"]) == 2 and "id_accuracy" in lofi["nodes"][0]["metrics"]

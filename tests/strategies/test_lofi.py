@@ -46,7 +46,7 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
     assert rec["samples_seen"] == 2 * steps * 16 and steps == 2 * (256 // 16)
 
     # The saved model is the exact average of the nodes' final weights (BN stats aside).
-    nodes = [load_file(str(tmp_path / "lofi" / "checkpoints" / f"node{k}.safetensors")) for k in range(2)]
+    nodes = [load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}.safetensors")) for k in range(2)]
     expected = average_state_dicts([{k[6:]: v for k, v in n.items() if k.startswith("model.")} for n in nodes])
     saved = load_file(rec["weights"])
     for name, value in saved.items():
@@ -109,7 +109,7 @@ def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
     killer = threading.Thread(target=_kill_a_node_when_checkpointed,
-                              args=(tmp_path / "killed" / "lofi" / "checkpoints", killed))
+                              args=(tmp_path / "killed" / "state" / "lofi" / "checkpoints", killed))
     killer.start()
     _, rec = run_lofi(cfg, tmp_path / "killed")
     killer.join()

@@ -205,7 +205,7 @@ def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp
     bad = {k: v.clone() for k, v in state.items()}
     name = next(k for k, v in bad.items() if v.is_floating_point())
     bad[name].view(-1)[0] = torch.nextafter(bad[name].view(-1)[0], torch.tensor(1e9))  # one ulp
-    nodes = {k: SpsaNode.remote(k, ctx.spec, shard, ctx.cfg, weights=w) for k, w in ((0, state), (1, state), (2, bad))}
+    nodes = {k: SpsaNode.remote(k, ctx.spec, shard, ctx.cfg, ctx.storage, weights=w) for k, w in ((0, state), (1, state), (2, bad))}
     with pytest.raises(ReplicaMismatch, match=r"after step 7: nodes \[0, 1\] hash \w+; nodes \[2\]"):
         check_replicas(nodes, 7, Ledger())
     del nodes[2]

@@ -1,0 +1,92 @@
+"""`raylowcomm run --resume OUT` after the driver was SIGKILLed mid-training: finished strategies
+are kept, a lo-fi or SPSA run continues from its last checkpoint in storage, and the final
+weights equal an uninterrupted run's bit for bit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+CONFIG = {
+    "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+    "data": {"name": "mnist", "train_size": 512, "test_size": 100, "image_size": 16},
+    "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 4},
+    "nodes": {"count": 2, "cpus": 1},
+    "strategies": ["lofi", "spsa"], "checkpoint_every": 8, "log_every": 1000,
+    "lofi": {"bn_recalibrate": False, "average_every": 24},
+    "spsa": {"steps": 100, "lr": 1e-4},
+}
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each run starts its own local Ray, as a user's would
+    return subprocess.Popen([sys.executable, "-m", "raylowcomm.cli", "run", *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _step(path: Path) -> int:
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads(f.metadata()["raylowcomm"])["step"]
+    except Exception:  # not written yet, or being replaced
+        return -1
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """SIGKILL the driver and everything it started (its local Ray too) once `ready()` holds."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "the run never reached the point to kill it at"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    _finish(_cli(str(config), "--out", str(tmp_path / "clean")))
+    out = tmp_path / "run"
+    state = out / "state"
+
+    # killed in lo-fi's second averaging round, after a checkpoint past the first average
+    first = _cli(str(config), "--out", str(out))
+    _kill_when(first, lambda: min(_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32)
+    assert not (out / "results.json").exists()
+
+    # resumed: lo-fi finishes from its checkpoints; killed again in SPSA past a checkpoint
+    second = _cli(str(config), "--resume", str(out))
+    _kill_when(second, lambda: (state / "spsa" / "driver.json").exists()
+               and json.loads((state / "spsa" / "driver.json").read_text())["step"] >= 16)
+    lofi = json.loads((out / "results.json").read_text())
+    assert [r["strategy"] for r in lofi] == ["lofi"] and "error" not in lofi[0]
+    restored = [t["restored_from"] for n in lofi[0]["nodes"] for t in n["train"] if t["restored_from"] is not None]
+    assert restored and min(restored) >= 32, "lo-fi nodes did not resume from their checkpoints"
+
+    log = _finish(_cli(str(config), "--resume", str(out)))
+    assert "lofi: finished before, kept" in log
+    records = json.loads((out / "results.json").read_text())
+    assert records[0] == lofi[0], "the finished strategy was rerun"
+    assert "[spsa] resuming at step" in log
+    for name in ("lofi", "spsa"):
+        clean, resumed = load_file(str(tmp_path / "clean" / "state" / name / "model.safetensors")), load_file(str(state / name / "model.safetensors"))
+        assert clean.keys() == resumed.keys()
+        assert all(torch.equal(clean[k], resumed[k]) for k in clean), f"{name}: resumed weights differ from the uninterrupted run's"
