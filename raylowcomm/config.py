@@ -25,7 +25,25 @@ class ConfigError(ValueError):
 
     def __init__(self, field_name: str, value: Any, allowed: str):
         super().__init__(f"config field '{field_name}' = {value!r} is invalid: {allowed}")
-        self.field_name = field_name
+        self.field_name, self.value, self.allowed = field_name, value, allowed
+
+    def __reduce__(self):
+        """Picklable, so one raised on a node (a label its own file has) reaches the driver as itself."""
+        return type(self), (self.field_name, self.value, self.allowed)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft): the base stays frozen, only the adapters and a new head train.
+    Checked by `raylowcomm.lora.validate_lora`."""
+
+    r: int = 8
+    alpha: float = 16
+    """The update is scaled by alpha / r."""
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    """Module names (or suffixes) to adapt; None: peft's default for the architecture (BERT:
+    query, value; Llama: q_proj, v_proj), for timm every Linear and ungrouped Conv2d but the head."""
 
 
 @dataclass
@@ -39,22 +57,72 @@ class ModelConfig:
     pretrained: bool = True
     timm_arch: str | None = None
     """timm architecture the weights belong to, when `name` is an asset or a file."""
+    lora: LoraConfig | None = None
+    """Fine-tune LoRA adapters instead of every weight (None: full fine-tuning)."""
+    merge: bool = False
+    """With `lora`: save the merged model (adapters folded into the weights), not the adapter."""
+
+
+@dataclass
+class ShiftSource:
+    """One distribution-shift set (data.shift.<name>), read like the training data; its labels
+    are mapped onto the training classes by name."""
+
+    source: str | None = None
+    """As data.source; None: the training data's source (a builder such as csv needs `files`)."""
+    files: str | list[str] | dict[str, str | list[str]] | None = None
+    split: str | None = None
+    columns: dict[str, str] = field(default_factory=dict)
+    """Roles -> this set's column names; roles not named here default as for the training data."""
 
 
 @dataclass
 class DataConfig:
     name: str = "mnist"
-    """A bundled dataset (see raylowcomm/catalog.py): mnist, rotten_tomatoes, hamlet, speeches."""
+    """A bundled dataset (see raylowcomm/catalog.py): mnist, rotten_tomatoes, hamlet, speeches. With
+    `source` set, only the data's name in reports."""
+    source: str | None = None
+    """Your own data, what `datasets.load_dataset` takes: a builder (csv, json, parquet, text,
+    imagefolder) with `files`, a local folder (one written by `save_to_disk` too), or a hub id."""
+    files: str | list[str] | dict[str, str | list[str]] | None = None
+    """data_files: a path, a glob, a list, or {split: path}. For a preset: your copy of its files."""
     path: str | None = None
-    """Your own copy of the dataset's files instead of the bundled asset."""
+    """Your own copy of a preset's file (the same as `files`, kept for existing configs)."""
+    split: str | None = None
+    """The split training rows come from (None: the only split, else "train")."""
+    test_split: str | None = None
+    """A split scored as the test set; None: "test" where the source has one, else `test_size`
+    rows drawn by `shuffle_seed` from the training split (as for val_size)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Roles -> your column names: text, text_pair, image, label. Unnamed roles default to columns
+    called text / image / label (or the one image column)."""
+    classes: list[str] | None = None
+    """Label names in class order; None: the data's ClassLabel names, else its sorted distinct labels."""
     train_size: int | None = None
     """Training examples (all nodes together); None takes every example left after the splits."""
     test_size: int = 1000
     val_size: int = 0
     """Held out from training for greedy soups."""
-    shift: Literal["auto", "none"] = "auto"
-    """auto: score on the dataset's real shift set where one exists (MNIST -> UCI digits)."""
-    image_size: int = 32
+    shift: Literal["auto", "none"] | dict[str, ShiftSource] = "auto"
+    """auto: a preset's real shift set (MNIST -> UCI digits, Rotten Tomatoes -> Amazon reviews);
+    or your own sets, name -> {source, files, split, columns}, scored as shift/<name>_*."""
+    shift_size: int | None = None
+    """Examples scored per shift set, a sample fixed by shuffle_seed; None: all of them."""
+    node_files: list[str] | str | None = None
+    """Training data that never leaves its node: one path/glob per node, or one pattern with
+    {node} (node_{node}.csv). Each node loads its own; the driver loads only evaluation data."""
+    node_files_on_driver: bool = True
+    """The node files are readable from the driver too (one machine, a shared disk): they are
+    checked before any actor starts. false: each lives on its node's host only."""
+    eval_on_nodes: bool = False
+    """Score on each node's own held-out rows (test_size of them) instead of driver-held test sets."""
+    template: str | None = None
+    """Causal-LM classification: the text after each example ("<text><template>"), whose next token
+    is the class's label word. Rotten Tomatoes: " It was"."""
+    label_words: list[str] | None = None
+    """One single-token word per class, in class order. Rotten Tomatoes: [" terrible", " great"]."""
+    image_size: int | None = 32
+    """Side images are resized to; None: the model's pretrained input size."""
     max_length: int = 64
     """Tokens per example (classification) or per block (language modelling)."""
     shuffle_seed: int = 1234
@@ -73,6 +141,11 @@ class OptimConfig:
     max_steps: int | None = None
     """Stop each node after this many steps (None: `epochs` full passes over its shard)."""
     eval_batch_size: int = 256
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: forward and backward under torch.autocast(bfloat16); weights, optimizer state and
+    SPSA's updates stay fp32. SPSA replicas stay bit-identical either way (every replica applies
+    the same decoded updates); a resumed or restarted node is bit-exact only on the same kind of
+    device, as autocast kernels differ between devices."""
 
 
 @dataclass
@@ -87,6 +160,9 @@ class NodesConfig:
     placement: Literal["PACK", "SPREAD"] = "PACK"
     """SPREAD: put the actors on different Ray nodes where possible; PACK: Ray's default, which
     fills the driver's node first. In a sweep it is the strategy of each trial's reservation."""
+    wait_for_resources: bool = False
+    """On a joined cluster, wait for resources no node has yet (an autoscaler that adds GPU nodes
+    on demand) instead of stopping with an error."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per actor, e.g. {"trainer": 1} to run actors only on nodes started
     with `ray start --resources='{"trainer": 4}'`."""
@@ -157,6 +233,8 @@ def _coerce(tp, value, name: str):
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None  # `lora: null` is no LoRA, not a LoraConfig of defaults
         for option in typing.get_args(tp):
             try:
                 return _coerce(option, value, name)
@@ -290,6 +368,10 @@ def _positive(name, value, allow_zero=False):
 
 def validate(cfg: RunConfig) -> None:
     """Fields every strategy shares; each strategy's `validate` checks its own options after."""
+    if cfg.model.lora is not None or cfg.model.merge:
+        from raylowcomm.lora import validate_lora  # peft only for LoRA runs
+
+        validate_lora(cfg)
     _positive("nodes.count", cfg.nodes.count)
     if cfg.nodes.count != int(cfg.nodes.count):
         raise ConfigError("nodes.count", cfg.nodes.count, "must be a whole number")
@@ -311,19 +393,33 @@ def validate(cfg: RunConfig) -> None:
     _positive("data.test_size", cfg.data.test_size)
     _positive("data.val_size", cfg.data.val_size, allow_zero=True)
     _positive("data.train_size", cfg.data.train_size)
+    _positive("data.shift_size", cfg.data.shift_size)
     _positive("data.image_size", cfg.data.image_size)
     _positive("data.max_length", cfg.data.max_length)
     _positive("log_every", cfg.log_every)
     _positive("checkpoint_every", cfg.checkpoint_every)
     if cfg.eval_every < 0:
         raise ConfigError("eval_every", cfg.eval_every, "an integer >= 0 (0: evaluate at the end only)")
-    if cfg.data.name not in catalog.DATASETS:
-        raise ConfigError("data.name", cfg.data.name, f"expected one of {', '.join(map(repr, catalog.DATASETS))}")
-    if catalog.task_name(cfg.model.family, cfg.data.name) is None:
-        kind = catalog.dataset(cfg.data.name).kind
+    if cfg.data.source is None and cfg.data.name not in catalog.DATASETS:
+        raise ConfigError("data.name", cfg.data.name, f"expected one of {', '.join(map(repr, catalog.DATASETS))}, or set data.source to your own data")
+    kind = catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns)
+    if kind is not None and catalog.task_of(cfg.model.family, kind) is None:
         raise ConfigError("model.family", cfg.model.family,
                           f"data '{cfg.data.name}' is {kind.replace('_', ' ')}: use {' or '.join(catalog.FAMILIES_FOR_KIND[kind])}")
     if cfg.model.path is not None and not Path(cfg.model.path).exists():
         raise ConfigError("model.path", cfg.model.path, "no such file or folder; point it at your local weights or remove it")
     if cfg.data.path is not None and not Path(cfg.data.path).exists():
         raise ConfigError("data.path", cfg.data.path, "no such file; point it at your local data or remove it")
+    if cfg.data.path is not None and (cfg.data.files is not None or cfg.data.source is not None):
+        raise ConfigError("data.path", cfg.data.path, "give your files as data.files only")
+    shifts = cfg.data.shift if isinstance(cfg.data.shift, dict) else {}
+    for prefix, columns in [("data", cfg.data.columns), *((f"data.shift.{n}", s.columns) for n, s in shifts.items())]:
+        for role, column in columns.items():
+            if role not in catalog.ROLES:
+                raise ConfigError(f"{prefix}.columns.{role}", column, f"roles are {', '.join(catalog.ROLES)}")
+    if isinstance(cfg.data.node_files, list) and len(cfg.data.node_files) < cfg.nodes.count:
+        raise ConfigError("data.node_files", cfg.data.node_files, f"one entry per node: {cfg.nodes.count} nodes, {len(cfg.data.node_files)} entries")
+    if isinstance(cfg.data.node_files, str) and "{node}" not in cfg.data.node_files:
+        raise ConfigError("data.node_files", cfg.data.node_files, "a single pattern must contain {node}, e.g. shards/node_{node}.csv")
+    if cfg.data.node_files is not None and cfg.data.train_size is not None:
+        raise ConfigError("data.train_size", cfg.data.train_size, "with data.node_files each node trains on all its own rows: remove it")

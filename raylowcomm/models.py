@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from raylowcomm import assets
-from raylowcomm.config import ConfigError, ModelConfig
+from raylowcomm.config import ConfigError, LoraConfig, ModelConfig
 
 ASSET_TIMM_ARCH = {"efficientnet_lite0": "tf_efficientnet_lite0"}
 
@@ -23,6 +23,8 @@ class ModelSpec:
     num_classes: int | None = None
     timm_arch: str | None = None
     hf_config: object | None = None
+    lora: LoraConfig | None = None
+    """Wrap the architecture in these LoRA adapters (raylowcomm.lora)."""
 
 
 def _resolve(cfg: ModelConfig) -> str:
@@ -34,7 +36,19 @@ def _resolve(cfg: ModelConfig) -> str:
 
 
 def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int):
-    """(model, spec, tokenizer). A new head is drawn from `seed`, so it is the same on every node."""
+    """(model, spec, tokenizer). A new head is drawn from `seed`, so it is the same on every node;
+    with `cfg.lora` the model comes wrapped in adapters drawn from `seed` too (base frozen)."""
+    model, spec, tokenizer = _load_base(cfg, num_classes, seed)
+    if cfg.lora is None:
+        return model, spec, tokenizer
+    from raylowcomm.lora import apply_lora  # peft only for LoRA runs
+
+    spec.lora = cfg.lora
+    return apply_lora(model, spec, seed), spec, tokenizer
+
+
+def _load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
+    """The pretrained model without adapters."""
     torch.manual_seed(seed)
     if cfg.family == "timm":
         import timm
@@ -68,17 +82,34 @@ def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int):
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
-    """The architecture alone (random weights): load a state dict into it."""
+    """The architecture alone (random weights), with `spec.lora`'s adapters: load a state dict into it."""
     if spec.family == "timm":
         import timm
 
-        return timm.create_model(spec.timm_arch, pretrained=False, num_classes=spec.num_classes)
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+        model = timm.create_model(spec.timm_arch, pretrained=False, num_classes=spec.num_classes)
+    else:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto = AutoModelForSequenceClassification if spec.family == "hf_classifier" else AutoModelForCausalLM
-    return auto.from_config(spec.hf_config, dtype=torch.float32)
+        auto = AutoModelForSequenceClassification if spec.family == "hf_classifier" else AutoModelForCausalLM
+        model = auto.from_config(spec.hf_config, dtype=torch.float32)
+    if spec.lora is None:
+        return model
+    from raylowcomm.lora import apply_lora  # peft only for LoRA runs
+
+    return apply_lora(model, spec)
 
 
 def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors, with tied weights stored once per name as torch does."""
     return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def image_preprocessing(model: nn.Module) -> dict | None:
+    """How a timm model's pretrained weights expect images: {input_size, mean, std, ...} from its
+    pretrained config (timm.data.resolve_data_config); None for a model that takes no images."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA adapters
+    if not hasattr(base, "pretrained_cfg"):
+        return None
+    from timm.data import resolve_data_config
+
+    return resolve_data_config({}, model=base)

@@ -11,11 +11,10 @@ from typing import Callable
 import ray
 import yaml
 
-from raylowcomm import catalog
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.env import set_hub_defaults
-from raylowcomm.data import load_datasets, num_examples
-from raylowcomm.models import load_pretrained
+from raylowcomm.data import describe_data, prepare_data
+from raylowcomm.models import image_preprocessing, load_pretrained
 from raylowcomm.progress import ProgressView
 from raylowcomm.runtime import init_ray
 from raylowcomm.storage import Storage
@@ -32,11 +31,15 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     gets the seconds spent loading the model and the data (asset materialisation included)."""
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    model, spec, tokenizer = load_pretrained(cfg.model, catalog.num_classes(cfg.model.family, cfg.data.name), cfg.seed)
+    plan = describe_data(cfg)  # the data's columns, classes and task: bad input stops here, before the model loads
     t1 = time.perf_counter()
-    data = load_datasets(cfg.data, tokenizer, prompt=catalog.task_name(cfg.model.family, cfg.data.name) == "prompt_classification")
-    timings.update(model_load_s=round(t1 - t0, 3), data_load_s=round(time.perf_counter() - t1, 3))
-    total_steps(cfg.optim, num_examples(data.train) // cfg.nodes.count)  # batch size vs shard size, checked now
+    model, spec, tokenizer = load_pretrained(cfg.model, plan.num_classes, cfg.seed)
+    t2 = time.perf_counter()
+    data = prepare_data(cfg, tokenizer, image_preprocessing(model), plan)
+    timings.update(model_load_s=round(t2 - t1, 3), data_load_s=round(time.perf_counter() - t2 + t1 - t0, 3))
+    sizes = data.train.sizes(cfg.nodes.count)  # None with node_files: the nodes know theirs
+    if sizes:
+        total_steps(cfg.optim, min(sizes))  # batch size vs shard size, checked now
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume)
@@ -124,7 +127,8 @@ def check_cluster_fits(cfg: RunConfig) -> None:
     """Every strategy's actors must fit the cluster: on the local Ray, which cannot grow, asking
     for more CPUs, GPUs or custom resources than it has stops the run now (ConfigError naming the
     field) instead of waiting forever; on a joined cluster, which may autoscale, it is a warning,
-    and the actor layer says what it waits for while it waits."""
+    and the actor layer says what it waits for while it waits, unless no node has the resource
+    at all (a GPU run on a CPU-only cluster): that stops too, unless nodes.wait_for_resources."""
     import os
 
     import ray
@@ -139,9 +143,11 @@ def check_cluster_fits(cfg: RunConfig) -> None:
             if need <= have and each <= largest:
                 continue
             field, value = _resource_field(cfg, name, key, too_big_each=each > largest)
+            has = (f"has {have:g} {key}, at most {largest:g} on one node" if have else
+                   f"has no {key} on any node (set nodes.wait_for_resources if an autoscaler adds them)")
             message = (f"{name} starts {len(bundles)} actors needing {need:g} {key} in all ({each:g} each), but the cluster "
-                       f"has {have:g} {key}{' (none)' if not have else ''}, at most {largest:g} on one node: lower {field} or add nodes")
-            if os.environ.get("RAY_ADDRESS"):
+                       f"{has}: lower {field} or add nodes")
+            if os.environ.get("RAY_ADDRESS") and (have or cfg.nodes.wait_for_resources):
                 logger.warning("%s; waiting for the cluster to grow", message)
             else:
                 raise ConfigError(field, value, message)

@@ -1,7 +1,8 @@
 """What a model is trained and scored on: its inputs and targets, the loss, and the metrics.
 
 Inputs arrive as dicts of tensors (see data.py); image preprocessing happens here, on the node,
-so only the compact uint8 pixels cross the network. Scoring has one path for every strategy:
+so only the compact uint8 pixels cross the network: resized and normalised as the model was
+pretrained (its mean / std, catalog.TaskSpec). Scoring has one path for every strategy:
 per-batch sums (`sums`) added up and turned into metrics (`summarize`), so a model split over
 stage actors (interlocking) scores exactly what the whole model scores in one process.
 """
@@ -15,10 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylowcomm import catalog
+from raylowcomm.catalog import TaskSpec
 from raylowcomm.data import Split, eval_batches, take
 
 SET_PREFIX = {"test": "id", "shift": "shift", "val": "val"}
-"""Evaluation set name -> the prefix of its metrics in a record (id_accuracy, shift_loss, ...)."""
+"""Evaluation set name -> the prefix of its metrics in a record (id_accuracy, val_loss, ...); any
+other set is its own prefix (shift/uci_digits_accuracy)."""
+SHIFT_SET = "shift/"
+"""Shift sets are named shift/<name>; shift_* is their mean."""
 
 
 def trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,15 +36,24 @@ def trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
 class ImageClassification:
     metric = "accuracy"
 
-    def __init__(self, image_size: int, device: str = "cpu"):
-        self.image_size = image_size
-        self.device = device
+    def __init__(self, image_size: int, device: str = "cpu", mean: tuple[float, ...] = (0.5,) * 3,
+                 std: tuple[float, ...] = (0.5,) * 3):
+        self.image_size, self.device = image_size, device
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.uniform = (mean[0], std[0]) if len(set(mean)) == 1 and len(set(std)) == 1 else None
+        """Channel-uniform mean / std: a grey image is normalised once, then repeated (3 x less work)."""
 
     def inputs(self, batch) -> torch.Tensor:
-        """uint8 grey digits -> the pretrained net's input: 3 channels, resized, mean = std = 0.5."""
-        x = batch["pixels"].to(self.device, torch.float32).div_(255.0).unsqueeze(1)
+        """uint8 pixels, grey (N, H, W) or colour (N, 3, H, W) -> the pretrained net's input: 3
+        channels, resized, normalised with the model's mean / std."""
+        x = batch["pixels"].to(self.device, torch.float32).div_(255.0)
+        x = x.unsqueeze(1) if x.dim() == 3 else x
         x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        return x.sub_(0.5).div_(0.5).expand(-1, 3, -1, -1)
+        if x.shape[1] == 1 and self.uniform is not None:
+            return x.sub_(self.uniform[0]).div_(self.uniform[1]).expand(-1, 3, -1, -1)
+        x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+        return (x - self.mean.to(x.device)) / self.std.to(x.device)
 
     def targets(self, batch) -> torch.Tensor:
         return batch["labels"].to(self.device)
@@ -78,13 +92,15 @@ class TextClassification(ImageClassification):
         self.device = device
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
+        """Text pairs also carry token_type_ids (which text each token belongs to), trimmed alike."""
         ids, mask = trim_padding(batch["input_ids"], batch["attention_mask"])
-        return model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        extra = {"token_type_ids": batch["token_type_ids"][:, : ids.shape[1]].to(self.device)} if "token_type_ids" in batch else {}
+        return model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
 
 
 class PromptClassification(ImageClassification):
     """A causal LM as a classifier, MeZO style: score each class's label word as the next
-    token after the prompt (see data.PROMPT_TEMPLATE); accuracy is the argmax of the label
+    token after the prompt (data.template, data.label_words); accuracy is the argmax of the label
     words' logits, the loss their cross-entropy. Only the last real token's hidden state meets
     the label words' output embeddings, so no full-vocabulary logits are built."""
 
@@ -119,7 +135,7 @@ class CausalLM:
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         if "choice_ids" in batch:
-            raise ValueError("labelled prompts need PromptClassification: task_for(..., data=cfg.data.name)")
+            raise ValueError("labelled prompts need PromptClassification (TaskSpec name prompt_classification)")
         ids = self.inputs(batch)
         return model(input_ids=ids, labels=ids).loss
 
@@ -144,20 +160,39 @@ def add_sums(parts: list[dict]) -> dict:
     return {key: sum(p[key] for p in parts) for key in parts[0]}
 
 
+def mean_metrics(per_node: list[dict]) -> dict:
+    """The mean of each metric over nodes (data.eval_on_nodes: each node scored its own held-out rows)."""
+    return {key: sum(m[key] for m in per_node) / len(per_node) for key in per_node[0]}
+
+
 TASK_CLASSES = {"text_classification": TextClassification, "prompt_classification": PromptClassification,
                 "causal_lm": CausalLM}
 
 
+def make_task(spec: TaskSpec, device: str = "cpu"):
+    """The task a node trains and scores with, from the driver's description (data.prepare_data)."""
+    if spec.name == "image_classification":
+        return ImageClassification(spec.image_size, device, spec.mean, spec.std)
+    return TASK_CLASSES[spec.name](device)
+
+
 def task_for(family: str, image_size: int, device: str = "cpu", data: str | None = None):
-    """The task a `family` model trains on dataset `data` (catalog.TASKS); without `data`, the
-    family's plain task (a causal LM models text)."""
+    """The task a `family` model trains on the preset `data` (catalog.TASKS); without `data`, the
+    family's plain task (a causal LM models text). Images normalised with mean = std = 0.5."""
     name = catalog.task_name(family, data) if data else {"timm": "image_classification", "hf_classifier": "text_classification"}.get(family, "causal_lm")
-    if name == "image_classification":
-        return ImageClassification(image_size, device)
-    return TASK_CLASSES[name](device)
+    return make_task(TaskSpec(name, image_size), device)
+
+
+def metric_names(per_set: dict[str, dict]) -> dict:
+    """{set: metrics} -> one flat record: test -> id_*, val -> val_*, shift/<name> -> shift/<name>_*,
+    and shift_* the mean over the shift sets (a single set's own values)."""
+    out = {f"{SET_PREFIX.get(name, name)}_{k}": v for name, metrics in per_set.items() for k, v in metrics.items()}
+    shifts = [m for name, m in per_set.items() if name.startswith(SHIFT_SET)]
+    for key in (shifts[0] if shifts else {}):
+        out[f"shift_{key}"] = sum(m[key] for m in shifts) / len(shifts)
+    return out
 
 
 def score_sets(task, model: nn.Module, sets: dict[str, Split], batch_size: int) -> dict:
-    """Every metric of `model` on every evaluation set, prefixed per SET_PREFIX (id_accuracy, ...)."""
-    return {f"{SET_PREFIX[name]}_{k}": v for name, split in sets.items() if split is not None
-            for k, v in task.evaluate(model, split, batch_size).items()}
+    """Every metric of `model` on every evaluation set, named by `metric_names`."""
+    return metric_names({name: task.evaluate(model, split, batch_size) for name, split in sets.items() if split is not None})

@@ -65,8 +65,15 @@ def batch_at(shard: Split, step: int, batch_size: int, seed: int) -> Split:
     return take(shard, batch_order(num_examples(shard), batch_size, seed, epoch)[i])
 
 
+def autocast(precision: str, device: str = "cpu"):
+    """optim.precision: bf16 runs forward (and so backward) in bfloat16 where autocast allows;
+    parameters and optimizer state stay fp32."""
+    return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, batch_size: int, seed: int,
-                log=None, log_every: int = 0, on_step=None, before_step=None, clock: TrainClock | None = None) -> dict:
+                log=None, log_every: int = 0, on_step=None, before_step=None, clock: TrainClock | None = None,
+                precision: str = "fp32", device: str = "cpu") -> dict:
     """Steps [start, stop): per-step seeding makes dropout identical on a resumed run. `train_s`
     is `clock`'s time, so what `on_step` does inside `clock.paused()` is not counted."""
     model.train()
@@ -74,7 +81,8 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
     for step in range(start, stop):
         torch.manual_seed(step_seed(seed, step))
         batch = batch_at(shard, step, batch_size, seed)
-        loss = task.loss(model, batch)
+        with autocast(precision, device):
+            loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if before_step is not None:
@@ -90,9 +98,12 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
 
 
 def save_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
-                    extra: dict | None = None) -> int:
-    """Model + optimizer state as one safetensors file in `storage` (atomic); returns its size."""
-    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+                    extra: dict | None = None, trainable_only: bool = False) -> int:
+    """Model + optimizer state as one safetensors file in `storage` (atomic); returns its size.
+    `trainable_only`: the parameters that train (a LoRA model's adapters and head), for a model
+    whose frozen rest every reader has already."""
+    state = {k: p for k, p in model.named_parameters() if p.requires_grad} if trainable_only else model.state_dict()
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in state.items()}
     meta = {"step": step, "extra": extra or {}}
     if optimizer is not None:
         state = optimizer.state_dict()
@@ -121,7 +132,11 @@ def dedupe_shared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def load_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """Restore what `save_checkpoint` wrote onto `model` (on its device) and `optimizer`; returns the metadata."""
     tensors, meta = storage.load_tensors(rel)
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    result = model.load_state_dict(state, strict=False)  # a trainable_only checkpoint leaves the frozen rest as it is
+    lacking = {k for k, p in model.named_parameters() if p.requires_grad} & set(result.missing_keys)
+    if lacking or result.unexpected_keys:
+        raise ValueError(f"checkpoint {rel} does not fit the model: missing {sorted(lacking)[:3]}, unexpected {result.unexpected_keys[:3]}")
     if optimizer is not None and "param_groups" in meta:
         state: dict[int, dict] = {}
         for k, v in tensors.items():

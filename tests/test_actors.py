@@ -1,6 +1,7 @@
 """The actor layer: a strategy that fails mid-run releases every actor and the next strategy of
 the run starts; one model scores the same through every strategy's evaluation path."""
 
+import re
 import time
 
 import psutil
@@ -10,7 +11,6 @@ import torch
 
 from raylowcomm.actors import DriverFetches, Node
 from raylowcomm.core.interlock import split_hf_decoder, split_timm_cnn
-from raylowcomm.data import Datasets
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare, run
@@ -18,7 +18,7 @@ from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.interlocking import Source, StageActor, evaluate_chained, final_head_metrics
 from raylowcomm.strategies.lofi import LofiNode
 from raylowcomm.strategies.spsa import SpsaNode
-from raylowcomm.tasks import CausalLM, score_sets, task_for
+from raylowcomm.tasks import CausalLM, make_task, score_sets
 
 ACTOR_CLASS = {"lofi": "LofiNode", "spsa": "SpsaNode", "interlocking": "StageActor"}
 
@@ -36,9 +36,9 @@ def small_config(strategies, **top):
 def actor_processes(cls: str) -> list[int]:
     """Live Ray worker processes of an actor class (Ray titles them ray::<Class>[.<method>])."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if f"ray::{cls}" in cmd:
+        if f"ray::{cls}" in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE:  # a zombie has exited: its parent reaps it late
             found.append(proc.pid)
     return found
 
@@ -88,27 +88,27 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     interlocking chain of one stage all score one model through tasks: identical metrics."""
     cfg = small_config(["lofi"])
     ctx = prepare(cfg, tmp_path)
-    sets = ctx.eval_sets(("test", "shift"))
+    sets = ctx.eval_sets(val=False)
     weights = state_dict_of(ctx.model.eval())
-    task = task_for("timm", cfg.data.image_size, data="mnist")
+    task = make_task(ctx.data.task)
     expected = score_sets(task, ctx.model, sets, cfg.optim.eval_batch_size)
-    assert {"id_accuracy", "id_loss", "shift_accuracy", "shift_loss"} == expected.keys()
+    assert {"id_accuracy", "id_loss", "shift_accuracy", "shift_loss", "shift/uci_digits_accuracy", "shift/uci_digits_loss"} == expected.keys()
     sets_ref = ray.put(sets)
 
-    lofi = LofiNode.remote(0, ctx.spec, weights, ctx.data.train, cfg, ctx.storage)
-    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.train, cfg, ctx.storage, weights=weights)
+    lofi = LofiNode.remote(0, ctx.spec, ctx.data.task, weights, ctx.data.train, cfg, ctx.storage)
+    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.task, ctx.data.train, 2, cfg, ctx.storage, weights=weights)
     try:
         assert ray.get(lofi.evaluate.remote([sets_ref])) == expected
         assert ray.get(spsa.evaluate.remote([sets_ref])) == expected
     finally:
         ray.kill(lofi)
         ray.kill(spsa)
-    assert Node(0, cfg, ctx.spec, weights).evaluate([sets]) == expected  # what a DDP worker runs
+    assert Node(0, cfg, ctx.spec, ctx.data.task, weights).evaluate([sets]) == expected  # what a DDP worker runs
 
     stage = StageActor.remote(1, 0)
     try:
         [module] = split_timm_cnn(ctx.model, 1)
-        source = Source("image", ctx.data.train, sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
+        source = Source("image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
         ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "cross_entropy", cfg.optim, 1, source))
         per_set, sent = evaluate_chained([stage], sets, cfg.optim.eval_batch_size, DriverFetches(Ledger()), "cross_entropy")
     finally:
@@ -123,14 +123,14 @@ def test_the_chain_of_one_decoder_stage_scores_what_the_causal_lm_scores(ray_ses
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config).eval()
-    data = Datasets(train={"input_ids": torch.randint(0, 64, (32, 12))}, test={"input_ids": torch.randint(0, 64, (20, 12))})
-    expected = CausalLM().evaluate(model, data.test, 8)
+    train, test = {"input_ids": torch.randint(0, 64, (32, 12))}, {"input_ids": torch.randint(0, 64, (20, 12))}
+    expected = CausalLM().evaluate(model, test, 8)
     stage = StageActor.remote(1, 0)
     try:
         [module] = split_hf_decoder(model, 1)
-        source = Source("tokens", data.train, {"test": data.test}, 8, 0, eval_batch_size=8)
+        source = Source("tokens", train, {"test": test}, 8, 0, eval_batch_size=8)
         ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "causal_lm", from_dict({}).optim, 1, source))
-        per_set, _ = evaluate_chained([stage], {"test": data.test}, 8, DriverFetches(Ledger()), "causal_lm")
+        per_set, _ = evaluate_chained([stage], {"test": test}, 8, DriverFetches(Ledger()), "causal_lm")
     finally:
         ray.kill(stage)
     assert per_set["test"][0]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
@@ -140,8 +140,8 @@ def test_the_chain_of_one_decoder_stage_scores_what_the_causal_lm_scores(ray_ses
 @pytest.mark.parametrize("change, field, says", [
     ({"nodes": {"count": 8, "cpus": 1}}, "nodes.count", "needing 8 CPU in all"),
     ({"nodes": {"count": 2, "cpus": 16}}, "nodes.cpus", "16 each"),
-    ({"nodes": {"count": 2, "cpus": 1, "gpus": 1}}, "nodes.gpus", "0 GPU (none)"),
-    ({"nodes": {"count": 2, "cpus": 1, "resources": {"trainer": 1}}}, "nodes.resources.trainer", "0 trainer (none)"),
+    ({"nodes": {"count": 2, "cpus": 1, "gpus": 1}}, "nodes.gpus", "has no GPU on any node"),
+    ({"nodes": {"count": 2, "cpus": 1, "resources": {"trainer": 1}}}, "nodes.resources.trainer", "has no trainer on any node"),
     ({"strategies": ["interlocking"], "interlocking": {"stages": 6, "micro_batches": 2, "aux_widths": [8]}},
      "interlocking.stages", "6 actors"),
 ])
@@ -155,3 +155,35 @@ def test_a_run_the_local_cluster_can_never_hold_stops_before_any_actor(ray_sessi
         run(from_dict(raw), tmp_path)  # the session's Ray has 4 CPUs, no GPU
     assert err.value.field_name == field and says in str(err.value) and "add nodes" in str(err.value)
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_joined_cluster_without_any_gpu_says_so_before_any_actor(ray_session, tmp_path, monkeypatch):
+    """On a joined cluster (RAY_ADDRESS) a shortage is waited for, but a GPU run where no node has a GPU stops."""
+    from raylowcomm.config import ConfigError
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
+    raw = {"model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+           "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
+           "optim": {"batch_size": 16, "max_steps": 2}, "strategies": ["lofi"], "nodes": {"count": 2, "cpus": 1, "gpus": 1}}
+    with pytest.raises(ConfigError, match="has no GPU on any node") as err:
+        run(from_dict(raw), tmp_path)
+    assert err.value.field_name == "nodes.gpus"
+
+
+@pytest.mark.slow
+def test_a_dead_interlocking_stage_stops_its_run_naming_the_stage_and_the_next_one_runs(ray_session, tmp_path):
+    killed = []
+
+    def progress(name, metrics):
+        if name == "interlocking" and not killed:
+            pid = actor_processes("StageActor")[-1]
+            psutil.Process(pid).kill()
+            killed.append(pid)
+
+    cfg = small_config(["interlocking", "lofi"])
+    cfg.optim.max_steps = 8
+    records = run(cfg, tmp_path, progress=progress)
+    assert killed
+    assert re.search(r"ActorDied: interlocking stage [01] \(of 2\) died: each stage holds layers no other has", records[0]["error"]), records[0]
+    assert "error" not in records[1] and "id_accuracy" in records[1]["metrics"]
+    assert wait_until_gone("StageActor") == []

@@ -49,6 +49,7 @@ def _check_bench(out, labels, strategies):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root, iproute2 and tc")
+@pytest.mark.heavy
 def test_wan_bench_on_two_hosts_at_one_rate(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))

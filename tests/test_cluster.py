@@ -7,9 +7,11 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from raylowcomm.cluster import NamespaceCluster
@@ -84,3 +86,66 @@ def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
     assert sorted(nodes.values()) == sorted(cluster.addresses)
     used = {n["ray_node_id"] for n in record["nodes"]}
     assert used == set(nodes), f"actors ran on {used}, cluster nodes {nodes}"
+
+
+def _checkpoint_step(path: Path) -> int:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads(f.metadata()["raylowcomm"])["step"]
+    except Exception:  # not written yet, or being replaced
+        return -1
+
+
+@pytest.mark.heavy
+def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
+    """Each host has its own scratch (TMPDIR); only `storage` is shared. A GPU run is placed on the
+    host that advertises one (the driver has no CUDA); an SPSA node joins on the other host from
+    the checkpoint and log in storage; a lo-fi node whose host is lost restarts on the other host
+    from its checkpoint in storage, and the average equals the uninterrupted run's."""
+    scratch = [tmp_path / f"scratch{i}" for i in range(2)]
+    for d in scratch:
+        d.mkdir()
+    # host 0 (head) has room for a restarted node; the "slot" resource puts the SPSA joiner apart
+    cluster = make_cluster(hosts=2, cpus=[2, 1], gpus=[0, 1], resources=[{"slot": 1}, {"slot": 1}],
+                           host_env=[{"TMPDIR": str(d)} for d in scratch])
+    storage, hosts = tmp_path / "shared", cluster.node_ids()
+    gpu_cfg = {**TINY, "nodes": {"count": 1, "cpus": 1, "gpus": 1}, "optim": {**TINY["optim"], "max_steps": 2}}
+    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(gpu_cfg))
+    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "gpu.yaml"), "--out", str(tmp_path / "gpu")], timeout=600)
+    gpu_node = json.loads((tmp_path / "gpu" / "results.json").read_text())[0]["nodes"][0]
+    assert hosts[gpu_node["ray_node_id"]] == cluster.addresses[1], proc.stdout[-2000:]
+
+    spsa = {**TINY, "strategies": ["spsa"], "storage": str(storage), "checkpoint_every": 4,
+            "nodes": {"count": 1, "cpus": 1, "resources": {"slot": 1}}, "spsa": {"steps": 12, "lr": 1e-4, "join": [{"step": 6}]}}
+    (tmp_path / "spsa.yaml").write_text(yaml.safe_dump(spsa))
+    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "spsa.yaml"), "--out", str(tmp_path / "spsa")], timeout=600)
+    record = json.loads((tmp_path / "spsa" / "results.json").read_text())[0]
+    first, joiner = record["nodes"]
+    assert joiner["joined_from_checkpoint_step"] == 4 and hosts[joiner["ray_node_id"]] != hosts[first["ray_node_id"]], proc.stdout[-2000:]
+    assert joiner["final_hash"] == first["final_hash"] and record["details"]["verified"][-1]["nodes"] == [0, 1]
+
+    lofi = {**TINY, "storage": str(storage), "checkpoint_every": 4, "optim": {**TINY["optim"], "epochs": 8},
+            "nodes": {"count": 2, "cpus": 1, "placement": "SPREAD"}}
+    (tmp_path / "lofi.yaml").write_text(yaml.safe_dump(lofi))
+    clean = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "lofi.yaml"), "--out", str(tmp_path / "clean"),
+                            "--set", f"storage={tmp_path / 'clean_storage'}"], timeout=600)
+    driver = cluster.start_on(0, ["raylowcomm", "run", str(tmp_path / "lofi.yaml"), "--out", str(tmp_path / "lost")])
+    checkpoints = [storage / "lofi" / "checkpoints" / f"node{k}.safetensors" for k in range(2)]
+    deadline = time.time() + 300
+    while min(_checkpoint_step(p) for p in checkpoints) < 8:
+        assert driver.poll() is None and time.time() < deadline, driver.stdout.read()[-3000:]
+        time.sleep(0.05)
+    cluster.kill_host(1)
+    out, _ = driver.communicate(timeout=600)
+    assert driver.returncode == 0, out[-3000:]
+    record = json.loads((tmp_path / "lost" / "results.json").read_text())[0]
+    restored = [t["restored_from"] for n in record["nodes"] for t in n["train"] if t["restored_from"] is not None]
+    assert restored and min(restored) >= 8, out[-3000:]
+    assert {hosts[n["ray_node_id"]] for n in record["nodes"]} == {cluster.addresses[0]}, "the lost node did not move"
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "clean_storage" / "lofi" / "model.safetensors")), load_file(str(storage / "lofi" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a), clean.stdout[-1000:]
+    assert not [p for d in scratch for p in d.rglob("*.safetensors")], "state was written to a host's own disk"

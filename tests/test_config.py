@@ -58,8 +58,7 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
 
 
 @pytest.mark.parametrize("strategy, field, warned", [
-    ("ddp", {"checkpoint_every": 10}, "checkpoint_every=10 does not apply"),
-    ("ddp", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
+    ("ddp", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # Ray Train checkpoints and restarts
     ("interlocking", {"checkpoint_every": 10}, "checkpoint_every=10 does not apply"),
     ("spsa", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
     ("lofi", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # lo-fi checkpoints and restarts
@@ -75,3 +74,11 @@ def test_options_a_strategy_does_not_offer_are_said(caplog, strategy, field, war
     else:
         assert not messages
     assert cfg.checkpoint_steps == field.get("checkpoint_every", 50) and cfg.restarts == field.get("nodes", {}).get("max_restarts", 2)
+
+
+def test_null_for_an_optional_section_means_none_not_its_defaults():
+    """A config written back (config.yaml, a bench's per-link config) says `lora: null`: no LoRA."""
+    cfg = from_dict({"model": {"lora": None}, "data": {"shift_size": None}})
+    assert cfg.model.lora is None and cfg.data.shift_size is None
+    assert from_dict(from_dict({"model": {"lora": {"r": 4}}}).to_dict()).model.lora.r == 4
+    assert from_dict(from_dict({}).to_dict()).model.lora is None

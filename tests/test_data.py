@@ -24,3 +24,55 @@ def test_batch_at_is_a_pure_function_of_step():
     assert torch.equal(epoch0.sort().values, torch.arange(20))
     assert torch.equal(batch_at(shard, 6, 5, seed=1)["x"], batch_at(shard, 6, 5, seed=1)["x"])
     assert not torch.equal(batch_at(shard, 0, 5, seed=1)["x"], batch_at(shard, 4, 5, seed=1)["x"])
+
+
+def test_split_rule_parts_are_disjoint_and_too_few_examples_name_the_field():
+    import pytest
+
+    from raylowcomm.config import ConfigError
+    from raylowcomm.data import SplitRule
+
+    parts = SplitRule(shuffle_seed=5, test_size=10, val_size=5, train_size=20).parts(50)
+    assert [len(parts[k]) for k in ("test", "val", "train")] == [10, 5, 20]
+    assert len(set(torch.cat(list(parts.values())).tolist())) == 35
+    assert torch.equal(parts["train"], SplitRule(5, 10, 5, None).parts(50)["train"][:20]), "train_size cuts the same order"
+    with pytest.raises(ConfigError) as err:
+        SplitRule(5, 10, 5, 40).parts(50)
+    assert err.value.field_name == "data.train_size"
+
+
+def test_labels_sort_as_numbers_or_names():
+    from raylowcomm.data import sorted_labels
+
+    assert sorted_labels([10, 2, 1, 2]) == ["1", "2", "10"]
+    assert sorted_labels(["pos", "neg", "pos"]) == ["neg", "pos"]
+
+
+def test_pixels_stay_uint8_and_stack_across_formats():
+    import numpy as np
+    from PIL import Image
+
+    from raylowcomm.data import pixels
+
+    flat = " ".join(str(v) for v in range(16))
+    assert torch.equal(pixels([flat], 32), torch.arange(16, dtype=torch.uint8).view(1, 4, 4))
+    grey, colour = Image.new("L", (6, 6), 200), Image.new("RGB", (9, 9), (10, 20, 30))
+    mixed = pixels([grey, colour], 8)
+    assert mixed.dtype == torch.uint8 and mixed.shape == (2, 3, 8, 8), "a colour image makes every image RGB; sizes differ: resized"
+    assert mixed[0].unique().tolist() == [200] and mixed[1, :, 0, 0].tolist() == [10, 20, 30]
+    assert pixels([np.zeros((5, 5, 1), np.uint8)], 8).shape == (1, 5, 5)
+
+
+def test_shift_size_scores_a_fixed_sample_of_each_shift_set():
+    from raylowcomm.data import prepare_data
+    from raylowcomm.strategies import from_dict
+
+    def shift(size):
+        cfg = from_dict({"model": {"family": "timm"}, "data": {"name": "mnist", "train_size": 64, "test_size": 32, "shift_size": size}})
+        return prepare_data(cfg).eval_sets["shift/uci_digits"]
+
+    full, a, b = shift(None), shift(100), shift(100)
+    assert len(full["labels"]) == 1797 and len(a["labels"]) == 100
+    assert all(torch.equal(a[k], b[k]) for k in a), "the sample is fixed"
+    rows = {tuple(r.flatten().tolist()) for r in full["pixels"]}
+    assert all(tuple(r.flatten().tolist()) in rows for r in a["pixels"])

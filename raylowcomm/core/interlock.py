@@ -758,6 +758,9 @@ class Source:
     seed: int
     image_size: int = 32
     eval_batch_size: int = 256
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    """The model's input normalisation (data.prepare_data reads it from the model's config)."""
 
     def micro_batch(self, step: int, mb: int, micro_batches: int) -> dict[str, Tensor]:
         """Micro-batch `mb` of training batch `step` (batches as every strategy draws them)."""

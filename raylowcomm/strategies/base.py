@@ -10,9 +10,9 @@ from typing import Any, Callable, ClassVar, Protocol
 from torch import nn
 
 from raylowcomm.config import RunConfig
-from raylowcomm.data import Datasets, Split, num_examples, shard_indices, take
+from raylowcomm.data import PreparedData, Split
 from raylowcomm.ledger import Ledger
-from raylowcomm.models import ModelSpec
+from raylowcomm.models import ModelSpec, state_dict_of
 from raylowcomm.storage import Storage
 from raylowcomm.training import TrainClock, dedupe_shared
 
@@ -31,7 +31,7 @@ class RunContext:
     cfg: RunConfig
     model: nn.Module
     spec: ModelSpec
-    data: Datasets
+    data: PreparedData
     out_dir: Path
     storage: Storage | None = None
     """Where checkpoints, snapshots, logs and final weights live (config `storage`; default OUT/state)."""
@@ -42,14 +42,9 @@ class RunContext:
     {"step": 10, "train_loss": 0.3}; a sweep forwards them to Tune (ASHA stops trials on them)
     and reports the record's final metrics itself."""
 
-    def shards(self) -> list[Split]:
-        """The same disjoint, complete shards for every strategy of the run."""
-        index = shard_indices(num_examples(self.data.train), self.cfg.nodes.count, self.cfg.seed)
-        return [take(self.data.train, i) for i in index]
-
-    def eval_sets(self, names: tuple[str, ...] = ("test", "shift", "val")) -> dict[str, Split]:
-        sets = {"test": self.data.test, "shift": self.data.shift, "val": self.data.val}
-        return {k: sets[k] for k in names if sets[k] is not None}
+    def eval_sets(self, val: bool = True) -> dict[str, Split]:
+        """The sets the driver holds: test, shift/<name>, and (unless `val` is False) val."""
+        return {k: v for k, v in self.data.eval_sets.items() if val or k != "val"}
 
     def __post_init__(self) -> None:
         if self.storage is None:
@@ -161,8 +156,29 @@ def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock,
     training time (`curve_wall_s` where collecting counts too), the weights are saved as
     safetensors, and peak memory is the largest of any actor's."""
     curve = [*(curve or []), curve_point(step, train_s if curve_wall_s is None else curve_wall_s, samples, ledger.total_bytes, metrics)]
+    details = details or {}
+    if ctx.data.classes:
+        details["classes"] = ctx.data.classes  # class index -> the data's own label name
+    if ctx.spec.lora is not None:
+        details.update(save_adapters(name, ctx, weights))
     rel = f"{name}/model.safetensors"
     ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
     weights_path = ctx.storage.uri_of(rel)
     return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),
-                     nodes or [], details or {}, weights_path, curve)
+                     nodes or [], details, weights_path, curve)
+
+
+def save_adapters(name: str, ctx: RunContext, weights: dict) -> dict:
+    """A LoRA result as peft writes it, in OUT/<strategy>/: the adapter (save_pretrained) where the
+    result is adapters on the pretrained base (SPSA, DDP), and with model.merge the merged model
+    (always the form of lo-fi's average, which is no longer one rank-r adapter)."""
+    from raylowcomm.lora import save_lora
+
+    adapters = any(".lora_" in k for k in weights)
+    full = {**state_dict_of(ctx.model), **weights} if adapters else weights
+    out = {}
+    if adapters:
+        out["adapter_dir"] = str(save_lora(full, ctx.spec, ctx.strategy_dir(name) / "adapter", merge=False))
+    if ctx.cfg.model.merge:
+        out["merged_dir"] = str(save_lora(full, ctx.spec, ctx.strategy_dir(name) / "merged", merge=True))
+    return out

@@ -1,23 +1,27 @@
 """The baseline: ordinary data-parallel fine-tuning with gradients all-reduced every step
 (Ray Train's TorchTrainer; gloo on CPU, nccl on GPU), on the same shards, batch size per worker,
-optimizer and number of steps as the lo-fi nodes.
+optimizer and number of steps as the lo-fi nodes. A DDP communication hook adds up the gradient
+buckets each rank hands to all-reduce: the `train` bytes are counted, not a formula. Curve: at
+every `eval_every` step the ranks meet while rank 0 scores its replica (identical but for BN
+statistics; rank 0's is the model saved), out of the training time.
 
-The bytes of the `train` phase are not a formula: a DDP communication hook adds up the gradient
-buckets each rank hands to all-reduce, step by step.
-
-Curve: at every `eval_every` step all ranks meet at a barrier while rank 0 scores its replica
-(the replicas are identical but for BN statistics, and rank 0's is the model that is saved);
-that time is taken out of the training time.
+Failures: each evaluation is a `ray.train.report`, and every `checkpoint_every` steps (and at
+the end) it carries a checkpoint: rank 0 writes model + optimizer + step + curve, every rank its
+BN statistics and its tally (safetensors). Ray Train restarts the group up to `nodes.max_restarts`
+times; every rank loads the latest checkpoint and continues `train_steps` from its step (data
+order and dropout are an uninterrupted run's). The Train run's name is stable (storage
+`ddp/ray_train/ddp`): `run --resume` continues from its latest checkpoint; a new run deletes it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import socket
 import tempfile
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from itertools import pairwise
 from typing import ClassVar, Literal
 
 import ray
@@ -30,10 +34,14 @@ from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import state_dict_of
 from raylowcomm.seeding import node_seed
-from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
-from raylowcomm.training import TrainClock, make_optimizer, save_weights, total_steps, train_steps
+from raylowcomm.storage import Storage
+from raylowcomm.tasks import mean_metrics
+from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle
+from raylowcomm.training import TrainClock, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
 
 logger = logging.getLogger(__name__)
+
+STATE_FILE, RANK_FILE, ATTEMPTS = "state.safetensors", "rank{}.safetensors", "ddp/attempts.json"
 
 
 @dataclass
@@ -48,7 +56,7 @@ def counting_allreduce_hook(counter: dict):
 
     def hook(state, bucket):
         buffer = bucket.buffer()
-        counter["bytes"] += buffer.numel() * buffer.element_size()
+        counter["allreduce_bytes"] += buffer.numel() * buffer.element_size()
         counter["buckets"] += 1
         return default_hooks.allreduce_hook(state, bucket)
 
@@ -67,10 +75,75 @@ class TaskLoss(nn.Module):
     def forward(self, batch) -> torch.Tensor:
         return self.task.loss(self.model, batch)
 
-    @staticmethod
-    def loss(wrapped: nn.Module, batch) -> torch.Tensor:
-        """`train_steps`' task interface, for the (possibly DDP-wrapped) TaskLoss."""
-        return wrapped(batch)
+
+class Tally:
+    """What one rank has done in the run so far, over every attempt of its checkpoint lineage:
+    carried in its checkpoint file, so a restarted rank's totals are an uninterrupted rank's."""
+
+    def __init__(self, carried: dict | None = None):
+        self.counts = {"loss_sum": 0.0, "allreduce_bytes": 0, "buckets": 0, "train_s": 0.0, **(carried or {})}
+
+    def loss(self, wrapped: nn.Module, batch) -> torch.Tensor:
+        """`train_steps`' task interface for the (DDP-wrapped) TaskLoss; sums losses as train_steps does."""
+        loss = wrapped(batch)
+        self.counts["loss_sum"] += loss.item()
+        return loss
+
+    def at(self, clock: TrainClock) -> dict:
+        return {**self.counts, "train_s": self.counts["train_s"] + clock.elapsed(), "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
+
+
+def _restore(rank: int, node: Node, optimizer) -> tuple[int, list, Tally]:
+    """Step, curve and tally from Ray Train's latest checkpoint (a restarted group, a resumed run):
+    rank 0's model and optimizer on every rank, then its own BN statistics. Safetensors only."""
+    from ray import train
+
+    checkpoint = train.get_checkpoint()
+    if checkpoint is None:
+        return 0, [], Tally()
+    with checkpoint.as_directory() as d:
+        meta = load_checkpoint(Storage(d), STATE_FILE, node.model, optimizer)
+        buffers, tally = Storage(d).load_tensors(RANK_FILE.format(rank))
+    node.model.load_state_dict(buffers, strict=False)
+    tally.pop("writer", None)
+    node.log(f"resuming from the checkpoint at step {meta['step']} ({checkpoint.path})")
+    return meta["step"], meta["extra"]["curve"], Tally(tally)
+
+
+def _report(metrics: dict, step: int, rank: int, node: Node, optimizer, tally: dict | None, curve: list) -> None:
+    """`ray.train.report` on every rank; with a checkpoint where `tally` is given."""
+    from ray import train
+
+    if tally is None:
+        return train.report(metrics)
+    with tempfile.TemporaryDirectory() as tmp:
+        if rank == 0:
+            save_checkpoint(Storage(tmp), STATE_FILE, node.model, optimizer, step, extra={"curve": curve})
+        params = {k for k, _ in node.model.named_parameters()}
+        buffers = {k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items() if k not in params}
+        Storage(tmp).save_tensors(RANK_FILE.format(rank), buffers, tally)
+        train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
+
+
+def _note_attempt(storage: Storage, start: int, counts: dict, step: int, new: bool = False) -> None:
+    """Rank 0's record of this attempt (resumed at `start`, reached `step` with `allreduce_bytes`
+    counted), the last entry of `ddp/attempts.json` in storage, which outlives the attempt."""
+    attempts = storage.read_json(ATTEMPTS) if storage.exists(ATTEMPTS) else []
+    entry = {"resumed_from": start, "step": step, "allreduce_bytes": counts["allreduce_bytes"]}
+    if new:
+        attempts.append({**entry, "bytes_at_start": entry["allreduce_bytes"]})
+    else:
+        attempts[-1].update(entry)
+    storage.write_json(ATTEMPTS, attempts)
+
+
+def _common_steps(cfg: RunConfig, examples: int) -> int:
+    """Steps every rank takes when each reads its own files (data.node_files): the smallest shard's."""
+    import torch.distributed as dist
+
+    smallest = torch.tensor(examples)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return total_steps(cfg.optim, int(smallest))
 
 
 def _train_worker(config: dict) -> None:
@@ -81,40 +154,53 @@ def _train_worker(config: dict) -> None:
     from ray.train.torch import prepare_model
 
     cfg: RunConfig = config["cfg"]
-    rank = train.get_context().get_world_rank()
-    node = Node(rank, cfg, config["spec"], ray.get(config["weights"]))
+    rank, world, every = train.get_context().get_world_rank(), train.get_context().get_world_size(), cfg.checkpoint_steps
+    node = Node(rank, cfg, config["spec"], config["task"], ray.get(config["weights"]))
     node.label = "ddp rank"
+    shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
+    node.hold_out(config["data"], world)
+    steps = config["steps"] or _common_steps(cfg, num_examples(shard))
+    optimizer = make_optimizer(cfg.optim, node.model)
+    start, curve, tally = _restore(rank, node, optimizer)
     # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
     wrapped = prepare_model(TaskLoss(node.model, node.task), parallel_strategy_kwargs={"broadcast_buffers": False})
-    counter = {"bytes": 0, "buckets": 0}
     if hasattr(wrapped, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
-        wrapped.register_comm_hook(None, counting_allreduce_hook(counter))
-    points, curve, clock = set(eval_points(cfg, config["steps"])), [], TrainClock()
+        wrapped.register_comm_hook(None, counting_allreduce_hook(tally.counts))
+    points, clock = set(eval_points(cfg, steps)), TrainClock()
+    if rank == 0:
+        _note_attempt(config["storage"], start, tally.counts, start, new=True)
 
     def on_step(step: int) -> None:
-        if step in points:
-            dist.barrier()
-            with clock.paused():
-                if rank == 0:
-                    curve.append({"step": step, "train_s": clock.elapsed(), "allreduce_bytes": counter["bytes"],
-                                  **node.evaluate([config["eval_sets"]])})
-                dist.barrier()
+        if step == steps or (step not in points and step % every):
+            return
+        dist.barrier()
+        with clock.paused():
+            now, metrics = tally.at(clock), {"step": step}
+            if rank == 0:
+                metrics.update(train_s=now["train_s"], allreduce_bytes=now["allreduce_bytes"])
+                if step in points:
+                    curve.append({**metrics, **node.evaluate([config["eval_sets"]])})
+                _note_attempt(config["storage"], start, now, step)
+            _report(metrics, step, rank, node, optimizer, None if step % every else now, curve)
 
-    stats = train_steps(wrapped, TaskLoss, make_optimizer(cfg.optim, node.model), ray.get(config["shards"][rank]), 0,
-                        config["steps"], cfg.optim.batch_size, node_seed(cfg.seed, rank),
-                        log=node.log if rank == 0 else None, log_every=cfg.log_every, on_step=on_step, clock=clock)
-    mine = {"rank": rank, "allreduce_bytes": counter["bytes"], "buckets": counter["buckets"], "samples": stats["samples"],
-            "train_s": stats["train_s"], **process_info(), "mean_loss": stats["mean_loss"]}
+    train_steps(wrapped, tally, optimizer, shard, start, steps, cfg.optim.batch_size, node_seed(cfg.seed, rank),
+                log=node.log if rank == 0 else None, log_every=cfg.log_every, on_step=on_step, clock=clock,
+                precision=cfg.optim.precision, device=node.device)
+    done = tally.at(clock)
+    mine = {"rank": rank, "examples": num_examples(shard), "allreduce_bytes": done["allreduce_bytes"], "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size,
+            "train_s": done["train_s"], "resumed_from": start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    metrics = {"workers": everyone, "gather_bytes": len(pickle.dumps(mine)) * dist.get_world_size(), "curve": curve}
-    if rank == 0:
+    metrics = {"workers": everyone, "gather_bytes": len(pickle.dumps(mine)) * world, "curve": curve, "steps": steps}
+    if cfg.data.eval_on_nodes:  # every rank scores the (same) model on its own held-out rows
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, node.evaluate([config["eval_sets"]]))
+        metrics.update(final=mean_metrics(per_rank), final_per_rank=per_rank)
+    elif rank == 0:
         metrics["final"] = node.evaluate([config["eval_sets"]])
-        with tempfile.TemporaryDirectory() as tmp:
-            save_weights(Path(tmp) / "model.safetensors", state_dict_of(node.model))
-            train.report(metrics, checkpoint=train.Checkpoint.from_directory(tmp))
-    else:
-        train.report(metrics)
+    if rank == 0:
+        _note_attempt(config["storage"], start, done, steps)
+    _report(metrics, steps, rank, node, optimizer, done, curve)
 
 
 def _release_leaked_placement_groups(before: set[str], bundles: list[dict]) -> None:
@@ -132,6 +218,20 @@ def _release_leaked_placement_groups(before: set[str], bundles: list[dict]) -> N
         remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
 
+def _attempts_ledger(ledger: Ledger, attempts: list[dict], restarts: int, n: int) -> dict:
+    """What failures cost. `train/gradient_allreduce` counts each step's all-reduce once (the hook's
+    count, carried in the checkpoints), as an uninterrupted run does. Steps an attempt took past the
+    checkpoint the next one resumed from were all-reduced again: `gradient_allreduce_redone`, up to
+    that attempt's last report (evaluation or checkpoint), so a lower bound. Each restart of this
+    fit repeats the setup: weights, shards and eval sets fetched, weights broadcast by DDP."""
+    redone = sum(max(0, a["allreduce_bytes"] - b["bytes_at_start"]) for a, b in pairwise(attempts))
+    if redone:
+        ledger.record("train", "gradient_allreduce_redone", redone, copies=n)
+    if restarts:
+        ledger.record("train", "restart_setup_again", ledger.bytes_by_phase["setup"], copies=restarts)
+    return {"attempts": attempts, "restarts": restarts, "allreduce_redone_bytes_per_rank_at_least": redone}
+
+
 class Ddp:
     name: ClassVar[str] = "ddp"
     Config: ClassVar[type] = DdpConfig
@@ -142,7 +242,6 @@ class Ddp:
 
         if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
-        warn_unused(cfg, "ddp", restarts="a failed Train run stops", checkpoints="ddp keeps no node checkpoints")
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict]:
@@ -154,40 +253,51 @@ class Ddp:
     def external_bundles(cfg: RunConfig) -> list[dict]:
         return [node_bundle(cfg)] * cfg.nodes.count
 
-    def run(self, ctx: RunContext) -> RunRecord:
-        from ray.train import RunConfig as TrainRunConfig, ScalingConfig
+    def _trainer(self, ctx: RunContext, backend: str, loop_config: dict):
+        """A Train run with a stable name in storage, so a resumed run finds its checkpoints."""
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
-        from safetensors.torch import load_file
 
+        cfg = ctx.cfg
+        return TorchTrainer(
+            _train_worker, train_loop_config=loop_config,
+            scaling_config=ScalingConfig(num_workers=cfg.nodes.count, use_gpu=cfg.nodes.gpus > 0,
+                                         resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement),
+            torch_config=TorchConfig(backend=backend),
+            run_config=TrainRunConfig(name=self.name, storage_path=ctx.storage.uri_of(f"{self.name}/ray_train"),
+                                      failure_config=FailureConfig(max_failures=cfg.restarts),
+                                      checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        )
+
+    def run(self, ctx: RunContext) -> RunRecord:
         cfg, clock, ledger, n = ctx.cfg, TrainClock(), Ledger(), ctx.cfg.nodes.count
-        backend = cfg.options["ddp"].backend
-        if backend == "auto":
-            backend = "nccl" if cfg.nodes.gpus > 0 else "gloo"
-        initial, shards = state_dict_of(ctx.model), ctx.shards()
-        steps = total_steps(cfg.optim, min(num_examples(s) for s in shards))
+        backend = cfg.options["ddp"].backend.replace("auto", "nccl" if cfg.nodes.gpus > 0 else "gloo")
+        ctx.fresh_state(self.name)
+        initial, sizes = state_dict_of(ctx.model), ctx.data.train.sizes(n)
+        steps = total_steps(cfg.optim, min(sizes)) if sizes else None  # None: node files, the workers agree on it
         ledger.send("setup", "initial_weights", initial, copies=n)
         ledger.send("setup", "ddp_initial_broadcast", initial, copies=n - 1)
-        for shard in shards:
-            ledger.send("setup", "data_shard", shard)
-        eval_sets = ctx.eval_sets(("test", "shift"))
+        ledger.send("setup", "data_recipe", ctx.data.train, copies=n)  # how to read the data, not the data
+        eval_sets = ctx.eval_sets(val=False)
         for split in eval_sets.values():  # rank 0 scores the curve and the final model
             ledger.send("setup", "eval_sets", split)
-        logger.info("[ddp] %d workers x %d steps, %s", n, steps, backend)
-        trainer = TorchTrainer(
-            _train_worker,
-            train_loop_config={"cfg": cfg, "spec": ctx.spec, "weights": ray.put(initial), "steps": steps,
-                               "shards": [ray.put(s) for s in shards], "eval_sets": ray.put(eval_sets)},
-            scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.nodes.gpus > 0, resources_per_worker=node_bundle(cfg),
-                                         placement_strategy=cfg.nodes.placement),
-            torch_config=TorchConfig(backend=backend),
-            run_config=TrainRunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str((ctx.strategy_dir(self.name) / "ray_train").resolve())),
-        )
+        logger.info("[ddp] %d workers x %s steps, %s", n, steps or "(their shards')", backend)
+        earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
+        trainer = self._trainer(ctx, backend, {
+            "cfg": cfg, "spec": ctx.spec, "task": ctx.data.task, "weights": ray.put(initial), "steps": steps, "storage": ctx.storage,
+            "data": ctx.data.train, "eval_sets": ray.put(eval_sets)})
         before = set(ray.util.placement_group_table())
         try:
             result = trainer.fit()
         except Exception:
             _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
             raise
+        attempts = ctx.storage.read_json(ATTEMPTS)
+        return self._finish(ctx, ledger, clock, result, backend,
+                            _attempts_ledger(ledger, attempts, len(attempts) - earlier - 1, n))
+
+    def _finish(self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str, details: dict) -> RunRecord:
+        cfg, n, steps = ctx.cfg, ctx.cfg.nodes.count, result.metrics["steps"]
         workers, setup_bytes = result.metrics["workers"], ledger.bytes_by_phase["setup"]
         ctx.report({"step": steps, "steps": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
         curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n, setup_bytes + n * p["allreduce_bytes"],
@@ -198,10 +308,12 @@ class Ddp:
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
         ledger.send("final", "eval_metrics", result.metrics["final"])
         with result.checkpoint.as_directory() as d:
-            state = load_file(str(Path(d) / "model.safetensors"))
-        ledger.send("final", "model_checkpoint", state)
-        details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers]}
+            tensors, _ = Storage(d).load_tensors(STATE_FILE)
+        state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+        trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}  # under LoRA: adapters and head
+        ledger.send("final", "model_checkpoint", {k: v for k, v in state.items() if k in trained or ctx.spec.lora is None})
+        details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers],
+                   **details, "train_run": result.path}
         return finish_record(self.name, ctx, ledger, clock, metrics=result.metrics["final"], step=steps,
                              samples=sum(w["samples"] for w in workers), train_s=max(w["train_s"] for w in workers),
                              infos=workers, weights=state, curve=curve, nodes=workers, details=details)
-

@@ -27,7 +27,7 @@ from raylowcomm.actors import DriverFetches, NodeGroup, process_info, start_proc
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
-from raylowcomm.tasks import SET_PREFIX, CausalLM, ImageClassification, add_sums, task_for
+from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, make_task, metric_names
 from raylowcomm.training import TrainClock, make_optimizer, total_steps
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class StageActor:
         module, head = (m.to(self.device) if m is not None else None for m in payload)
         stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
                                lambda params: make_optimizer(optim, params), micro_batches)
-        task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device)
+        task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device,
+                                                                                                *((source.mean, source.std) if source else ()))
         self.worker, self.index, self.source = StageWorker(stage, micro_batches, index == num_stages - 1, task), index, source
 
     def _received(self, ref):
@@ -175,9 +176,8 @@ def evaluate_chained(actors: list, eval_sets: dict[str, Split], batch_size: int,
 
 
 def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
-    """The last stage's head on the test (id_*) and shift (shift_*) sets: the model's metrics."""
-    return {f"{SET_PREFIX[name]}_{key}": value for name, heads in per_set.items() if name in ("test", "shift")
-            for key, value in heads[-1].items()}
+    """The last stage's head on the test (id_*) and shift sets: the model's metrics."""
+    return metric_names({name: heads[-1] for name, heads in per_set.items() if name != "val"})
 
 
 class Interlocking:
@@ -209,7 +209,11 @@ class Interlocking:
                                   "must be a non-empty list of positive numbers" + (", one per stage" if per_stage else ""))
         if cfg.model.family == "hf_classifier":
             raise ConfigError("model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
-        if cfg.model.family == "hf_causal_lm" and catalog.dataset(cfg.data.name).kind != "text":
+        if cfg.data.node_files is not None or cfg.data.eval_on_nodes:
+            field = "data.node_files" if cfg.data.node_files is not None else "data.eval_on_nodes"
+            raise ConfigError(field, getattr(cfg.data, field[5:]), "interlocking trains one model on one stream of batches "
+                                                                   "and scores it on the driver's sets: not offered")
+        if cfg.model.family == "hf_causal_lm" and catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns) not in ("text", None):
             raise ConfigError("data.name", cfg.data.name, f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}")
         arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
         if cfg.model.family == "timm" and not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
@@ -220,14 +224,15 @@ class Interlocking:
         torch.manual_seed(cfg.seed)
         K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
-        source = Source("image" if family == "timm" else "tokens", ctx.data.train, ctx.eval_sets(), cfg.optim.batch_size,
-                        cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
-        x = task_for(family, cfg.data.image_size).inputs(source.micro_batch(0, 0, opts.micro_batches))
+        task = ctx.data.task  # one stream of batches from one source: stage 0 gets the training rows
+        source = Source("image" if family == "timm" else "tokens", ctx.data.train.load(0, 1), ctx.eval_sets(), cfg.optim.batch_size,
+                        cfg.seed, task.image_size, cfg.optim.eval_batch_size, task.mean, task.std)
+        x = make_task(task).inputs(source.micro_batch(0, 0, opts.micro_batches))
         measure = opts.balance == "measured" and opts.split is None
         balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus) if measure else opts.balance
         modules = split_model(model, family, K, balance, opts.split)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
-        with NodeGroup(StageActor, cfg, Ledger()) as group:
+        with NodeGroup(StageActor, cfg, Ledger()) as group, group.stop_on_death("interlocking stage", "each stage holds layers no other has"):
             self._load(group, modules, heads, source, cfg, family)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)
             per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.optim.eval_batch_size,
@@ -286,7 +291,7 @@ class Interlocking:
             ctx.report({"step": len(stage_losses[K - 1]), "steps": steps, "bytes": ledger.total_bytes, "train_loss": stage_losses[K - 1][-1]})
 
         def evaluate(batch: int, train_s: float) -> None:
-            per_set, sent = evaluate_chained(actors, ctx.eval_sets(("test", "shift")), cfg.optim.eval_batch_size, group.fetch,
+            per_set, sent = evaluate_chained(actors, ctx.eval_sets(val=False), cfg.optim.eval_batch_size, group.fetch,
                                              LOSS_OF_FAMILY[ctx.spec.family])
             ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
             curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size,

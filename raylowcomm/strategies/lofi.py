@@ -1,8 +1,7 @@
 """lo-fi (Wortsman et al. 2022): every node fine-tunes its own copy on its own shard with no
 communication; the driver averages the weights once at the end (or every `average_every`).
 
-Curve without communicating: at every `eval_every` step a node snapshots its weights on its own
-disk. After training the driver averages snapshot s across nodes and scores it (plain or
+Curve without communicating: at every `eval_every` step a node snapshots its weights in storage. After training the driver averages snapshot s across nodes and scores it (plain or
 by-examples average: no BN recalibration, soup or outer step); the point's time is the slowest
 node's training time at s plus the measured time of the final collection, its bytes those sent
 by s plus one collection. Fetching the snapshots is measurement, outside the run's ledger.
@@ -20,13 +19,13 @@ import ray
 from raylowcomm.actors import DriverFetches, Node, NodeGroup
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.averaging import OuterNesterov, StreamingAverage, batchnorm_layers, combine_bn_statistics, greedy_soup, measure_bn_statistics
-from raylowcomm.data import num_examples
-from raylowcomm.ledger import Ledger, payload_nbytes
-from raylowcomm.models import build_model, state_dict_of
-from raylowcomm.seeding import node_seed
+from raylowcomm.data import TrainSource, num_examples
+from raylowcomm.ledger import Ledger
+from raylowcomm.models import state_dict_of
+from raylowcomm.seeding import epoch_seed, node_seed
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record
-from raylowcomm.tasks import score_sets, task_for
+from raylowcomm.tasks import make_task, mean_metrics
 from raylowcomm.training import (TrainClock, batch_at, load_checkpoint, make_optimizer, save_checkpoint,
                                  steps_per_epoch, total_steps, train_steps)
 
@@ -49,6 +48,11 @@ class LofiConfig:
     """Recompute BatchNorm statistics of the average on every node's shard (BN models only)."""
     bn_batches: int | None = None
     """Batches per node for the BN statistics (None: one pass over the shard)."""
+    lora_average: Literal["delta", "factors"] = "delta"
+    """With model.lora, nodes send adapters only. delta: the exact average of what they learned,
+    base + mean_k (alpha/r)·B_k·A_k, merged; factors: mean(B)·mean(A), FedAvg of the factors, to compare.
+    After an averaging round every node merges the average into its base and restarts its adapters
+    from one seeded initialisation (a new one each round), so replicas start each round identical."""
 
 
 @ray.remote
@@ -57,9 +61,11 @@ class LofiNode(Node):
 
     label = "lofi node"
 
-    def __init__(self, node: int, spec, weights: dict, shard: dict, cfg: RunConfig, storage: Storage):
-        super().__init__(node, cfg, spec)
-        self.shard, self.seed, self.storage = shard, node_seed(cfg.seed, node), storage
+    def __init__(self, node: int, spec, task, weights: dict, data: TrainSource, cfg: RunConfig, storage: Storage):
+        super().__init__(node, cfg, spec, task)
+        self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
+        self.hold_out(data, cfg.nodes.count)
+        self.seed, self.storage = node_seed(cfg.seed, node), storage
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
@@ -88,10 +94,11 @@ class LofiNode(Node):
             if step in snaps:
                 snapshot_s[step] = clock.elapsed()
                 with clock.paused():
-                    self.storage.save_tensors(self._snapshot_path(step), state_dict_of(self.model))
+                    self.storage.save_tensors(self._snapshot_path(step), self.weights())
 
         stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
-                            self.seed, log=self.log, log_every=self.cfg.log_every, on_step=on_step, clock=clock)
+                            self.seed, log=self.log, log_every=self.cfg.log_every, on_step=on_step, clock=clock,
+                            precision=self.cfg.optim.precision, device=self.device)
         self.step, restored, self.restored_from = until, self.restored_from, None
         return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
 
@@ -103,24 +110,47 @@ class LofiNode(Node):
         (a node that has it already, resuming, keeps what it has)."""
         if rounds <= self.rounds:
             return
-        self.model.load_state_dict(state)
+        self._load(state, rounds)
         self.rounds = rounds
         self._save(self.step)
 
+    def _load(self, state: dict, rounds: int) -> None:
+        """A global model: its weights, or under LoRA the merged average as the new frozen base with
+        fresh adapters (seeded by the round, the same on every node) and a fresh optimizer."""
+        if not hasattr(self.model, "peft_config"):
+            self.model.load_state_dict(state)
+            return
+        from raylowcomm.lora import merge_and_reset
+
+        merge_and_reset(self.model, state, seed=epoch_seed(self.cfg.seed, rounds))
+        self.optimizer = make_optimizer(self.cfg.optim, self.model)
+
     def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
-        self.model.load_state_dict(state)
+        self._load(state, self.rounds + 1)
         per_epoch = steps_per_epoch(num_examples(self.shard), self.cfg.optim.batch_size)
         n = min(per_epoch, max_batches or per_epoch)
         batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
-        return measure_bn_statistics(self.model, batches, self.task.forward)
+        stats, count = measure_bn_statistics(self.model, batches, self.task.forward)
+        if hasattr(self.model, "peft_config"):  # the merged model's names
+            from raylowcomm.lora import plain_key
+
+            stats = {plain_key(k): v for k, v in stats.items()}
+        return {k: v.cpu() for k, v in stats.items()}, count  # nothing device-resident goes to the driver
+
+    def examples(self) -> int:
+        return num_examples(self.shard)
 
     def extra_info(self) -> dict:
         return {"examples": num_examples(self.shard)}
 
 
 def average_nodes(group: NodeGroup, weights: list[float], phase: str, method: str = "weights", *args,
-                  fetch: DriverFetches | None = None) -> dict:
-    """Stream the nodes' `method(*args)` state dicts in as they are ready: one running sum + one incoming copy."""
+                  fetch: DriverFetches | None = None, adapters=None) -> dict:
+    """Stream the nodes' `method(*args)` state dicts in as they are ready: one running sum + one
+    incoming copy; or with `adapters` (lora.AdapterAverage) their adapters, combined by it."""
+    if adapters is not None:
+        states = dict(group.stream(method, *args, phase=phase, what="node_adapters", fetch=fetch))
+        return adapters([states[k] for k in sorted(states)], [weights[k] for k in sorted(states)])
     avg = StreamingAverage()
     for k, state in group.stream(method, *args, phase=phase, what="node_weights", fetch=fetch):
         avg.add(state, weights[k])
@@ -137,6 +167,8 @@ class Plan:
     averaging: bool
     weights: list[float]
     snapshots: list[int]
+    adapters: object = None
+    """With model.lora: the lora.AdapterAverage that combines the nodes' adapters on their base."""
 
 
 def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int]) -> Plan:
@@ -166,33 +198,42 @@ class Lofi:
             raise ConfigError("lofi.outer_momentum", o.outer_momentum, "must be in [0, 1)")
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
+        if cfg.model.lora is not None and o.outer_optimizer != "none":
+            raise ConfigError("lofi.outer_optimizer", o.outer_optimizer, "not offered with model.lora: set it to none")
+        if cfg.model.lora is not None and o.soup == "greedy":
+            raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
+        if cfg.model.lora is not None and o.average_every is not None and cfg.eval_every:
+            raise ConfigError("eval_every", cfg.eval_every, "a curve with model.lora and lofi.average_every is not offered: set eval_every: 0")
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
         clock, ledger = TrainClock(), Ledger()
         ctx.fresh_state(self.name)
-        shards = ctx.shards()
-        plan = plan_rounds(cfg, opts, [num_examples(s) for s in shards])
         initial = state_dict_of(ctx.model)
         with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts) as group:
             weights_ref = group.put(initial, "setup", "initial_weights", copies=n)
             group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
-            shard_refs = [group.put(shard, "setup", "data_shard") for shard in shards]  # kept for restarts
+            recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)  # how to read the data, not the data
             for k in range(n):
-                group.start(k, k, ctx.spec, weights_ref, shard_refs[k], cfg, ctx.storage)
+                group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage)
             group.ready()
+            plan = plan_rounds(cfg, opts, ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes"))
+            if ctx.spec.lora is not None:
+                from raylowcomm.lora import AdapterAverage, lora_layers
+
+                plan.adapters = AdapterAverage(initial, lora_layers(ctx.model), opts.lora_average)
             logger.info("[lofi] %d nodes x %d steps, averaging at steps %s", n, plan.steps,
                         plan.boundaries if plan.averaging else [plan.steps])
             outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
                 if opts.outer_optimizer == "nesterov" else None
-            first = self._resume_round(ctx, group, outer) if ctx.resume else 0
-            trained = self._train(ctx, group, plan, outer, initial, shards, first)
+            first = self._resume_round(ctx, group, outer, plan) if ctx.resume else 0
+            trained = self._train(ctx, group, plan, outer, initial, first)
             return self._finish(ctx, group, plan, outer, trained, clock)
 
     GLOBAL = "lofi/global.safetensors"
     """The last averaging round's global model (and outer momentum): what a resumed run starts from."""
 
-    def _resume_round(self, ctx: RunContext, group: NodeGroup, outer) -> int:
+    def _resume_round(self, ctx: RunContext, group: NodeGroup, outer, plan: Plan) -> int:
         """The averaging round a resumed run continues at: nodes whose checkpoint predates the last
         global model saved in storage load it (the others have it already)."""
         if not ctx.storage.exists(self.GLOBAL):
@@ -201,6 +242,8 @@ class Lofi:
         state = {k[7:]: v for k, v in tensors.items() if k.startswith("global.")}
         if outer is not None:
             outer.state, outer.buf = state, {k[9:]: v for k, v in tensors.items() if k.startswith("momentum.")}
+        if plan.adapters is not None:
+            plan.adapters.base = state
         group.call("load_weights", group.put(state, "train", "resume_global_weights", copies=len(group)), meta["round"])
         logger.info("[lofi] resuming after averaging round %d", meta["round"])
         return meta["round"]
@@ -211,7 +254,7 @@ class Lofi:
             tensors.update({f"momentum.{k}": v for k, v in outer.buf.items()})
         ctx.storage.save_tensors(self.GLOBAL, tensors, {"round": rounds})
 
-    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, shards: list, first: int = 0) -> dict:
+    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, first: int = 0) -> dict:
         """The rounds from round `first`: train to each boundary with no communication, average
         between rounds. Training time as DDP measures it: the nodes' own loop time (slowest node
         per round) plus the driver's averaging rounds; Ray call overhead is left out of both."""
@@ -234,11 +277,13 @@ class Lofi:
                 if stats["restored_from"] is not None:
                     logger.info("[lofi] node %d died and resumed from its checkpoint at step %d", stats["node"], stats["restored_from"])
                     ledger.send("train", "recovery_refetch", initial)
-                    ledger.send("train", "recovery_refetch", shards[stats["node"]])
+                    ledger.send("train", "recovery_refetch", ctx.data.train)
             if not last:
                 round_clock = TrainClock()
-                average = average_nodes(group, plan.weights, "train")
+                average = average_nodes(group, plan.weights, "train", adapters=plan.adapters)
                 average = outer.step(average) if outer is not None else average
+                if plan.adapters is not None:
+                    plan.adapters.base = average
                 self._save_global(ctx, average, outer, i + 1)
                 group.call("load_weights", group.put(average, "train", "global_weights", copies=n), i + 1)
                 train_s += round_clock.elapsed()
@@ -248,36 +293,36 @@ class Lofi:
         cfg, opts, n, ledger = ctx.cfg, ctx.cfg.options["lofi"], len(group), group.ledger
         node_metrics = group.evaluate_all()
         infos = group.call("info", phase="final", what="node_info")
-        task = task_for(ctx.spec.family, cfg.data.image_size, data=cfg.data.name)
+        metric, on_all = make_task(ctx.data.task).metric, cfg.data.eval_on_nodes
         collect_clock = TrainClock()
         if opts.soup == "greedy":
-            average, soup_kept = self._greedy_soup(ctx, group, task, node_metrics)
+            average, soup_kept = self._greedy_soup(group, metric, node_metrics)
         else:
-            average = average_nodes(group, plan.weights, "final")
+            average = average_nodes(group, plan.weights, "final", adapters=plan.adapters)
             soup_kept = list(range(n))
         collect_s = collect_clock.elapsed()
         if outer is not None:
             average = outer.step(average)
-        model = build_model(ctx.spec)
-        model.load_state_dict(average)
-        test_sets = ctx.eval_sets(("test", "shift"))
         details = {"steps_per_node": plan.steps, "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
                    "soup_nodes": soup_kept}
-        curve = self._snapshot_curve(ctx, group, trained["snapshots"], plan.weights, model, task, collect_s, n * payload_nbytes(average))
-        if opts.bn_recalibrate and batchnorm_layers(model):
-            details["average_without_bn_recalibration"] = score_sets(task, model, test_sets, cfg.optim.eval_batch_size)
+        curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
+                                     ledger.bytes_by_kind.get("final/node_weights", 0) + ledger.bytes_by_kind.get("final/node_adapters", 0))
+        if opts.bn_recalibrate and batchnorm_layers(ctx.model):
+            details["average_without_bn_recalibration"] = mean_metrics(group.score_weights(average, "final", on_all))
             bn_clock = TrainClock()
             ref = group.put(average, "final", "averaged_weights_for_bn", copies=n)
             average.update(combine_bn_statistics(group.call("bn_statistics", ref, opts.bn_batches, phase="final", what="bn_statistics")))
-            model.load_state_dict(average)
             collect_s += bn_clock.elapsed()
-        metrics = score_sets(task, model, test_sets, cfg.optim.eval_batch_size)
+        per_node = group.score_weights(average, "final", on_all)  # scored where the device is, not on the driver
+        metrics = mean_metrics(per_node)
+        if on_all:  # the test rows are the nodes': each scored the average on its own
+            details["average_on_nodes"] = per_node
         details["collect_s"] = collect_s
         details["curve_note"] = (f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
                                  f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
                                  f"average the {n} final models" + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
                                  + "; bytes include that collection")
-        self._warn_if_worse(task.metric, metrics, node_metrics, details)
+        self._warn_if_worse(metric, metrics, node_metrics, details)
         nodes = [{**info, "metrics": m, "train": [r[k] for r in trained["rounds"]]} for k, (info, m) in enumerate(zip(infos, node_metrics))]
         samples = sum(s["samples"] for r in trained["rounds"] for s in r)
         return finish_record(self.name, ctx, ledger, clock, metrics=metrics, step=plan.steps, samples=samples, train_s=trained["train_s"],
@@ -285,36 +330,31 @@ class Lofi:
                              curve_wall_s=trained["train_s"] + collect_s)
 
     @staticmethod
-    def _greedy_soup(ctx: RunContext, group: NodeGroup, task, node_metrics: list[dict]) -> tuple[dict, list[int]]:
-        """Add nodes' models best first while the held-out score does not drop."""
-        metric, sign = task.metric, (1 if task.metric == "accuracy" else -1)
+    def _greedy_soup(group: NodeGroup, metric: str, node_metrics: list[dict]) -> tuple[dict, list[int]]:
+        """Add nodes' models best first while the held-out score (on a node) does not drop."""
+        sign = 1 if metric == "accuracy" else -1
         order = sorted(range(len(group)), key=lambda k: node_metrics[k]["val_" + metric], reverse=sign > 0)
-        scorer = build_model(ctx.spec)
 
         def score(state):
-            scorer.load_state_dict(state)
-            return task.evaluate(scorer, ctx.data.val, ctx.cfg.optim.eval_batch_size)[metric] * sign
+            return group.score_weights(state, "final", val=True)[0]["val_" + metric] * sign
 
         average, kept, _ = greedy_soup([lambda k=k: group.call("weights", what="node_weights", keys=[k])[0] for k in order], score)
         return average, [order[j] for j in kept]
 
     @staticmethod
-    def _snapshot_curve(ctx: RunContext, group: NodeGroup, snapshots: list[tuple[int, float, int]], weights: list[float], model, task,
-                        collect_s: float, collect_bytes: int) -> list[dict]:
-        """Score the average of the nodes' snapshots at each curve step (see the module docstring);
-        `model` is scratch space, loaded with the final average again at the end."""
-        curve, batch, n = [], ctx.cfg.optim.batch_size, len(group)
-        final = {k: v.clone() for k, v in model.state_dict().items()}
+    def _snapshot_curve(group: NodeGroup, snapshots: list[tuple[int, float, int]], plan: Plan, batch: int, collect_s: float,
+                        on_all: bool, collect_bytes: int) -> list[dict]:
+        """Score the average of the nodes' snapshots at each curve step (see the module docstring),
+        on the nodes; fetching the snapshots and sending the averages back is measurement."""
+        curve, n = [], len(group)
         for step, train_s, sent in snapshots:
             try:  # fetching snapshots is measurement: a scratch ledger
-                average = average_nodes(group, weights, "final", "snapshot", step, fetch=DriverFetches(Ledger()))
+                average = average_nodes(group, plan.weights, "final", "snapshot", step, fetch=DriverFetches(Ledger()), adapters=plan.adapters)
             except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
                 logger.warning("[lofi] no curve point at step %d: a node's snapshot is gone (%s)", step, type(err.cause).__name__)
                 continue
-            model.load_state_dict(average)
-            metrics = score_sets(task, model, ctx.eval_sets(("test", "shift")), ctx.cfg.optim.eval_batch_size)
+            metrics = mean_metrics(group.score_weights(average, "final", on_all, ledger=Ledger()))
             curve.append(curve_point(step, train_s + collect_s, step * batch * n, sent + collect_bytes, metrics))
-        model.load_state_dict(final)
         return curve
 
     @staticmethod

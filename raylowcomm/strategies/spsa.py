@@ -25,13 +25,14 @@ from raylowcomm.actors import Node, NodeGroup, check_replicas
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core import zo
 from raylowcomm.core.membership import JoinEvent, LeaveEvent, ScheduleError, check_schedule
-from raylowcomm.data import num_examples, shard_indices, take
+from raylowcomm.data import TrainSource, num_examples
 from raylowcomm.ledger import Ledger, wire_nbytes
 from raylowcomm.models import state_dict_of
 from raylowcomm.seeding import node_seed
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
-from raylowcomm.training import TrainClock, batch_at, load_checkpoint, save_checkpoint, total_steps
+from raylowcomm.tasks import mean_metrics
+from raylowcomm.training import TrainClock, autocast, batch_at, load_checkpoint, save_checkpoint, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,13 @@ class SpsaNode(Node):
 
     label = "spsa node"
 
-    def __init__(self, node: int, spec, shard: dict, cfg: RunConfig, storage: Storage, weights: dict | None = None,
-                 until: int | None = None):
-        super().__init__(node, cfg, spec, weights)
-        self.storage = storage
+    def __init__(self, node: int, spec, task, data: TrainSource, slots: int, cfg: RunConfig, storage: Storage,
+                 weights: dict | None = None, until: int | None = None):
+        super().__init__(node, cfg, spec, task, weights)
+        self.storage, self.shard = storage, data.load(node, slots)  # read on the node's host
+        self.hold_out(data, slots)
         o = cfg.options["spsa"]
-        self.shard, self.seed, self.losses = shard, node_seed(cfg.seed, node), []
+        self.seed, self.losses = node_seed(cfg.seed, node), []
         self.replica = zo.Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   kind=o.perturbation, include=o.include, step=until or 0)
@@ -96,7 +98,8 @@ class SpsaNode(Node):
         """This node's step message: its codes, then its mean loss. The node keeps its own step
         count, so no step number needs to travel."""
         t0, step = time.perf_counter(), self.replica.step
-        payload, pairs = self.replica.compute(self.task.loss, batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed))
+        with autocast(self.cfg.optim.precision, self.device):  # the losses only: replicas apply fp32 updates
+            payload, pairs = self.replica.compute(self.task.loss, batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed))
         self.losses.append(sum(lp + lm for lp, lm in pairs) / (2 * len(pairs)))
         self.times["compute_s"] += time.perf_counter() - t0
         every = self.cfg.log_every
@@ -117,12 +120,17 @@ class SpsaNode(Node):
 
     def save(self) -> int:
         """Checkpoint θ at the start of the node's step into storage; returns its size."""
-        return save_checkpoint(self.storage, CHECKPOINT, self.model, None, self.replica.step, extra={"node": self.rank})
+        return save_checkpoint(self.storage, CHECKPOINT, self.model, None, self.replica.step, extra={"node": self.rank},
+                               trainable_only=hasattr(self.model, "peft_config"))  # LoRA: the adapters SPSA tunes
+
+    def examples(self) -> int:
+        return num_examples(self.shard)
 
     def extra_info(self) -> dict:
         return {"examples": num_examples(self.shard), "steps_computed": len(self.losses),
                 "mean_loss": sum(self.losses) / len(self.losses) if self.losses else None,
-                **{k: round(v, 3) for k, v in self.times.items()}}
+                **{k: round(v, 3) for k, v in self.times.items()},
+                **{f"replica_{k}": round(v, 3) for k, v in self.replica.times.items()}}  # perturb, forwards, replay
 
 
 class Spsa:
@@ -158,25 +166,24 @@ class Spsa:
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts = ctx.cfg, ctx.cfg.options["spsa"]
-        slots = cfg.nodes.count + len(opts.join)
-        shards = [take(ctx.data.train, i) for i in shard_indices(num_examples(ctx.data.train), slots, cfg.seed)]
-        steps = opts.steps or total_steps(cfg.optim, min(num_examples(s) for s in shards))
+        sizes = ctx.data.train.sizes(cfg.nodes.count + len(opts.join))  # one shard per slot; None: the nodes know
+        steps = opts.steps or (total_steps(cfg.optim, min(sizes)) if sizes else None)
         self.validate(cfg, steps)
         if opts.include:
             zo.trainable_parameters(ctx.model, opts.include)  # fails here, not in an actor, if nothing matches
-        if cfg.log_every > steps:
-            logger.info("[spsa] log_every=%d > %d steps: nodes will log nothing per step", cfg.log_every, steps)
         with NodeGroup(SpsaNode, cfg, Ledger()) as group:
-            return SpsaRun(ctx, group, shards, steps).run()
+            return SpsaRun(ctx, group, steps).run()
 
 
 class SpsaRun:
     """The driver's side of one SPSA run: membership, the byte exchange, checks and the curve."""
 
-    def __init__(self, ctx: RunContext, group: NodeGroup, shards: list[dict], steps: int):
+    def __init__(self, ctx: RunContext, group: NodeGroup, steps: int | None):
         self.ctx, self.cfg, self.opts, self.group = ctx, ctx.cfg, ctx.cfg.options["spsa"], group
-        self.ledger, self.shards, self.steps, self.codec = group.ledger, shards, steps, self.opts.make_codec()
+        self.ledger, self.steps, self.codec = group.ledger, steps, self.opts.make_codec()
+        self.slots = self.cfg.nodes.count + len(self.opts.join)
         self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0
+        self.weights_ref = None
         self.records, self.infos, self.verified, self.curve, self.samples, self.step0 = {}, {}, [], [], 0, {}
         self.per_step = {"payload": [], "wire": [], "control": [], "wall": []}
 
@@ -193,15 +200,27 @@ class SpsaRun:
             logger.info("[spsa] resuming at step %d from %s", state["step"], self.storage.uri_of(CHECKPOINT))
         else:
             self.ctx.fresh_state(Spsa.name)
-            weights_ref = group.put(state_dict_of(self.ctx.model), "setup", "initial_weights", copies=count)
         for k in state["running"] if state else range(count):
-            phase = "train" if state else "setup"
-            group.start(k, k, self.ctx.spec, group.put(self.shards[k], phase, "data_shard"), self.cfg, self.storage,
-                        **({"until": state["step"]} if state else {"weights": weights_ref}))
+            self.start_node(k, "train" if state else "setup", until=state["step"] if state else None)
             self.records.setdefault(k, {"node": k, "joined_step": 0, "left_step": None, "left_how": None})
-        group.share_eval_sets(self.ctx.eval_sets(("test", "shift")))
+        group.share_eval_sets(self.ctx.eval_sets(val=False))
         group.ready()
+        if self.steps is None:  # node files: each node knows its own size
+            self.steps = total_steps(self.cfg.optim, min(group.call("examples", phase="setup", what="shard_sizes")))
+            Spsa.validate(self.cfg, self.steps)
         return state["step"] if state else 0
+
+    def start_node(self, k: int, phase: str, until: int | None) -> None:
+        """Node `k`: the initial weights, or (`until`) the checkpoint and log in storage, on top of
+        the initial weights under LoRA, whose checkpoint holds only what SPSA tunes. It reads its
+        own shard (of `slots`) where it runs: only the recipe crosses."""
+        if until is None or self.ctx.spec.lora is not None:
+            if self.weights_ref is None:
+                self.weights_ref = ray.put(state_dict_of(self.ctx.model))
+            self.ledger.send(phase, "initial_weights", self.ctx.model.state_dict())
+        recipe = self.group.put(self.ctx.data.train, phase, "data_recipe")
+        self.group.start(k, k, self.ctx.spec, self.ctx.data.task, recipe, self.slots, self.cfg, self.storage,
+                         weights=self.weights_ref if until is None or self.ctx.spec.lora is not None else None, until=until)
 
     def checkpoint(self, step: int) -> None:
         """θ at `step` (from the lowest running node) and the driver's counts, into storage."""
@@ -257,7 +276,7 @@ class SpsaRun:
                 log_size = ray.get(group[min(group.keys())].save_log.remote(self.ckpt_step))  # a node writes it, the joiner reads it
                 self.ledger.record("train", "join_log", log_size)
                 self.ledger.record("train", "join_checkpoint", self.ckpt_size)
-                group.start(k, k, self.ctx.spec, group.put(self.shards[k], "train", "data_shard"), self.cfg, self.storage, until=step)
+                self.start_node(k, "train", step)
                 self.records[k] = {"node": k, "joined_step": step, "left_step": None, "left_how": None,
                                    "joined_from_checkpoint_step": self.ckpt_step, "join_log_bytes": log_size}
                 self.verify(step)
@@ -310,6 +329,8 @@ class SpsaRun:
         group, steps, opts = self.group, self.steps, self.opts
         train_s = self.train_clock.elapsed()
         metrics = self.evaluate(steps)
+        if self.cfg.data.eval_on_nodes:  # identical replicas, each scored on its own held-out rows
+            metrics = mean_metrics(group.evaluate_all())
         hashes = dict(zip(group.keys(), ray.get([group[k].hash.remote() for k in group.keys()])))
         self.infos.update(zip(group.keys(), group.call("info", phase="final", what="node_info")))
         state = group.fetch.get([group[min(group.keys())].weights.remote()], "final", "model_weights")[0]
@@ -320,7 +341,7 @@ class SpsaRun:
         details = {
             "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
             "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "lr": opts.lr or self.cfg.optim.lr,
-            "eps": opts.eps, "shard_slots": len(self.shards), "verified": self.verified, "grad_bytes": total["payload"],
+            "eps": opts.eps, "shard_slots": self.slots, "verified": self.verified, "grad_bytes": total["payload"],
             "grad_wire_bytes": total["wire"], "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
             "payload_bytes_per_step": total["payload"] / steps, "wire_bytes_per_step": total["wire"] / steps,
             "control_wire_bytes_per_step": total["control"] / steps, "mean_step_s": total["wall"] / steps,

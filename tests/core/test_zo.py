@@ -110,6 +110,25 @@ def test_same_seed_same_z_and_one_stream_across_parameters(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_z_is_one_fresh_draw_per_chunk_of_each_parameter(kind):
+    """The stream's definition, whatever buffers the draws reuse: per CHUNK, in order, what
+    torch.randn would give, or the bits of freshly drawn int64 words."""
+    params = [("a", torch.zeros(3, 41)), ("b", torch.zeros(2 * zo.CHUNK + 77)), ("c", torch.zeros(5))]
+    gen = torch.Generator().manual_seed(9)
+    expected = []
+    for _, p in params:
+        for n in [min(zo.CHUNK, p.numel() - s) for s in range(0, p.numel(), zo.CHUNK)]:
+            if kind == "gaussian":
+                expected.append(torch.randn(n, generator=gen))
+            else:
+                words = torch.empty((n + 63) // 64, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+                bits = (words.view(torch.uint8).unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
+                expected.append(bits.view(-1)[:n].float() * 2 - 1)
+    z = torch.cat([t.view(-1) for t in zo.iter_z(params, 9, kind)])
+    assert torch.equal(z, torch.cat(expected))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_update_regenerates_the_same_z(kind):
     params = [("a", torch.zeros(3, 40)), ("c", torch.zeros(zo.CHUNK + 10))]
     zo.apply_update_(params, 77, -1.0, kind)  # θ = 0 − (−1)·z = z
@@ -134,12 +153,37 @@ def test_perturb_and_restore_is_bitwise_exact(kind, build):
 
 
 def test_arithmetic_restore_would_not_be_exact():
-    """Why a backup is kept: MeZO's +ε, −2ε, +ε walk changes float32 weights."""
+    """Why θ is parked rather than walked back: MeZO's +ε, −2ε, +ε walk changes float32 weights."""
     params = zo.trainable_parameters(Wide())
     before = bits(params)
     for alpha in (1e-3, -2e-3, 1e-3):
         zo.apply_update_(params, 3, -alpha, "gaussian")
     assert not all(torch.equal(a, b) for a, b in zip(before, bits(params)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forwards_see_theta_plus_then_minus_eps_z_and_theta_keeps_its_storage(kind):
+    """θ + εz exactly; θ − εz up to a rounding (θ + εz mirrored through θ, no second draw)."""
+    model = Wide()
+    params = zo.trainable_parameters(model)
+    theta = [p.detach().clone() for _, p in params]
+    storage = [p.data_ptr() for _, p in params]
+    seen = []
+
+    def loss(m, idx):
+        seen.append([p.detach().clone() for _, p in params])
+        return m(idx)
+
+    spare = [torch.empty_like(p) for _, p in params]
+    zo.spsa_losses(model, params, loss, torch.arange(8), [3, 4], eps=2e-3, kind=kind, spare=spare)
+    for i, seed in enumerate([3, 4]):
+        z = list(zo.iter_z(params, seed, kind))
+        plus, minus = seen[2 * i : 2 * i + 2]
+        assert all(torch.equal(g, torch.add(t, zz, alpha=2e-3)) for g, t, zz in zip(plus, theta, z))
+        assert all(torch.allclose(g, t - 2e-3 * zz, rtol=0, atol=1e-7 * (1 + t.abs().max()))
+                   for g, t, zz in zip(minus, theta, z))
+    assert [p.data_ptr() for _, p in params] == storage  # parked and swapped back, not copied
+    assert all(torch.equal(p, t) for (_, p), t in zip(params, theta))
 
 
 def test_restores_modes_and_weights_even_if_the_loss_fails():
@@ -262,6 +306,22 @@ def test_apply_step_matches_formula():
         zo.apply_step_(params, [], lr=0.05)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_pass_step_is_bitwise_one_pass_per_update(kind):
+    """apply_step_ applies every update chunk by chunk; the bits must be those of decay, then
+    one whole pass per update."""
+    fused, passes = zo.trainable_parameters(Wide()), zo.trainable_parameters(Wide())
+    updates = [(101, 0.7), (102, -1.3), (103, 0.2)]
+    zo.apply_step_(fused, updates, lr=0.05, weight_decay=0.1, kind=kind)
+    with torch.no_grad():
+        for (_, p), d in zip(passes, zo.decay_mask(passes)):
+            if d:
+                p.mul_(1 - 0.05 * 0.1)
+    for seed, g in updates:
+        zo.apply_update_(passes, seed, 0.05 * g / 3, kind)
+    assert zo.parameter_hash(fused) == zo.parameter_hash(passes)
+
+
 def run_nodes(nodes=2, samples=2, steps=6, codec=None, kind="rademacher", checkpoint_at=None):
     """Simulated run: each node estimates on its own shard, all apply the shared log."""
     codec = codec or zo.codec_for("log")
@@ -345,3 +405,21 @@ def test_spsa_reduces_loss_on_a_convex_problem(kind, codec_name):
         zo.apply_step_(params, decoded, lr=0.05, kind=kind)
     with torch.no_grad():
         assert float(mse(model, batch)) < 0.02 * start
+
+
+# ------------------------------------------------------------------------------ Replica
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replicas_exchanging_codes_match_the_reference_and_time_their_parts(kind):
+    """Two `Replica`s publishing and applying each other's codes end bit-identical to the
+    functions run by hand (`run_nodes`), and account each part of their steps."""
+    reps = [zo.Replica(mlp(), n, 42, zo.codec_for("log"), eps=1e-3, samples=2, **apply_step_cfg(kind)) for n in range(2)]
+    for _ in range(6):
+        payloads = [r.compute(mse, batch_for(seed=10 + r.node))[0] for r in reps]
+        for r in reps:
+            r.apply([0, 1], payloads[1 - r.node])
+    reference = run_nodes(kind=kind)[0][0]
+    assert {zo.parameter_hash(r.params) for r in reps} == {zo.parameter_hash(zo.trainable_parameters(reference))}
+    assert all(t > 0 for r in reps for t in r.times.values())
+    assert sorted(reps[0].times) == ["forward_minus_s", "forward_plus_s", "perturb_s", "replay_s"]

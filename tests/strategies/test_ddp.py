@@ -1,11 +1,20 @@
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
+import torch
+from ray.train import TrainingFailedError
+from safetensors.torch import load_file
 
 from raylowcomm.cli import main
 from raylowcomm.ledger import payload_nbytes
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
+from raylowcomm.storage import Storage
 from raylowcomm.strategies.ddp import Ddp
 from tests.strategies.test_lofi import tiny_config
 
@@ -13,7 +22,7 @@ from tests.strategies.test_lofi import tiny_config
 @pytest.mark.slow
 def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
     cfg = tiny_config()
-    cfg.strategies, cfg.eval_every = ["ddp"], 10
+    cfg.strategies, cfg.eval_every, cfg.checkpoint_every = ["ddp"], 10, 10  # few reports: see _restart_config
     ctx = prepare(cfg, tmp_path)
     rec = Ddp().run(ctx).to_dict()
     steps = rec["details"]["steps_per_worker"]
@@ -33,6 +42,27 @@ def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_session, tmp_path):
+    from raylowcomm.lora import trainable_nbytes
+    from raylowcomm.strategies import from_dict
+
+    cfg = from_dict({
+        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
+        "data": {"name": "rotten_tomatoes", "train_size": 64, "test_size": 16, "max_length": 24, "shift": "none"},
+        "optim": {"name": "adamw", "lr": 1e-3, "batch_size": 8, "epochs": 1}, "nodes": {"count": 2, "cpus": 1},
+        "strategies": ["ddp"], "log_every": 1000, "checkpoint_every": 100,
+    })
+    ctx = prepare(cfg, tmp_path)
+    rec = Ddp().run(ctx).to_dict()
+    steps, adapters = rec["details"]["steps_per_worker"], trainable_nbytes(ctx.model)
+    assert steps == 4 and adapters < 0.01 * payload_nbytes(state_dict_of(ctx.model))
+    assert [w["allreduce_bytes"] for w in rec["nodes"]] == [steps * adapters] * 2
+    assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == 2 * steps * adapters
+    assert rec["comm"]["by_kind"]["final/model_checkpoint"] == adapters
+    assert (tmp_path / "ddp" / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
 def test_run_command_writes_results_for_every_strategy(tmp_path, ray_session):
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps({
@@ -47,7 +77,98 @@ def test_run_command_writes_results_for_every_strategy(tmp_path, ray_session):
     for r in records:
         assert {"strategy", "metrics", "comm", "wall_s", "samples_per_s", "peak_rss_bytes"} <= r.keys()
         assert {"total_bytes", "by_phase"} <= r["comm"].keys()
-        assert (out / "state" / r["strategy"] / "model.safetensors").exists()
+        assert Path(r["weights"]).exists() and Path(r["weights"]).name == "model.safetensors"
     lofi, ddp = records
     assert lofi["comm"]["by_phase"]["train"] == 0 and ddp["comm"]["by_phase"]["train"] > 0
     assert len(lofi["nodes"]) == 2 and "id_accuracy" in lofi["nodes"][0]["metrics"]
+
+
+def _kill_after_first_checkpoint(storage: Path, rank: int, killed: dict, stop: threading.Event) -> None:
+    """SIGKILL DDP rank `rank`'s process once Ray Train has registered a checkpoint (its run
+    snapshot names the latest); each rank's checkpoint file names the process that wrote it."""
+    run = storage / "ddp" / "ray_train" / "ddp"
+    while not stop.is_set():
+        try:
+            latest = json.loads((run / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+            writer = Storage(run / latest["checkpoint_dir_name"]).load_tensors(f"rank{rank}.safetensors")[1]["writer"]
+        except Exception:  # none yet, or still being written
+            time.sleep(0.02)
+            continue
+        os.kill(writer["pid"], signal.SIGKILL)
+        killed.update(writer, checkpoint=latest["checkpoint_dir_name"], step=latest["metrics"]["step"])
+        return
+
+
+def _run_while_killing(ctx, rank: int = 1):
+    killed, stop = {}, threading.Event()
+    thread = threading.Thread(target=_kill_after_first_checkpoint, args=(Path(ctx.storage.uri), rank, killed, stop), daemon=True)
+    thread.start()
+    try:
+        return Ddp().run(ctx).to_dict(), killed
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _weights(rec) -> dict:
+    return load_file(rec["weights"])
+
+
+def _assert_same_run(rec, plain) -> None:
+    """Same steps, samples, curve metrics, final metrics, losses, lineage bytes and final weights."""
+    assert rec["details"]["steps_per_worker"] == plain["details"]["steps_per_worker"]
+    assert rec["samples_seen"] == plain["samples_seen"] and rec["metrics"] == plain["metrics"]
+    drop = ("wall_s", "bytes")
+    assert [{k: v for k, v in p.items() if k not in drop} for p in rec["curve"]] == [{k: v for k, v in p.items() if k not in drop} for p in plain["curve"]]
+    assert [p["bytes"] for p in rec["curve"][:-1]] == [p["bytes"] for p in plain["curve"][:-1]]
+    assert [n["mean_loss"] for n in rec["nodes"]] == [n["mean_loss"] for n in plain["nodes"]]
+    assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == plain["comm"]["by_kind"]["train/gradient_allreduce"]
+    mine, theirs = _weights(rec), _weights(plain)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)  # bit-exact on CPU gloo
+
+
+def _restart_config(max_restarts: int):
+    """32 steps per worker, evaluated and checkpointed every 8. Few reports: each waits until Ray
+    Train's controller has taken the one before (it polls every 2 s)."""
+    cfg = tiny_config()
+    cfg.strategies, cfg.eval_every, cfg.checkpoint_every, cfg.nodes.max_restarts = ["ddp"], 8, 8, max_restarts
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    return Ddp().run(prepare(_restart_config(2), tmp_path_factory.mktemp("plain"))).to_dict()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrupted(ray_session, uninterrupted, tmp_path):
+    rec, killed = _run_while_killing(prepare(_restart_config(2), tmp_path))
+    assert killed, "no checkpoint of rank 1 appeared"
+    details = rec["details"]
+    assert details["restarts"] == 1 and len(details["attempts"]) == 2, details
+    first, second = details["attempts"]
+    assert first["resumed_from"] == 0 and second["resumed_from"] >= killed["step"] >= 8 and second["step"] == 32
+    assert first["step"] >= second["resumed_from"] and second["resumed_from"] % 8 == 0
+    assert killed["pid"] not in {n["pid"] for n in rec["nodes"]}  # the group was started again
+    _assert_same_run(rec, uninterrupted)
+    # what the failure cost is in the ledger on top: the setup again, and steps all-reduced twice
+    extra = rec["comm"]["by_phase"]["train"] - uninterrupted["comm"]["by_phase"]["train"]
+    setup = rec["comm"]["by_phase"]["setup"]
+    assert rec["comm"]["by_kind"]["train/restart_setup_again"] == setup
+    assert extra == setup + rec["comm"]["by_kind"].get("train/gradient_allreduce_redone", 0)
+    assert rec["comm"]["by_kind"].get("train/gradient_allreduce_redone", 0) == 2 * details["allreduce_redone_bytes_per_rank_at_least"]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_failed_run_resumes_from_its_latest_checkpoint(ray_session, uninterrupted, tmp_path):
+    """No restarts allowed: the run fails; `run --resume` (ctx.resume) continues from its checkpoint."""
+    with pytest.raises(TrainingFailedError):
+        _run_while_killing(prepare(_restart_config(0), tmp_path))
+    rec = Ddp().run(prepare(_restart_config(0), tmp_path, resume=True)).to_dict()
+    attempts = rec["details"]["attempts"]
+    assert rec["details"]["restarts"] == 0 and len(attempts) == 2 and attempts[1]["resumed_from"] >= 8, attempts
+    _assert_same_run(rec, uninterrupted)
+    # a new run (no --resume) starts afresh, not from the old checkpoints
+    rec = Ddp().run(prepare(_restart_config(0), tmp_path)).to_dict()
+    assert [a["resumed_from"] for a in rec["details"]["attempts"]] == [0]

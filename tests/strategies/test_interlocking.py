@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.strategies import from_dict
 from raylowcomm.core.interlock import reference_gradients, resnet_aux_heads, split_timm_resnet
-from raylowcomm.data import Datasets
+from raylowcomm.catalog import TaskSpec
+from raylowcomm.data import PreparedData
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec
 from raylowcomm.runner import prepare
@@ -121,7 +122,7 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
 
     # Activation bytes are exactly (stage 0 output per micro-batch) x micro-batches x steps.
     probe = split_timm_resnet(copy.deepcopy(ctx.model), 2)[0]
-    x = ImageClassification(16).inputs(batch_at(ctx.data.train, 0, 8, cfg.seed))
+    x = ImageClassification(16).inputs(batch_at(ctx.data.train.load_all(), 0, 8, cfg.seed))
     h_bytes = probe(x).nbytes
     assert kinds["train/activations"] == steps * 2 * h_bytes
     assert kinds["train/targets"] == steps * 16 * 8
@@ -137,7 +138,7 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     model = copy.deepcopy(ctx.model)
     model.load_state_dict(load_file(rec["weights"]))
     assert not torch.equal(next(model.parameters()), next(ctx.model.parameters()))
-    acc = ImageClassification(16).evaluate(model, ctx.data.test, 256)["accuracy"]
+    acc = ImageClassification(16).evaluate(model, ctx.data.eval_sets["test"], 256)["accuracy"]
     assert acc == pytest.approx(rec["metrics"]["id_accuracy"], abs=1e-9)
     assert d["heads"]["test"]["head1_final"]["accuracy"] == rec["metrics"]["id_accuracy"]
 
@@ -148,6 +149,16 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     setup = rec["comm"]["by_phase"]["setup"]
     for p in curve[:-1]:  # by then: setup + that many batches' messages + the driver's reads of the stage reports
         assert setup + p["step"] * train_per_batch <= p["bytes"] <= setup + p["step"] * train_per_batch * 1.05
+
+
+class InMemory:
+    """Training rows already in memory, in place of data.TrainSource (a random-vocabulary model)."""
+
+    def __init__(self, split):
+        self.split = split
+
+    def load(self, node: int, count: int):
+        return self.split
 
 
 @pytest.mark.slow
@@ -162,8 +173,8 @@ def test_decoder_run_unties_embeddings(ray_session, tmp_path):
                      "strategies": ["interlocking"],
                      "interlocking": {"stages": 2, "n": 2, "rule": "sum", "micro_batches": 2}})
     g = torch.Generator().manual_seed(1)
-    data = Datasets(train={"input_ids": torch.randint(0, 64, (64, 12), generator=g)},
-                    test={"input_ids": torch.randint(0, 64, (16, 12), generator=g)})
+    train, test = ({"input_ids": torch.randint(0, 64, (n, 12), generator=g)} for n in (64, 16))
+    data = PreparedData({"test": test}, None, InMemory(train), TaskSpec("causal_lm"), None)
     ctx = RunContext(cfg, model, ModelSpec("hf_causal_lm", hf_config=config), data, tmp_path)
     rec = Interlocking().run(ctx).to_dict()
     d = rec["details"]
@@ -174,7 +185,7 @@ def test_decoder_run_unties_embeddings(ray_session, tmp_path):
     assert not torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
     untied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
     untied.load_state_dict(saved)
-    assert CausalLM().evaluate(untied, data.test, 256)["loss"] == pytest.approx(rec["metrics"]["id_loss"], rel=1e-5)
+    assert CausalLM().evaluate(untied, test, 256)["loss"] == pytest.approx(rec["metrics"]["id_loss"], rel=1e-5)
     assert d["heads"]["test"]["head0_aux"]["loss"] < 2 * rec["metrics"]["id_loss"]
 
 

@@ -38,7 +38,8 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
     state_bytes = payload_nbytes(state_dict_of(ctx.model))
     assert rec["comm"]["by_kind"]["setup/initial_weights"] == 2 * state_bytes
     assert rec["comm"]["by_kind"]["final/node_weights"] == 2 * state_bytes
-    assert rec["comm"]["by_kind"]["setup/data_shard"] == payload_nbytes(ctx.data.train)
+    assert rec["comm"]["by_kind"]["setup/data_recipe"] == 2 * payload_nbytes(ctx.data.train)  # how to read it, not the rows
+    assert not any("data_shard" in kind for kind in rec["comm"]["by_kind"]), "no training row crosses"
     assert len(rec["nodes"]) == 2 and all("id_accuracy" in n["metrics"] and "shift_accuracy" in n["metrics"] for n in rec["nodes"])
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()
     assert "average_without_bn_recalibration" in rec["details"]
@@ -124,3 +125,46 @@ def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     # the curve survives the restart: every point, scored from the same snapshots as the clean run's
     assert [p["step"] for p in rec["curve"]] == [16, 32, 48, 64, 80, 96]
     assert [p["id_accuracy"] for p in rec["curve"]] == [p["id_accuracy"] for p in clean["curve"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["delta", "factors"])
+def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_session, tmp_path, how):
+    """Real MiniLM with r=4 adapters on 2 nodes: only adapters and head cross; the saved model is
+    base + mean_k scale·B_k·A_k (delta) or base + scale·mean(B)·mean(A) (factors)."""
+    from raylowcomm.lora import AdapterAverage, lora_layers, trainable_nbytes
+
+    cfg = from_dict({
+        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
+        "data": {"name": "rotten_tomatoes", "train_size": 64, "test_size": 32, "max_length": 32, "shift": "none"},
+        "optim": {"name": "adamw", "lr": 1e-3, "batch_size": 8, "epochs": 1}, "nodes": {"count": 2, "cpus": 1},
+        "strategies": ["lofi"], "checkpoint_every": 4, "log_every": 1000, "lofi": {"lora_average": how},
+    })
+    ctx, rec = run_lofi(cfg, tmp_path)
+    kinds = rec["comm"]["by_kind"]
+    assert kinds["final/node_adapters"] == 2 * trainable_nbytes(ctx.model) < 0.03 * 2 * payload_nbytes(state_dict_of(ctx.model))
+    assert "final/node_weights" not in kinds
+    trainable = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
+    nodes = []
+    for k in range(2):
+        saved = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}.safetensors"))
+        nodes.append({name: saved[f"model.{name}"] for name in trainable})
+    assert any(not torch.equal(nodes[0][name], nodes[1][name]) for name in trainable), "the nodes trained apart"
+    expected = AdapterAverage(state_dict_of(ctx.model), lora_layers(ctx.model), how)(nodes)
+    got = load_file(rec["weights"])
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+    assert "id_accuracy" in rec["metrics"]
+
+
+def test_eval_on_nodes_scores_the_average_on_each_nodes_own_held_out_rows(ray_session, tmp_path):
+    cfg = tiny_config(bn_recalibrate=False)
+    cfg.data.eval_on_nodes, cfg.data.test_size, cfg.optim.epochs = True, 64, 1
+    ctx, rec = run_lofi(cfg, tmp_path)
+    assert "test" not in ctx.data.eval_sets, "the driver holds no test rows"
+    per_node = rec["details"]["average_on_nodes"]
+    assert len(per_node) == 2 and per_node[0] != per_node[1], "each node scored its own rows"
+    assert rec["metrics"]["id_accuracy"] == pytest.approx(sum(m["id_accuracy"] for m in per_node) / 2)
+    assert all("id_accuracy" in n["metrics"] for n in rec["nodes"]) and "shift_accuracy" in rec["metrics"]
+    assert rec["comm"]["by_kind"]["setup/eval_sets"] == 2 * payload_nbytes(ctx.data.eval_sets["shift/uci_digits"])

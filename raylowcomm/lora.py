@@ -1,0 +1,296 @@
+"""LoRA adapters (peft) for every strategy: wrapping a model, what a node sends, how the nodes'
+adapters are averaged, restarting adapters after an averaging round, saving. Plain torch: no Ray.
+
+Two forms of a state dict appear here. The PEFT model's names its frozen weights
+`base_model.model.<path>.base_layer.weight`, its adapters `<path>.lora_A.default.weight` and
+`<path>.lora_B.default.weight`, and a trainable head `<path>.modules_to_save.default.weight`
+(next to a frozen `original_module` copy). The plain model (the architecture without adapters,
+what merging gives) names the same weights `<path>.weight`; `plain_key` maps one to the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import peft
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from raylowcomm.config import ConfigError, LoraConfig, RunConfig
+from raylowcomm.models import ModelSpec, build_model, state_dict_of
+from raylowcomm.training import save_weights
+
+logger = logging.getLogger(__name__)
+
+ADAPTER = "default"
+"""The one adapter every model here carries (peft's default name)."""
+_PREFIX = "base_model.model."
+_ADAPTER_ONLY = re.compile(r"\.(lora_\w+|original_module)\.")
+_TASK_TYPE = {"hf_classifier": peft.TaskType.SEQ_CLS, "hf_causal_lm": peft.TaskType.CAUSAL_LM}
+
+State = dict[str, torch.Tensor]
+
+
+def validate_lora(cfg: RunConfig) -> None:
+    """`model.lora` and `model.merge`, before any model is loaded or actor started."""
+    model = cfg.model
+    if model.lora is None:
+        if model.merge:
+            raise ConfigError("model.merge", model.merge, "only applies to LoRA runs: set model.lora or remove model.merge")
+        return
+    lora = model.lora
+    if lora.r <= 0:
+        raise ConfigError("model.lora.r", lora.r, "must be > 0")
+    if lora.alpha <= 0:
+        raise ConfigError("model.lora.alpha", lora.alpha, "must be > 0")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = lora.target_modules
+    if targets is not None and (not targets or not all(t.strip() for t in targets)):
+        raise ConfigError("model.lora.target_modules", targets,
+                          "a non-empty list of module names, or null for peft's default for the architecture")
+
+
+# --- building ----------------------------------------------------------------------------------
+
+def _timm_targets(model: nn.Module, head: str) -> list[str]:
+    """peft knows no default for timm: every Linear and ungrouped Conv2d outside the head (grouped,
+    i.e. depthwise, convolutions cannot be merged by peft)."""
+    return [name for name, module in model.named_modules()
+            if not (name == head or name.startswith(head + "."))
+            and (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1))]
+
+
+def peft_config(cfg: LoraConfig, family: str, model: nn.Module) -> peft.LoraConfig:
+    """The peft config; the new head goes in `modules_to_save` (peft's task types do that for HF
+    classifiers) so it trains and is saved with the adapter."""
+    kwargs = {"r": cfg.r, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": cfg.target_modules}
+    if family in _TASK_TYPE:
+        kwargs["task_type"] = _TASK_TYPE[family]
+    else:
+        head = model.pretrained_cfg["classifier"]
+        kwargs["modules_to_save"] = [head]
+        if cfg.target_modules is None:
+            kwargs["target_modules"] = _timm_targets(model, head)
+    return peft.LoraConfig(**kwargs)
+
+
+def apply_lora(model: nn.Module, spec: ModelSpec, seed: int | None = None) -> nn.Module:
+    """`model` wrapped in the adapters `spec.lora` asks for: base frozen, adapters and head trainable.
+    With `seed` the adapters start from `init_adapters(seed)`; without, from the global RNG (a model
+    that then loads a state dict, as actors do)."""
+    try:
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question: not the user's concern
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, peft_config(spec.lora, spec.family, model))
+    except ValueError as err:  # peft: no default for this architecture, or a name that matches nothing
+        raise ConfigError("model.lora.target_modules", spec.lora.target_modules, str(err)) from None
+    if seed is not None:
+        init_adapters(wrapped, seed)
+    return wrapped
+
+
+def _lora_modules(model: nn.Module) -> list[tuple[str, LoraLayer]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Adapters as at a fresh start, from `seed` alone: A Kaiming-uniform (peft's init) drawn from a
+    private CPU generator in module order, so it depends on neither the global RNG nor the device;
+    B zero, so the adapted model computes exactly what its base does."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in _lora_modules(model):
+            a = layer.lora_A[ADAPTER].weight
+            fresh = torch.empty(a.shape, dtype=a.dtype)
+            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)
+            a.copy_(fresh)
+            layer.lora_B[ADAPTER].weight.zero_()
+
+
+# --- what a node has and sends -----------------------------------------------------------------
+
+def trainable_state(model: nn.Module) -> State:
+    """The tensors that train (adapters and head): what a node sends. CPU copies, contiguous, so
+    later steps do not change what was sent."""
+    return {name: p.detach().cpu().clone(memory_format=torch.contiguous_format)
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+def trainable_nbytes(model: nn.Module) -> int:
+    """Bytes of the parameters that train: what DDP all-reduces each step (it skips frozen ones)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class AdaptedLayer:
+    """One adapted layer: PEFT-form keys of its factors and frozen weight, the plain-form key of
+    that weight, and the scale (alpha / r) of its update scale·B·A."""
+
+    a: str
+    b: str
+    base: str
+    plain: str
+    scale: float
+    shape: tuple[int, ...]
+
+    def delta(self, state: State) -> torch.Tensor:
+        """scale·B·A from a node's tensors, in float64, shaped like the weight. For a convolution,
+        A is (r, in, kh, kw) and B (out, r, 1, 1): the same product over the flattened factors."""
+        b, a = state[self.b].double().flatten(1), state[self.a].double().flatten(1)
+        return (self.scale * (b @ a)).view(self.shape)
+
+
+def _check_mergeable(name: str, layer: LoraLayer) -> None:
+    base = layer.get_base_layer()
+    if ADAPTER in layer.lora_embedding_A or getattr(layer, "fan_in_fan_out", False) or getattr(base, "groups", 1) > 1:
+        raise NotImplementedError(f"{name}: only Linear and ungrouped Conv LoRA layers can be averaged exactly; "
+                                  f"leave embeddings, GPT-2 Conv1D and depthwise convolutions out of model.lora.target_modules")
+
+
+def lora_layers(model: nn.Module) -> list[AdaptedLayer]:
+    """Every adapted layer of a PEFT model, in module order."""
+    layers = []
+    for name, layer in _lora_modules(model):
+        _check_mergeable(name, layer)
+        base = f"{name}.base_layer.weight"
+        layers.append(AdaptedLayer(a=f"{name}.lora_A.{ADAPTER}.weight", b=f"{name}.lora_B.{ADAPTER}.weight", base=base,
+                                   plain=plain_key(base), scale=float(layer.scaling[ADAPTER]),
+                                   shape=tuple(layer.get_base_layer().weight.shape)))
+    return layers
+
+
+def plain_key(key: str) -> str | None:
+    """The plain model's name for a PEFT state-dict key; None for adapter factors and the frozen
+    copy of the original head. A plain key maps to itself."""
+    if _ADAPTER_ONLY.search(key):
+        return None
+    return key.removeprefix(_PREFIX).replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+
+
+# --- averaging ---------------------------------------------------------------------------------
+
+def _normalised(weights: Sequence[float] | None, n: int) -> list[float]:
+    w = [1.0] * n if weights is None else [float(x) for x in weights]
+    if n == 0 or len(w) != n or any(x <= 0 for x in w):
+        raise ValueError(f"need one weight > 0 per node state ({n} states), got {weights}")
+    return [x / sum(w) for x in w]
+
+
+def _mean(states: Sequence[State], w: list[float], key: str) -> torch.Tensor:
+    """Weighted mean of one tensor over the nodes, summed in float64 and rounded once."""
+    return sum(wk * s[key].double() for wk, s in zip(w, states)).to(states[0][key].dtype)
+
+
+def _check_same_keys(states: Sequence[State]) -> None:
+    for k, s in enumerate(states[1:], 1):
+        if s.keys() != states[0].keys():
+            raise ValueError(f"node state {k} differs from node state 0 in keys: {sorted(s.keys() ^ states[0].keys())[:5]}")
+
+
+def average_factors(node_states: Sequence[State], weights: Sequence[float] | None = None) -> State:
+    """FedAvg of the factors: mean A, mean B, mean head. NOT the average of what the nodes learned
+    (mean(B)·mean(A) ≠ mean(B·A)); kept to measure that gap. Its merged model is
+    `average_delta(base, [average_factors(states)], layers)`."""
+    w = _normalised(weights, len(node_states))
+    _check_same_keys(node_states)
+    return {key: _mean(node_states, w, key) for key in node_states[0]}
+
+
+def average_delta(base_state: State, node_states: Sequence[State], layers: Sequence[AdaptedLayer],
+                  weights: Sequence[float] | None = None) -> State:
+    """The exact lo-fi average of the nodes' models, as a plain (merged, adapter-free) state dict:
+    W = W0 + Σ_k w_k·scale·B_k·A_k per adapted layer (w_k normalised; uniform by default), the head
+    and any other trainable tensor averaged plainly, everything else W0. Exact because every node's
+    model is W0 + scale·B_k·A_k on the same frozen W0, so this equals averaging the full weights.
+
+    `base_state`: the nodes' common frozen weights, in PEFT form (the model's state dict) or plain
+    form (the previous round's average); only their non-adapter tensors are read. With one node
+    state this is that node's merged model."""
+    w = _normalised(weights, len(node_states))
+    _check_same_keys(node_states)
+    merged = {pk: v for k, v in base_state.items() if (pk := plain_key(k)) is not None}
+    factors = {key for layer in layers for key in (layer.a, layer.b)}
+    for key in node_states[0].keys() - factors:
+        merged[plain_key(key)] = _mean(node_states, w, key)
+    for layer in layers:
+        base = merged[layer.plain]
+        delta = sum(wk * layer.delta(s) for wk, s in zip(w, node_states))
+        merged[layer.plain] = (base.double() + delta).to(base.dtype)
+    return merged
+
+
+@dataclass
+class AdapterAverage:
+    """lo-fi's average of adapters on top of the nodes' common frozen `base`: `delta`, the exact
+    average of what they learned, or `factors`, FedAvg of A and B (for comparison). Returns the
+    plain merged state; after an averaging round it becomes the next round's base."""
+
+    base: State
+    layers: list[AdaptedLayer]
+    how: str = "delta"
+
+    def __call__(self, node_states: Sequence[State], weights: Sequence[float] | None = None) -> State:
+        if self.how == "factors":
+            return average_delta(self.base, [average_factors(node_states, weights)], self.layers)
+        return average_delta(self.base, node_states, self.layers, weights)
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def merge_and_reset(model: nn.Module, merged_state: State, seed: int) -> None:
+    """Start the next round from the exact average: the frozen base (and head) load `merged_state`
+    (`average_delta`'s output) and the adapters restart from `init_adapters(seed)`, B = 0, so the
+    PEFT model computes exactly the merged model. Every node must pass the same seed, so the replicas
+    stay identical; a new seed each round (e.g. derived from run seed and round) starts every round
+    in a fresh random subspace, as ReLoRA does, instead of re-learning in the same one. The
+    optimizer's state for the adapters no longer fits them: the caller resets it."""
+    wanted = {k: pk for k in model.state_dict() if (pk := plain_key(k)) is not None}
+    if set(wanted.values()) != merged_state.keys():
+        odd = sorted(set(wanted.values()) ^ merged_state.keys())[:5]
+        raise ValueError(f"merged state does not match the model's plain weights, e.g. {odd}")
+    model.load_state_dict({k: merged_state[pk] for k, pk in wanted.items()}, strict=False)
+    init_adapters(model, seed)
+
+
+# --- saving ------------------------------------------------------------------------------------
+
+def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str | Path, merge: bool) -> Path:
+    """Save a LoRA result. merge=False: the adapter and head as peft writes them
+    (adapter_model.safetensors + adapter_config.json: small, `PeftModel.from_pretrained` puts them
+    on the base). merge=True: the full merged model (`merge_and_unload`): a Hugging Face folder, or
+    model.safetensors for timm. Takes a PEFT model, its state dict, or a plain merged state
+    (`average_delta`'s output: merge only, since an average of adapters is no longer one rank-r
+    adapter)."""
+    state = state_dict_of(model_or_state) if isinstance(model_or_state, nn.Module) else model_or_state
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(k.startswith(_PREFIX) for k in state):
+        model = build_model(spec)
+        model.load_state_dict(state)
+        if not merge:
+            model.save_pretrained(str(out))
+            logger.info("saved the adapter to %s", out)
+            return out
+        plain = model.merge_and_unload()
+    elif merge:
+        plain = build_model(dataclasses.replace(spec, lora=None))
+        plain.load_state_dict(state)
+    else:
+        raise ValueError("an averaged (merged) state cannot be saved as an adapter: save it with merge=True (model.merge: true)")
+    if hasattr(plain, "save_pretrained"):
+        plain.save_pretrained(str(out))
+    else:
+        save_weights(out / "model.safetensors", state_dict_of(plain))
+    logger.info("saved the merged model to %s", out)
+    return out

@@ -1,0 +1,341 @@
+"""LoRA core (raylowcomm.lora) on the real MiniLM and SmolLM2: frozen base, what a node sends,
+the exact average of the nodes' adapters against an independent computation, rebuilding on an
+actor, averaging rounds, saving."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from raylowcomm import lora
+from raylowcomm.config import ConfigError, LoraConfig, ModelConfig, RunConfig, build_dataclass
+from raylowcomm.models import build_model, load_pretrained, state_dict_of
+
+A_SUFFIX, B_SUFFIX = ".lora_A.default.weight", ".lora_B.default.weight"
+SCALE = 16 / 8  # LoraConfig defaults: alpha / r
+
+
+def nbytes(state):
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small tensors on shared CPUs: one thread is several times faster than two fighting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    model, spec, _ = load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig()), 2, seed=0)
+    return model.eval(), spec
+
+
+def batch(seed, n=4, length=12):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30000, (n, length), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (n,), generator=gen)}
+
+
+def logits(model, seed=99):
+    inputs = {k: v for k, v in batch(seed).items() if k != "labels"}
+    with torch.no_grad():
+        return model.eval()(**inputs).logits
+
+
+def perturbed(state, seed, noise=0.05):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+def with_state(model, trainable):
+    """A copy of `model` (a node) holding these adapters and head."""
+    node = copy.deepcopy(model)
+    node.load_state_dict(trainable, strict=False)
+    return node
+
+
+@pytest.fixture(scope="module")
+def node_states(minilm):
+    """What 3 nodes send after learning something of their own: their adapters and head moved by
+    seeded noise, then 2 SGD steps on their own random tokens (one working copy, reloaded per node)."""
+    model, _ = minilm
+    start, work, states = lora.trainable_state(model), copy.deepcopy(model).train(), []
+    opt = torch.optim.SGD([p for p in work.parameters() if p.requires_grad], lr=0.1)
+    for node in range(3):
+        work.load_state_dict(perturbed(start, 1000 + node), strict=False)
+        for step in range(2):
+            work(**batch(100 * node + step)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        states.append(lora.trainable_state(work))
+    return states
+
+
+def manual_average(base, states, weights):
+    """base + Σ w_k·scale·B_k·A_k, heads averaged, in plain float32 torch, by key names alone."""
+    w = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    expected = {}
+    for key in (k for k in states[0] if k.endswith(A_SUFFIX)):
+        layer = key[: -len(A_SUFFIX)]
+        plain = layer.removeprefix("base_model.model.") + ".weight"
+        deltas = [SCALE * s[layer + B_SUFFIX] @ s[key] for s in states]
+        expected[plain] = base[layer + ".base_layer.weight"] + sum(float(wk) * d for wk, d in zip(w, deltas))
+    for key in (k for k in states[0] if ".modules_to_save.default." in k):
+        plain = key.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
+        expected[plain] = sum(float(wk) * s[key] for wk, s in zip(w, states))
+    return expected
+
+
+def stacked_adapter_model(spec, base, states, weights):
+    """The averaged model computed WITHOUT merging: one PEFT model whose rank-N·r adapter stacks the
+    nodes' factors (A = [A_1; …; A_N], B = [w_1·B_1 … w_N·B_N], same alpha/r), head averaged."""
+    n, cfg = len(states), spec.lora
+    wide = build_model(dataclasses.replace(spec, lora=dataclasses.replace(cfg, r=cfg.r * n, alpha=cfg.alpha * n)))
+    w = [x / sum(weights) for x in weights]
+    state = {k: v for k, v in base.items() if ".lora_" not in k}
+    for key in (k for k in states[0] if k.endswith(A_SUFFIX)):
+        layer = key[: -len(A_SUFFIX)]
+        state[key] = torch.cat([s[key] for s in states])
+        state[layer + B_SUFFIX] = torch.cat([wk * s[layer + B_SUFFIX] for wk, s in zip(w, states)], dim=1)
+    for key in (k for k in states[0] if ".modules_to_save.default." in k):
+        state[key] = sum(wk * s[key] for wk, s in zip(w, states))
+    wide.load_state_dict(state)
+    return wide
+
+
+def plain_model(spec, state):
+    model = build_model(dataclasses.replace(spec, lora=None))
+    model.load_state_dict(state)
+    return model
+
+
+def plain_keys(spec):
+    with torch.device("meta"):
+        return build_model(dataclasses.replace(spec, lora=None)).state_dict().keys()
+
+
+# --- frozen base, small payload, same start everywhere ------------------------------------------
+
+def test_base_frozen_adapters_and_head_trainable(minilm):
+    model, _ = minilm
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(A_SUFFIX in n or B_SUFFIX in n or ".modules_to_save.default." in n for n in trainable)
+    assert {"base_model.model.classifier.modules_to_save.default.weight", "base_model.model.classifier.modules_to_save.default.bias"} <= trainable
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert any(".base_layer." in n for n in frozen) and "base_model.model.bert.embeddings.word_embeddings.weight" in frozen
+    assert len(lora.lora_layers(model)) == 12  # query and value (peft's BERT default) in 6 layers
+    with model.disable_adapter():  # B = 0 at the start: the adapted model is exactly its base
+        base_logits = logits(model)
+    assert torch.equal(logits(model), base_logits)
+
+
+def test_trainable_state_is_small_and_counts_what_ddp_reduces(minilm):
+    model, _ = minilm
+    sent, full = lora.trainable_state(model), state_dict_of(model)
+    adapters = 12 * 8 * (384 + 384) * 4
+    head = (384 * 2 + 2) * 4
+    print(f"\nMiniLM r=8: full state {nbytes(full):,} B, LoRA state {nbytes(sent):,} B ({nbytes(sent) / nbytes(full):.2%})")
+    assert nbytes(sent) == lora.trainable_nbytes(model) == adapters + head
+    assert nbytes(sent) <= 0.03 * nbytes(full)
+    assert all(v.device.type == "cpu" and v.is_contiguous() for v in sent.values())
+    node = copy.deepcopy(model).train()
+    node(**batch(7)).loss.backward()  # only these gradients exist, so only these are all-reduced
+    assert sum(p.grad.numel() * p.grad.element_size() for p in node.parameters() if p.grad is not None) == adapters + head
+    before = lora.trainable_state(node)
+    name, param = next((n, p) for n, p in node.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        param.add_(1.0)
+    assert torch.equal(before[name], lora.trainable_state(model)[name])  # a copy: later steps do not change it
+
+
+def test_same_seed_same_start_and_actor_rebuild_is_exact(minilm, node_states):
+    model, spec = minilm
+    again, _, _ = load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig()), 2, seed=0)
+    other, _, _ = load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig()), 2, seed=1)
+    ours, theirs = lora.trainable_state(model), lora.trainable_state(again)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # head and A drawn from the seed
+    assert not torch.equal(ours[lora.lora_layers(model)[0].a], lora.trainable_state(other)[lora.lora_layers(model)[0].a])
+    trained = with_state(model, node_states[0])
+    rebuilt = build_model(spec)  # what an actor does with the spec and the shipped state dict
+    rebuilt.load_state_dict(state_dict_of(trained))
+    want, got = state_dict_of(trained), state_dict_of(rebuilt)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert any(".lora_B." in k and want[k].abs().sum() > 0 for k in want)  # adapters really trained
+    assert torch.equal(logits(trained), logits(rebuilt))
+    assert {n for n, p in rebuilt.named_parameters() if p.requires_grad} == {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+# --- averaging ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weights", [[1, 1], [1, 2, 3]])
+def test_average_delta_is_the_exact_average(minilm, node_states, weights):
+    model, spec = minilm
+    base, states, layers = state_dict_of(model), node_states[: len(weights)], lora.lora_layers(model)
+    merged = lora.average_delta(base, states, layers, weights)
+    assert merged.keys() == plain_keys(spec)
+    expected = manual_average(base, states, weights)
+    assert len(expected) == 12 + 2
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5)
+    moved = max((merged[layer.plain] - base[layer.base]).abs().max().item() for layer in layers)
+    assert moved > 1e-2  # the adapters changed the weights far more than the tolerance
+    untouched = "bert.encoder.layer.0.attention.self.key.weight"
+    assert torch.equal(merged[untouched], base["base_model.model." + untouched])
+    # the merged model computes what the nodes' averaged adapters compute unmerged
+    torch.testing.assert_close(logits(plain_model(spec, merged)), logits(stacked_adapter_model(spec, base, states, weights)),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_single_node_average_is_peft_merge(minilm, node_states):
+    model, _ = minilm
+    merged = lora.average_delta(state_dict_of(model), node_states[:1], lora.lora_layers(model))
+    reference = with_state(model, node_states[0]).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(merged[key], reference[key], atol=1e-6, rtol=1e-5)
+
+
+def test_factor_average_differs_unless_the_factors_agree(minilm, node_states):
+    model, _ = minilm
+    base, layers, states = state_dict_of(model), lora.lora_layers(model), node_states
+    exact = lora.average_delta(base, states, layers)
+    fedavg = lora.average_delta(base, [lora.average_factors(states)], layers)
+    for layer in layers:
+        change = (exact[layer.plain] - base[layer.base]).norm()
+        gap = (exact[layer.plain] - fedavg[layer.plain]).norm()
+        assert gap > 0.1 * change, layer.plain  # mean(B)·mean(A) ≠ mean(B·A)
+    head = "classifier.weight"
+    torch.testing.assert_close(exact[head], fedavg[head])  # heads are averaged plainly either way
+    same = [states[0]] * 3
+    agree_exact, agree_fedavg = lora.average_delta(base, same, layers), lora.average_delta(base, [lora.average_factors(same)], layers)
+    for key in agree_exact:
+        torch.testing.assert_close(agree_exact[key], agree_fedavg[key], atol=1e-6, rtol=1e-6)
+
+
+def test_averaging_rejects_mismatched_inputs(minilm):
+    model, _ = minilm
+    state = lora.trainable_state(model)
+    with pytest.raises(ValueError, match="weight"):
+        lora.average_factors([state, state], weights=[1.0])
+    with pytest.raises(ValueError, match="keys"):
+        lora.average_factors([state, {k: v for k, v in list(state.items())[1:]}])
+
+
+# --- rounds ------------------------------------------------------------------------------------
+
+def test_merge_and_reset_restarts_from_the_exact_average(minilm, node_states):
+    model, spec = minilm
+    base, layers = state_dict_of(model), lora.lora_layers(model)
+    merged = lora.average_delta(base, node_states[:2], layers)
+    nodes = [with_state(model, state) for state in node_states[:2]]
+    for node in nodes:
+        lora.merge_and_reset(node, merged, seed=7)
+    first, second = state_dict_of(nodes[0]), state_dict_of(nodes[1])
+    assert all(torch.equal(first[k], second[k]) for k in first)  # replicas identical again
+    assert all(not first[layer.b].any() for layer in layers)
+    assert all(torch.equal(first[layer.base], merged[layer.plain]) for layer in layers)
+    torch.testing.assert_close(logits(nodes[0]), logits(plain_model(spec, merged)), atol=1e-6, rtol=1e-6)
+    # round 2 averages from the plain merged base
+    states = [perturbed(lora.trainable_state(node), 10 + k) for k, node in enumerate(nodes)]
+    round2 = lora.average_delta(merged, states, layers)
+    torch.testing.assert_close(round2, {**merged, **manual_average(first, states, [1, 1])}, atol=1e-6, rtol=1e-5)
+    lora.merge_and_reset(nodes[1], merged, seed=8)  # another round's seed: other adapters
+    assert not torch.equal(state_dict_of(nodes[1])[layers[0].a], first[layers[0].a])
+    with pytest.raises(ValueError, match="merged state"):
+        lora.merge_and_reset(nodes[0], {k: v for k, v in list(merged.items())[1:]}, seed=7)
+
+
+# --- saving ------------------------------------------------------------------------------------
+
+def test_save_adapter_and_merged(minilm, node_states, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    model, spec = minilm
+    node = with_state(model, node_states[0])
+    adapter_dir = lora.save_lora(node, spec, tmp_path / "adapter", merge=False)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in adapter_dir.iterdir()}
+    assert (adapter_dir / "adapter_model.safetensors").stat().st_size < 0.03 * 90_000_000
+    reloaded = PeftModel.from_pretrained(plain_model(spec, lora.average_delta(state_dict_of(model), [lora.trainable_state(model)],
+                                                                             lora.lora_layers(model))), str(adapter_dir))
+    torch.testing.assert_close(logits(reloaded), logits(node), atol=1e-6, rtol=1e-6)
+    merged_dir = lora.save_lora(state_dict_of(node), spec, tmp_path / "merged", merge=True)
+    torch.testing.assert_close(logits(AutoModelForSequenceClassification.from_pretrained(str(merged_dir))), logits(node),
+                               atol=1e-5, rtol=1e-5)
+    average = lora.average_delta(state_dict_of(model), [lora.trainable_state(node), lora.trainable_state(model)], lora.lora_layers(model))
+    avg_dir = lora.save_lora(average, spec, tmp_path / "average", merge=True)
+    torch.testing.assert_close(logits(AutoModelForSequenceClassification.from_pretrained(str(avg_dir))), logits(plain_model(spec, average)))
+    with pytest.raises(ValueError, match="merge=True"):
+        lora.save_lora(average, spec, tmp_path / "nope", merge=False)
+
+
+# --- config ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("r", 0), ("alpha", -1.0), ("dropout", 1.0), ("target_modules", [])])
+def test_validate_lora_names_the_field(field, value):
+    cfg = RunConfig(model=ModelConfig(lora=dataclasses.replace(LoraConfig(), **{field: value})))
+    with pytest.raises(ConfigError) as err:
+        lora.validate_lora(cfg)
+    assert err.value.field_name == f"model.lora.{field}"
+
+
+def test_config_reads_lora_from_yaml_mapping():
+    cfg = build_dataclass(ModelConfig, {"family": "hf_classifier", "lora": {"r": 4, "target_modules": ["query"]}, "merge": True}, "model")
+    assert cfg.lora == LoraConfig(r=4, target_modules=["query"]) and cfg.merge
+    lora.validate_lora(RunConfig(model=cfg))
+    assert build_dataclass(ModelConfig, {"lora": {}}, "model").lora == LoraConfig()
+    with pytest.raises(ConfigError, match="model.lora"):  # the union hides which key: see the report
+        build_dataclass(ModelConfig, {"lora": {"rank": 4}}, "model")
+    with pytest.raises(ConfigError) as err:
+        lora.validate_lora(RunConfig(model=ModelConfig(merge=True)))
+    assert err.value.field_name == "model.merge"
+
+
+def test_unknown_target_module_is_a_config_error(minilm):
+    _, spec = minilm
+    with pytest.raises(ConfigError) as err:
+        build_model(dataclasses.replace(spec, lora=LoraConfig(target_modules=["no_such_layer"])))
+    assert err.value.field_name == "model.lora.target_modules"
+
+
+# --- other architectures -----------------------------------------------------------------------
+
+def test_smollm2_two_nodes_exact_and_small():
+    model, spec, _ = load_pretrained(ModelConfig(name="SmolLM2-135M", family="hf_causal_lm", lora=LoraConfig()), None, seed=0)
+    base, layers = state_dict_of(model), lora.lora_layers(model)
+    sent = lora.trainable_state(model)
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"\nSmolLM2-135M r=8: full state {nbytes(base):,} B ({unique:,} B without the tied copy), "
+          f"LoRA state {nbytes(sent):,} B ({nbytes(sent) / unique:.2%})")
+    assert nbytes(sent) == 30 * 8 * ((576 + 576) + (576 + 192)) * 4  # q_proj and v_proj (GQA: 192 outputs); no head
+    assert nbytes(sent) <= 0.03 * unique
+    states = [perturbed(sent, k) for k in range(2)]
+    merged = lora.average_delta(base, states, layers)
+    for key, value in manual_average(base, states, [1, 1]).items():
+        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5)
+    assert merged.keys() == plain_keys(spec)
+
+
+def test_timm_convolutions_merge_like_peft():
+    model, spec, _ = load_pretrained(ModelConfig(name="efficientnet_lite0", family="timm", lora=LoraConfig()), 10, seed=0)
+    layers = lora.lora_layers(model)
+    assert any(len(layer.shape) == 4 and layer.shape[2:] == (3, 3) for layer in layers)  # a 3×3 conv (conv_stem)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} >= {"base_model.model.classifier.modules_to_save.default.weight"}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    merged = lora.average_delta(state_dict_of(model), [lora.trainable_state(model)], layers)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(merged[key], reference[key], atol=1e-6, rtol=1e-5)
+    x = torch.randn(2, 3, 32, 32, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(plain_model(spec, merged).eval()(x), model.eval()(x), atol=1e-4, rtol=1e-4)
