@@ -113,14 +113,18 @@ def _exit_on_sigterm(signum, frame):
 def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down."""
     from raylowcomm.cluster import NamespaceCluster
-    from raylowcomm.runner import prepare
+    from raylowcomm.data import describe_data
+    from raylowcomm.models import model_source
 
     check_wan_prerequisites()
     for rate in rates:
         rate_bits(rate)
     cfg = wan_config(cfg)
-    prepare(cfg, out)  # bad input and missing assets fail here, before any namespace or cluster exists
+    describe_data(cfg)  # bad data and missing assets fail here, before any namespace or cluster exists,
+    model_source(cfg.model)  # without loading model and data twice: the run on the cluster loads them
+    out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
+    _write_config(cfg, config_path)
     meta = {"mode": "wan", "config": cfg.to_dict(), "runs": []}
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
     try:

@@ -27,6 +27,15 @@ class ModelSpec:
     """Wrap the architecture in these LoRA adapters (raylowcomm.lora)."""
 
 
+def model_source(cfg: ModelConfig) -> str:
+    """Where the model's weights come from (a bundled asset is materialised): a cheap check that
+    they exist, for callers that do not load the model themselves."""
+    source = _resolve(cfg)
+    if cfg.path is not None and not Path(source).exists():
+        raise ConfigError("model.path", cfg.path, "no such file or folder; point it at your local weights or remove it")
+    return source
+
+
 def _resolve(cfg: ModelConfig) -> str:
     if cfg.path:
         return cfg.path
