@@ -51,6 +51,7 @@ def check_resumable(cfg: RunConfig, out_dir: str | Path) -> None:
     if not saved.is_file():
         raise ConfigError("--resume", str(out_dir), "holds no run (no config.yaml): give the folder a run wrote")
     before, now = yaml.safe_load(saved.read_text()), yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    before.pop("out_dir", None), now.pop("out_dir", None)  # OUT itself, however the first run spelled it
     changed = sorted(_differences(before, now))
     if changed:
         raise ConfigError("--resume", str(out_dir), f"the run there had other settings ({', '.join(changed[:5])}): "

@@ -26,7 +26,6 @@ CONFIG = {
     "spsa": {"steps": 100, "lr": 1e-4},
 }
 
-pytestmark = pytest.mark.slow
 
 
 def _cli(*args: str) -> subprocess.Popen:
@@ -60,6 +59,7 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
@@ -90,3 +90,17 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
         clean, resumed = load_file(str(tmp_path / "clean" / "state" / name / "model.safetensors")), load_file(str(state / name / "model.safetensors"))
         assert clean.keys() == resumed.keys()
         assert all(torch.equal(clean[k], resumed[k]) for k in clean), f"{name}: resumed weights differ from the uninterrupted run's"
+
+
+def test_resuming_with_another_config_names_what_changed(tmp_path):
+    from raylowcomm.config import ConfigError
+    from raylowcomm.runner import check_resumable
+    from raylowcomm.strategies import from_dict
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(from_dict({**CONFIG, "out_dir": "elsewhere"}).to_dict()))
+    check_resumable(from_dict({**CONFIG, "out_dir": str(tmp_path)}), tmp_path)  # OUT may be spelled differently
+    changed = from_dict({**CONFIG, "optim": {**CONFIG["optim"], "lr": 0.1}})
+    with pytest.raises(ConfigError, match=r"other settings \(optim.lr\)"):
+        check_resumable(changed, tmp_path)
+    with pytest.raises(ConfigError, match="holds no run"):
+        check_resumable(changed, tmp_path / "empty")
