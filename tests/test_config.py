@@ -24,6 +24,7 @@ def test_defaults_and_overrides(tmp_path):
     ({"data": {"name": "cifar"}}, "data.name"),
     ({"model": {"family": "hf_classifier"}}, "model.family"),
     ({"lofi": {"soup": "greedy"}}, "lofi.soup"),
+    ({"lofi": {"soup": "greedy"}, "data": {"val_size": 50, "eval_on_nodes": True}}, "lofi.soup"),  # val rows stay on the nodes
     ({"lofi": {"average_every": 0}}, "lofi.average_every"),
     ({"model": {"path": "/no/such/weights"}}, "model.path"),
 ])

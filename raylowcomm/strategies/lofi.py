@@ -190,8 +190,9 @@ class Lofi:
         o = cfg.options["lofi"]
         if o.average_every is not None and o.average_every <= 0:
             raise ConfigError("lofi.average_every", o.average_every, "must be > 0, or null for one average at the end")
-        if o.soup == "greedy" and cfg.data.val_size == 0:
-            raise ConfigError("lofi.soup", o.soup, "a greedy soup needs a held-out split: set data.val_size > 0")
+        if o.soup == "greedy" and (cfg.data.val_size == 0 or cfg.data.eval_on_nodes):
+            raise ConfigError("lofi.soup", o.soup, "a greedy soup needs a held-out split on the driver: set data.val_size > 0 "
+                                                   "(not with data.eval_on_nodes)")
         if not 0 < o.outer_lr:
             raise ConfigError("lofi.outer_lr", o.outer_lr, "must be > 0")
         if not 0 <= o.outer_momentum < 1:
