@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from raylowcomm.cluster import NamespaceCluster
+from tests.test_resume import checkpoint_step
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {
@@ -88,16 +89,6 @@ def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
     assert used == set(nodes), f"actors ran on {used}, cluster nodes {nodes}"
 
 
-def _checkpoint_step(path: Path) -> int:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            return json.loads(f.metadata()["raylowcomm"])["step"]
-    except Exception:  # not written yet, or being replaced
-        return -1
-
-
 @pytest.mark.heavy
 def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     """Each host has its own scratch (TMPDIR); only `storage` is shared. A GPU run is placed on the
@@ -134,7 +125,7 @@ def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     driver = cluster.start_on(0, ["raylowcomm", "run", str(tmp_path / "lofi.yaml"), "--out", str(tmp_path / "lost")])
     checkpoints = [storage / "lofi" / "checkpoints" / f"node{k}.safetensors" for k in range(2)]
     deadline = time.time() + 300
-    while min(_checkpoint_step(p) for p in checkpoints) < 8:
+    while min(checkpoint_step(p) for p in checkpoints) < 8:
         assert driver.poll() is None and time.time() < deadline, driver.stdout.read()[-3000:]
         time.sleep(0.05)
     cluster.kill_host(1)

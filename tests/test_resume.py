@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors import safe_open
 from safetensors.torch import load_file
+
+from raylowcomm.storage import Storage
 
 CONFIG = {
     "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
@@ -34,11 +35,11 @@ def _cli(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _step(path: Path) -> int:
+def checkpoint_step(path: Path) -> int:
+    """The step of a node checkpoint (training.save_checkpoint's metadata), -1 until it exists."""
     try:
-        with safe_open(str(path), "pt") as f:
-            return json.loads(f.metadata()["raylowcomm"])["step"]
-    except Exception:  # not written yet, or being replaced
+        return Storage(path.parent).load_tensors(path.name)[1]["step"]
+    except FileNotFoundError:  # not written yet (writes are atomic: never half a file)
         return -1
 
 
@@ -69,7 +70,7 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
 
     # killed in lo-fi's second averaging round, after a checkpoint past the first average
     first = _cli(str(config), "--out", str(out))
-    _kill_when(first, lambda: min(_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32)
+    _kill_when(first, lambda: min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32)
     assert not (out / "results.json").exists()
 
     # resumed: lo-fi finishes from its checkpoints; killed again in SPSA past a checkpoint
