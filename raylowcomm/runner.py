@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,7 +16,7 @@ from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.env import set_hub_defaults
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.models import image_preprocessing, load_pretrained
-from raylowcomm.progress import ProgressView
+from raylowcomm.progress import LiveProgress, ProgressView
 from raylowcomm.runtime import init_ray
 from raylowcomm.storage import Storage
 from raylowcomm.strategies import STRATEGIES
@@ -88,8 +89,9 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     timings["ray_start_s"] = round(time.perf_counter() - t0, 3)
     check_cluster_fits(cfg)
     records: list[dict] = []
-    view = ProgressView(bar)
-    with TensorBoardLog(out) as board:
+    view, lock = ProgressView(bar), threading.Lock()
+    with TensorBoardLog(out) as board, LiveProgress() as live:
+        ctx.live = live
         for name in cfg.strategies:
             if name in done:
                 logger.info("=== %s: finished before, kept ===", name)
@@ -99,14 +101,18 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
             started = time.time()
 
             def report(metrics: dict, name: str = name) -> None:
-                board.progress(name, metrics)
-                view.update(name, metrics)
-                if progress is not None:
-                    progress(name, metrics)
+                with lock:  # the strategy's thread and the live view's
+                    board.progress(name, metrics)
+                    view.update(name, metrics)
+                    if progress is not None:
+                        progress(name, metrics)
 
             ctx.report = report
+            live.follow(report)
             try:
-                records.append(STRATEGIES[name]().run(ctx).to_dict())
+                record = STRATEGIES[name]().run(ctx).to_dict()
+                record["details"].update(live.details())
+                records.append(record)
             except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
                 logger.exception("%s failed; its actors were released", name)
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err  # an actor's own exception

@@ -73,9 +73,10 @@ def autocast(precision: str, device: str = "cpu"):
 
 def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, batch_size: int, seed: int,
                 log=None, log_every: int = 0, on_step=None, before_step=None, clock: TrainClock | None = None,
-                precision: str = "fp32", device: str = "cpu") -> dict:
+                precision: str = "fp32", device: str = "cpu", progress=None) -> dict:
     """Steps [start, stop): per-step seeding makes dropout identical on a resumed run. `train_s`
-    is `clock`'s time, so what `on_step` does inside `clock.paused()` is not counted."""
+    is `clock`'s time, so what `on_step` does inside `clock.paused()` is not counted.
+    `progress(step, loss, last)` (a progress.ProgressPoster) sees every step's loss."""
     model.train()
     losses, clock = [], clock or TrainClock()
     for step in range(start, stop):
@@ -91,6 +92,8 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
         losses.append(loss.item())
         if log and log_every and ((step + 1) % log_every == 0 or step + 1 == stop):
             log(f"step {step + 1}/{stop} loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}")
+        if progress is not None:
+            progress(step + 1, losses[-1], last=step + 1 == stop)
         if on_step is not None:
             on_step(step + 1)
     return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": clock.elapsed(),

@@ -17,6 +17,7 @@ Sweep file (see tune_configs/):
       optim.lr: {loguniform: [1.0e-3, 1.0e-1]}  # also: choice: [...], uniform: [lo, hi]
     metric: id_accuracy
     mode: max
+    columns: [shift_accuracy, total_bytes]     # optional: more reported metrics in the table
     num_samples: 1                             # repeats of the grid; samples of random spaces
     max_concurrent: null                       # null: as many trials as the cluster fits
     asha: {metric: train_loss, mode: min, grace_period: 1, max_t: 100}   # optional
@@ -66,6 +67,9 @@ class SweepConfig:
     metric: str
     mode: Literal["min", "max"]
     set: dict[str, Any] = field(default_factory=dict)
+    columns: list[str] = field(default_factory=list)
+    """More reported metrics shown beside `metric` in the table and summary.json (e.g. both
+    strategies' accuracies when a trial runs lofi and ddp)."""
     num_samples: int = 1
     max_concurrent: int | None = None
     asha: AshaConfig | None = None
@@ -172,7 +176,8 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         samples[key] = values
 
     prefixes = [f"{s}/" for s in cfg.strategies] if len(cfg.strategies) > 1 else [""]
-    for where, metric in [("metric", spec.metric)] + ([("asha.metric", spec.asha.metric)] if spec.asha else []):
+    named = [("metric", spec.metric)] + [(f"columns[{i}]", c) for i, c in enumerate(spec.columns)]
+    for where, metric in named + ([("asha.metric", spec.asha.metric)] if spec.asha else []):
         if not any(metric.startswith(p) for p in prefixes):
             raise SweepError(f"sweep file {path}: {where} = {metric!r}: with several strategies, name the strategy, "
                              f"e.g. {prefixes[0]}{metric}")
@@ -286,6 +291,7 @@ def run_sweep(sweep: Sweep, storage_path: str | None = None) -> dict:
         status = "error" if result.error else ("done" if spec.metric in metrics else "stopped early")
         trials.append({"trial": metrics.get("trial_id") or Path(result.path).name,
                        "values": {k: result.config[k] for k in spec.space}, "metric": metrics.get(spec.metric),
+                       "columns": {c: metrics.get(c) for c in spec.columns},
                        "status": status, "iterations": metrics.get("training_iteration"),
                        "error": str(result.error).splitlines()[0] if result.error else None, "path": result.path})
     scored = [t for t in trials if t["metric"] is not None]
@@ -312,12 +318,17 @@ def _show(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _number(value) -> str:
+    return "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
+
+
 def format_trials(spec: SweepConfig, trials: list[dict]) -> str:
     keys = list(spec.space)
-    rows = [[*(_show(t["values"][k]) for k in keys), "-" if t["metric"] is None else f"{t['metric']:.4f}",
+    rows = [[*(_show(t["values"][k]) for k in keys), _number(t["metric"]),
+             *(_number(t.get("columns", {}).get(c)) for c in spec.columns),
              t["status"] + (f": {t['error'][:60]}" if t["error"] else ""), str(t["iterations"] or "-")]
             for t in sorted(trials, key=lambda t: [_show(t["values"][k]) for k in keys])]
-    cols = [*keys, spec.metric, "status", "reports"]
+    cols = [*keys, spec.metric, *spec.columns, "status", "reports"]
     widths = [max(len(x) for x in col) for col in zip(cols, *rows)]
     return "\n" + "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in [cols] + rows)
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from raylowcomm.strategies import from_dict
-from raylowcomm.tune import SweepError, load_sweep, run_sweep, trial_bundles
+from raylowcomm.tune import SweepError, format_trials, load_sweep, run_sweep, trial_bundles
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {
@@ -43,6 +43,8 @@ def write_sweep(tmp_path: Path, **changes) -> Path:
     ({"mode": "maximum"}, "'mode'"),
     ({"set": {"strategies": ["lofi", "ddp"]}}, "e.g. lofi/id_accuracy"),
     ({"set": {"nodes.placement": "STRICT"}}, "nodes.placement"),
+    ({"set": {"strategies": ["lofi", "ddp"]}, "metric": "lofi/id_accuracy", "columns": ["shift_accuracy"]},
+     "columns[0] = 'shift_accuracy'"),
 ])
 def test_bad_sweep_files_fail_before_ray(tmp_path, changes, message):
     with pytest.raises(SweepError) as err:
@@ -53,7 +55,16 @@ def test_bad_sweep_files_fail_before_ray(tmp_path, changes, message):
 @pytest.mark.parametrize("path", sorted((REPO / "tune_configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_sweeps_validate(path):
     sweep = load_sweep(path)
-    assert sweep.samples and len(sweep.cfg.strategies) == 1
+    assert sweep.samples and sweep.cfg.strategies
+
+
+def test_the_table_shows_the_listed_columns_beside_the_metric(tmp_path):
+    spec = load_sweep(write_sweep(tmp_path, set={"strategies": ["lofi", "ddp"]}, metric="lofi/id_accuracy",
+                                  columns=["ddp/id_accuracy"])).spec
+    trial = {"values": {"optim.lr": 0.1}, "metric": 0.75, "columns": {"ddp/id_accuracy": 0.8125}, "status": "done",
+             "error": None, "iterations": 3}
+    header, row = format_trials(spec, [trial]).split()[:4], format_trials(spec, [trial]).splitlines()[2].split()
+    assert header == ["optim.lr", "lofi/id_accuracy", "ddp/id_accuracy", "status"] and row[:3] == ["0.1", "0.7500", "0.8125"]
 
 
 def test_trial_reserves_one_bundle_per_actor():

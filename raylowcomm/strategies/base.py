@@ -13,6 +13,7 @@ from raylowcomm.config import RunConfig
 from raylowcomm.data import PreparedData, Split
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec, state_dict_of
+from raylowcomm.progress import NoLiveProgress
 from raylowcomm.storage import Storage
 from raylowcomm.training import TrainClock, dedupe_shared
 
@@ -41,6 +42,10 @@ class RunContext:
     """Strategies call it with flat numeric progress metrics at each step, round or eval, e.g.
     {"step": 10, "train_loss": 0.3}; a sweep forwards them to Tune (ASHA stops trials on them)
     and reports the record's final metrics itself."""
+    live: Any = field(default_factory=NoLiveProgress)
+    """Where workers post their step and loss while they train (a progress.LiveProgress in a run,
+    so the driver's view moves between calls): strategies hand `live.poster(k)` to worker k and
+    call `live.expect(workers, steps)`; elsewhere (a sweep, tests) it gives no poster."""
 
     def eval_sets(self, val: bool = True) -> dict[str, Split]:
         """The sets the driver holds: test, shift/<name>, and (unless `val` is False) val."""

@@ -183,9 +183,12 @@ def _train_worker(config: dict) -> None:
                 _note_attempt(config["storage"], start, now, step)
             _report(metrics, step, rank, node, optimizer, None if step % every else now, curve)
 
+    progress = config["progress"]
+    if progress is not None:
+        progress.worker, progress.steps = rank, steps
     train_steps(wrapped, tally, optimizer, shard, start, steps, cfg.optim.batch_size, node_seed(cfg.seed, rank),
                 log=node.log if rank == 0 else None, log_every=cfg.log_every, on_step=on_step, clock=clock,
-                precision=cfg.optim.precision, device=node.device)
+                precision=cfg.optim.precision, device=node.device, progress=progress)
     done = tally.at(clock)
     mine = {"rank": rank, "examples": num_examples(shard), "allreduce_bytes": done["allreduce_bytes"], "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size,
             "train_s": done["train_s"], "resumed_from": start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None}
@@ -282,10 +285,11 @@ class Ddp:
         for split in eval_sets.values():  # rank 0 scores the curve and the final model
             ledger.send("setup", "eval_sets", split)
         logger.info("[ddp] %d workers x %s steps, %s", n, steps or "(their shards')", backend)
+        ctx.live.expect(n, steps)
         earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
         trainer = self._trainer(ctx, backend, {
             "cfg": cfg, "spec": ctx.spec, "task": ctx.data.task, "weights": ray.put(initial), "steps": steps, "storage": ctx.storage,
-            "data": ctx.data.train, "eval_sets": ray.put(eval_sets)})
+            "data": ctx.data.train, "eval_sets": ray.put(eval_sets), "progress": ctx.live.poster()})
         before = set(ray.util.placement_group_table())
         try:
             result = trainer.fit()

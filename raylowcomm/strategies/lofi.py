@@ -61,8 +61,9 @@ class LofiNode(Node):
 
     label = "lofi node"
 
-    def __init__(self, node: int, spec, task, weights: dict, data: TrainSource, cfg: RunConfig, storage: Storage):
+    def __init__(self, node: int, spec, task, weights: dict, data: TrainSource, cfg: RunConfig, storage: Storage, progress=None):
         super().__init__(node, cfg, spec, task)
+        self.progress = progress  # a progress.ProgressPoster where the driver watches live
         self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
         self.hold_out(data, cfg.nodes.count)
         self.seed, self.storage = node_seed(cfg.seed, node), storage
@@ -98,7 +99,7 @@ class LofiNode(Node):
 
         stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
                             self.seed, log=self.log, log_every=self.cfg.log_every, on_step=on_step, clock=clock,
-                            precision=self.cfg.optim.precision, device=self.device)
+                            precision=self.cfg.optim.precision, device=self.device, progress=self.progress)
         self.step, restored, self.restored_from = until, self.restored_from, None
         return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
 
@@ -216,9 +217,10 @@ class Lofi:
             group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
             recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)  # how to read the data, not the data
             for k in range(n):
-                group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage)
+                group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage, ctx.live.poster(k))
             group.ready()
             plan = plan_rounds(cfg, opts, ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes"))
+            ctx.live.expect(n, plan.steps)
             if ctx.spec.lora is not None:
                 from raylowcomm.lora import AdapterAverage, lora_layers
 
