@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = prepare(cfg, out.parent / (out.stem + "_runs"))
     stage_costs = None
     if args.balance == "measured":
-        x = ImageClassification(32).inputs(batch_at(ctx.data.train, 0, args.batch_size // args.micro_batches, cfg.seed))
+        x = ImageClassification(32).inputs(batch_at(ctx.data.eval_sets["test"], 0, args.batch_size // args.micro_batches, cfg.seed))
         costs = measure_balance(ctx.model, "timm", x, ctx.spec.num_classes, raw["interlocking"]["aux_widths"], cpus=1)
         sizes = balanced_sizes(costs.units, args.stages, costs.boundaries)
         ends = [sum(sizes[: k + 1]) for k in range(args.stages)]

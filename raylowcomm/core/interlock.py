@@ -752,7 +752,8 @@ class Source:
     input, labels as targets) or "tokens" (input_ids are inputs and targets)."""
 
     kind: Literal["image", "tokens"]
-    train: dict[str, Tensor]
+    train: dict[str, Tensor] | None
+    """None until stage 0 reads it on its own host."""
     eval_sets: dict[str, dict[str, Tensor]]
     batch_size: int
     seed: int

@@ -22,13 +22,13 @@ from raylowcomm import catalog
 from raylowcomm.config import ConfigError, OptimConfig, RunConfig
 from raylowcomm.core.interlock import (LOSS_OF_FAMILY, LOSSES, InterlockStage, Source, StageWorker, aux_heads, map_tensors,
                                        measure_balance, message_plan, split_model, units_per_stage, untie_lm_head)
-from raylowcomm.data import Split, num_examples
+from raylowcomm.data import Split, TrainSource, num_examples
 from raylowcomm.actors import DriverFetches, NodeGroup, process_info, start_process
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
 from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, make_task, metric_names
-from raylowcomm.training import TrainClock, make_optimizer, total_steps
+from raylowcomm.training import TrainClock, batch_at, make_optimizer, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,11 @@ class StageActor:
         self.device, self.worker = start_process(cpus, gpus), None
 
     def load(self, index: int, num_stages: int, n: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
-             micro_batches: int, source: Source | None = None) -> None:
-        """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is reusable."""
+             micro_batches: int, source: Source | None = None, recipe: TrainSource | None = None) -> None:
+        """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is
+        reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host."""
+        if recipe is not None:
+            source.train = recipe.load(0, 1)
         module, head = (m.to(self.device) if m is not None else None for m in payload)
         stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
                                lambda params: make_optimizer(optim, params), micro_batches)
@@ -224,16 +227,17 @@ class Interlocking:
         torch.manual_seed(cfg.seed)
         K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
-        task = ctx.data.task  # one stream of batches from one source: stage 0 gets the training rows
-        source = Source("image" if family == "timm" else "tokens", ctx.data.train.load(0, 1), ctx.eval_sets(), cfg.optim.batch_size,
+        task = ctx.data.task  # one stream of batches from one source: stage 0 reads the training rows
+        source = Source("image" if family == "timm" else "tokens", None, ctx.eval_sets(), cfg.optim.batch_size,
                         cfg.seed, task.image_size, cfg.optim.eval_batch_size, task.mean, task.std)
-        x = make_task(task).inputs(source.micro_batch(0, 0, opts.micro_batches))
+        # The split is timed on a micro-batch of the test set: the driver holds no training row.
+        x = make_task(task).inputs(batch_at(ctx.data.eval_sets["test"], 0, cfg.optim.batch_size // opts.micro_batches, cfg.seed))
         measure = opts.balance == "measured" and opts.split is None
         balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus) if measure else opts.balance
         modules = split_model(model, family, K, balance, opts.split)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
         with NodeGroup(StageActor, cfg, Ledger()) as group, group.stop_on_death("interlocking stage", "each stage holds layers no other has"):
-            self._load(group, modules, heads, source, cfg, family)
+            self._load(group, modules, heads, source, ctx.data.train, cfg, family)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)
             per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.optim.eval_batch_size,
                                                    group.fetch, LOSS_OF_FAMILY[family])
@@ -260,22 +264,24 @@ class Interlocking:
                              samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos, weights=state_dict_of(model),
                              curve=curve, nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)], details=details)
 
-    def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, cfg: RunConfig, family: str) -> None:
-        """One stage actor per module, its aux head beside it; stage 0 also gets the data."""
+    def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, recipe: TrainSource, cfg: RunConfig,
+              family: str) -> None:
+        """One stage actor per module, its aux head beside it; stage 0 also gets the evaluation sets
+        and how to read the training data (not the data)."""
         opts, K, loaded = cfg.options["interlocking"], len(modules), []
-        for what, data in (("train_data", source.train), ("eval_data", source.eval_sets)):  # stage 0's
+        for what, data in (("data_recipe", recipe), ("eval_data", source.eval_sets)):  # stage 0's
             group.ledger.send("setup", what, data)
         for k in range(K):
             ref = group.put((modules[k], heads[k] if k < K - 1 else None), "setup", "stage_modules")
             actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
             loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ref, LOSS_OF_FAMILY[family], cfg.optim,
-                                            opts.micro_batches, source if k == 0 else None))
+                                            opts.micro_batches, *((source, recipe) if k == 0 else ())))
         ray.get(loaded)
 
     def _train(self, ctx: RunContext, group: NodeGroup, source: Source) -> tuple[dict, list, list, list]:
         cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
         K, actors, ledger = opts.stages, group.handles(), group.ledger
-        steps = total_steps(cfg.optim, num_examples(source.train))
+        steps = total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
         logger.info("[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s", K, opts.n, opts.rule, steps,
                     opts.micro_batches, f", budget {opts.time_budget_s}s" if opts.time_budget_s else "")
         stage_losses, busy, curve = [[] for _ in range(K)], [0.0] * K, []

@@ -14,7 +14,7 @@ from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.strategies import from_dict
 from raylowcomm.core.interlock import reference_gradients, resnet_aux_heads, split_timm_resnet
 from raylowcomm.catalog import TaskSpec
-from raylowcomm.data import PreparedData
+from raylowcomm.data import PreparedData, num_examples
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import ModelSpec
 from raylowcomm.runner import prepare
@@ -159,6 +159,9 @@ class InMemory:
 
     def load(self, node: int, count: int):
         return self.split
+
+    def sizes(self, count: int) -> list[int]:
+        return [num_examples(self.split)]
 
 
 @pytest.mark.slow
