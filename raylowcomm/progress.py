@@ -92,8 +92,9 @@ class ProgressPoster:
 class LiveProgress:
     """The driver's side, for a whole run: one board, and a thread that turns the workers' latest
     posts into the followed strategy's `report` each second, once every worker has posted (step:
-    the slowest worker's; loss: the workers' mean). Posts are monitoring, not a strategy's communication: their count and
-    bytes go to the record's details, outside its ledger (as Ray's own heartbeats are)."""
+    the slowest worker's; loss: the workers' mean). Posts are monitoring, not a strategy's
+    communication: their count and bytes go to the record's details, outside its ledger (as Ray's
+    own heartbeats are)."""
 
     def __init__(self, every_s: float = 1.0, post_every_s: float = 2.0):
         self.every_s, self.post_every_s, self.report, self._seen = every_s, post_every_s, None, None
