@@ -22,7 +22,7 @@ import torch
 
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo import parameter_hash
-from raylowcomm.ledger import Ledger
+from raylowcomm.ledger import Ledger, payload_nbytes
 from raylowcomm.models import ModelSpec, build_model, state_dict_of
 from raylowcomm.runtime import actor_options, device_for, setup_threads
 from raylowcomm.catalog import TaskSpec
@@ -106,7 +106,10 @@ class Node:
     def score_weights(self, state: dict, sets: list, val: bool = False) -> dict:
         """A model the driver put together (an average, a soup: plain weights, adapters merged) scored
         here, where the device is: no model is scored on the driver. In a scratch model, so the
-        node's own stays as it is; `val`: the held-out set too (a greedy soup's choice)."""
+        node's own stays as it is; `val`: the held-out set too (a greedy soup's choice). Under LoRA
+        `state` may be the nodes' adapters (lora.NodeAdapters), merged here on this node's base."""
+        if hasattr(state, "merged_on"):
+            state = state.merged_on(self.model)
         if self._scratch is None:
             self._scratch = build_model(dataclasses.replace(self.spec, lora=None)).to(self.device)
         self._scratch.load_state_dict(state)
@@ -310,7 +313,11 @@ class NodeGroup:
         node, each on its own held-out rows: data.eval_on_nodes); the weights sent are booked in
         `ledger` (the group's, or a scratch one for measurement)."""
         keys = self.keys() if on_all else self.keys()[:1]
-        (ledger or self.ledger).send(phase, "weights_to_score", state, copies=len(keys))
+        adapters = getattr(state, "states", None)  # lora.NodeAdapters: the factors cross, not a merged model
+        if adapters:
+            (ledger or self.ledger).record(phase, "adapters_to_score", sum(payload_nbytes(a) for a in adapters), copies=len(keys))
+        else:
+            (ledger or self.ledger).send(phase, "weights_to_score", state, copies=len(keys))
         for k in keys:
             self._book_eval_sets(k, "setup")
         ref = ray.put(state)

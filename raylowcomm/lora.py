@@ -244,6 +244,21 @@ class AdapterAverage:
         return average_delta(self.base, node_states, self.layers, weights)
 
 
+@dataclass
+class NodeAdapters:
+    """Every node's adapters and head with their weights: what crosses for the lo-fi average to be
+    merged where it is scored, on the frozen base that node already holds (the same on every node),
+    instead of a merged model of the full size."""
+
+    states: list[State]
+    weights: list[float]
+    how: str = "delta"
+
+    def merged_on(self, model: nn.Module) -> State:
+        base = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return AdapterAverage(base, lora_layers(model), self.how)(self.states, self.weights)
+
+
 def is_lora(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 

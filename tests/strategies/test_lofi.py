@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import time
 
@@ -9,9 +10,10 @@ from safetensors.torch import load_file
 from raylowcomm.strategies import from_dict
 from raylowcomm.core.averaging import average_state_dicts
 from raylowcomm.ledger import payload_nbytes
-from raylowcomm.models import state_dict_of
+from raylowcomm.models import build_model, state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.strategies.lofi import Lofi
+from raylowcomm.tasks import make_task, score_sets
 
 
 def tiny_config(**lofi):
@@ -155,7 +157,14 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     assert got.keys() == expected.keys()
     for name in got:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
-    assert "id_accuracy" in rec["metrics"]
+    # Node 0 merged the average itself, on its own base, from the adapters: no merged model crossed,
+    # and what it scored is the saved model.
+    assert "final/weights_to_score" not in kinds
+    assert kinds["final/adapters_to_score"] == kinds["final/node_adapters"]
+    plain = build_model(dataclasses.replace(ctx.spec, lora=None))
+    plain.load_state_dict(got)
+    scored = score_sets(make_task(ctx.data.task), plain, ctx.eval_sets(val=False), cfg.optim.eval_batch_size)
+    assert scored["id_accuracy"] == rec["metrics"]["id_accuracy"] and scored["id_loss"] == pytest.approx(rec["metrics"]["id_loss"], rel=1e-6)
 
 
 def test_eval_on_nodes_scores_the_average_on_each_nodes_own_held_out_rows(ray_session, tmp_path):
