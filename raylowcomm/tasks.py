@@ -109,10 +109,11 @@ class PromptClassification(ImageClassification):
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         ids, mask = (t.to(self.device) for t in trim_padding(batch["input_ids"], batch["attention_mask"]))
-        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: the adapted LM
+        hidden = lm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
         # right padding: the prompt ends at the last attended position of each row
         last = hidden[torch.arange(len(ids), device=hidden.device), mask.sum(1) - 1]
-        head = model.get_output_embeddings()
+        head = lm.get_output_embeddings()
         choices = batch["choice_ids"].to(self.device)
         logits = torch.einsum("bh,bch->bc", last, head.weight[choices])
         return logits + head.bias[choices] if head.bias is not None else logits

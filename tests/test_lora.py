@@ -11,6 +11,7 @@ import torch
 from raylowcomm import lora
 from raylowcomm.config import ConfigError, LoraConfig, ModelConfig, RunConfig, build_dataclass
 from raylowcomm.models import build_model, load_pretrained, state_dict_of
+from raylowcomm.tasks import PromptClassification
 
 A_SUFFIX, B_SUFFIX = ".lora_A.default.weight", ".lora_B.default.weight"
 SCALE = 16 / 8  # LoraConfig defaults: alpha / r
@@ -319,6 +320,17 @@ def test_smollm2_two_nodes_exact_and_small():
     for key, value in manual_average(base, states, [1, 1]).items():
         torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5)
     assert merged.keys() == plain_keys(spec)
+
+    # The prompt task reads the adapted LM's hidden states and label-word rows: at B = 0 it scores
+    # what the plain model scores, and its loss trains the adapters only.
+    plain, _, _ = load_pretrained(ModelConfig(name="SmolLM2-135M", family="hf_causal_lm"), None, seed=0)
+    task, g = PromptClassification(), torch.Generator().manual_seed(0)
+    prompts = {"input_ids": torch.randint(1, 1000, (2, 8), generator=g), "attention_mask": torch.ones(2, 8, dtype=torch.long),
+               "choice_ids": torch.tensor([[7, 9], [7, 9]]), "labels": torch.tensor([0, 1])}
+    torch.testing.assert_close(task.forward(model, prompts), task.forward(plain, prompts), rtol=1e-5, atol=1e-5)
+    task.loss(model, prompts).backward()
+    grads = {k for k, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and grads <= {k for k, p in model.named_parameters() if p.requires_grad} and all("lora_" in k for k in grads)
 
 
 def test_timm_convolutions_merge_like_peft():
