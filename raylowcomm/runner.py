@@ -93,9 +93,10 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     with TensorBoardLog(out) as board, LiveProgress() as live:
         ctx.live = live
         for name in cfg.strategies:
-            if name in done:
+            if name in done:  # kept, and written again below even when no strategy after it runs
                 logger.info("=== %s: finished before, kept ===", name)
                 records.append(done[name])
+                _write_records(out, ctx, records)
                 continue
             logger.info("=== %s ===", name)
             started = time.time()
@@ -120,14 +121,19 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
             view.close()
             board.record(records[-1])
             timings[name] = strategy_timing(records[-1])
-            (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
-            ctx.storage.write_json("results.json", records)
+            _write_records(out, ctx, records)
             (out / "timings.json").write_text(json.dumps(timings, indent=2))
     logger.info("%s", format_table(records))
     logger.info("time: %s", ", ".join(f"{k} {v}" if not isinstance(v, dict) else f"{k} {v['wall_s']:.1f} s "
                                        f"(training {v.get('train_s') or 0:.1f} s)" for k, v in timings.items()))
     logger.info("results: %s; curves: tensorboard --logdir %s", out / "results.json", out / "tensorboard")
     return records
+
+
+def _write_records(out: Path, ctx: RunContext, records: list[dict]) -> None:
+    """results.json in OUT and in storage, rewritten after every strategy, kept ones included."""
+    (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
+    ctx.storage.write_json("results.json", records)
 
 
 def check_cluster_fits(cfg: RunConfig) -> None:

@@ -105,3 +105,22 @@ def test_resuming_with_another_config_names_what_changed(tmp_path):
         check_resumable(changed, tmp_path)
     with pytest.raises(ConfigError, match="holds no run"):
         check_resumable(changed, tmp_path / "empty")
+
+
+@pytest.mark.slow
+def test_a_kept_strategy_after_the_last_one_run_stays_in_the_results(ray_session, tmp_path):
+    """Resuming a run whose first strategy failed reruns it and keeps the finished second one in
+    results.json, although no strategy runs after it (it was lost when the kept one came last)."""
+    from raylowcomm.runner import run
+    from raylowcomm.strategies import from_dict
+
+    cfg = from_dict({**CONFIG, "optim": {**CONFIG["optim"], "epochs": 1}, "spsa": {"steps": 4, "lr": 1e-4},
+                     "lofi": {"bn_recalibrate": False}})
+    first = run(cfg, tmp_path, bar=False)
+    failed = [{"strategy": "lofi", "error": "RuntimeError: the node died", "wall_s": 1.0}, first[1]]
+    (tmp_path / "results.json").write_text(json.dumps(failed))
+    again = run(cfg, tmp_path, bar=False, resume=True)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert [r["strategy"] for r in written] == ["lofi", "spsa"] and "error" not in written[0]
+    assert written[1] == json.loads(json.dumps(first[1], default=str)) and written == json.loads(json.dumps(again, default=str))
+    assert written[0]["metrics"] == first[0]["metrics"], "the rerun lo-fi is the first run's"
