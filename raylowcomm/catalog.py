@@ -35,7 +35,6 @@ class DatasetInfo:
     """The `datasets` builder that reads the asset's file."""
     columns: dict[str, str]
     """Roles (text, text_pair, image, label) -> the file's column names."""
-    num_classes: int | None = None
     shift: dict[str, ShiftPreset] = field(default_factory=dict)
     """Real distribution-shift sets scored as shift/<name>_* (data.shift: auto)."""
     template: str | None = None
@@ -46,9 +45,9 @@ _DIGITS = {"image": "pixels", "label": "label"}
 _REVIEWS = {"text": "text", "label": "label"}
 
 DATASETS = {d.name: d for d in (
-    DatasetInfo("mnist", "image", "mnist", "csv", _DIGITS, num_classes=10,
+    DatasetInfo("mnist", "image", "mnist", "csv", _DIGITS,
                 shift={"uci_digits": ShiftPreset("uci_digits", "csv", _DIGITS)}),
-    DatasetInfo("rotten_tomatoes", "labelled_text", "rotten_tomatoes", "csv", _REVIEWS, num_classes=2,
+    DatasetInfo("rotten_tomatoes", "labelled_text", "rotten_tomatoes", "csv", _REVIEWS,
                 shift={"amazon_reviews": ShiftPreset("amazon_reviews", "csv", _REVIEWS)},
                 template=PROMPT_TEMPLATE, label_words=LABEL_WORDS),
     DatasetInfo("hamlet", "text", "hamlet", "text", {"text": "text"}),
@@ -82,10 +81,6 @@ class TaskSpec:
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
 
 
-def dataset(name: str) -> DatasetInfo:
-    return DATASETS[name]
-
-
 def task_of(family: str, kind: Kind) -> str | None:
     """The task a `family` model trains on data of `kind`, None when they do not fit."""
     return TASKS.get((family, kind))
@@ -105,7 +100,3 @@ def task_name(family: str, data: str) -> str | None:
     """The task a `family` model trains on the preset `data`, None when they do not fit."""
     return task_of(family, DATASETS[data].kind)
 
-
-def num_classes(family: str, data: str) -> int | None:
-    """Classes of a new classifier head on the preset `data`, or None where the task keeps the model's own head."""
-    return DATASETS[data].num_classes if task_name(family, data) in NEW_HEAD_TASKS else None

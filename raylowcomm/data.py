@@ -117,6 +117,8 @@ class SourceSpec:
                 raise ConfigError(self.files_name, self.files, f"{pattern!r} matches no file; check the path")
         if self.source and self.source.startswith(("/", ".", "~")) and not Path(self.source).expanduser().exists():
             raise ConfigError(f"{self.field}.source", self.source, "no such folder; check the path")
+        if self.source is None and self.files is None and self.asset is None:
+            raise ConfigError(f"{self.field}.source", None, "give this set's source or files")
         if self.files is None and self.asset is None and not self._local_dir() and _is_builder(self.source):
             raise ConfigError(self.files_name, None, f"the {self.source!r} builder reads files: give them")
 
@@ -487,7 +489,7 @@ def _shifts(data: DataConfig, preset, pool: SourceSpec | None, columns: dict[str
         entries = {n: (SourceSpec(p.source, field=f"data.shift.{n}", asset=p.asset), p.columns)
                    for n, p in (preset.shift if preset is not None else {}).items() if _available(p.asset)}
     else:
-        inherit = pool.source if pool is not None and _is_builder(pool.source) else None
+        inherit = pool.source if pool is not None else None  # a builder, a folder or a hub id
         entries = {n: (_user_spec(s.source or inherit, s.files, s.split, f"data.shift.{n}"), s.columns) for n, s in data.shift.items()}
     out = {}
     for name, (spec, given) in entries.items():
@@ -708,26 +710,3 @@ def prepare_data(cfg: RunConfig, tokenizer=None, image_cfg: dict | None = None, 
     logger.info("data %s: %s, %s", plan.name, plan.task, ", ".join(f"{k} {num_examples(v)}" for k, v in sets.items()) or "no driver-side sets")
     return PreparedData(sets, list(plan.classes) if plan.classes else None, train, task, plan)
 
-
-@dataclass
-class Datasets:
-    """Transitional: everything on the caller, as runner.prepare used it before nodes loaded their
-    own data; remove with `load_datasets` once the runner uses `prepare_data`."""
-
-    train: Split
-    test: Split
-    val: Split | None = None
-    shift: Split | None = None
-    shift_name: str | None = None
-
-
-def load_datasets(cfg: DataConfig, tokenizer=None, prompt: bool = False) -> Datasets:
-    """Transitional (see Datasets): a preset's splits through `prepare_data`, training rows included."""
-    from raylowcomm.config import ModelConfig
-
-    kind = catalog.declared_kind(cfg.name, cfg.source, cfg.columns) or "labelled_text"
-    family = {"image": "timm", "text": "hf_causal_lm"}.get(kind) or ("hf_causal_lm" if prompt else "hf_classifier")
-    prepared = prepare_data(RunConfig(data=cfg, model=ModelConfig(family=family)), tokenizer)
-    shifts = [(k.split("/", 1)[1], v) for k, v in prepared.eval_sets.items() if k.startswith("shift/")]
-    shift_name, shift = shifts[0] if shifts else (None, None)
-    return Datasets(prepared.train.load_all(), prepared.eval_sets["test"], prepared.eval_sets.get("val"), shift, shift_name)
