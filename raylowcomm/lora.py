@@ -259,10 +259,6 @@ class NodeAdapters:
         return AdapterAverage(base, lora_layers(model), self.how)(self.states, self.weights)
 
 
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def merge_and_reset(model: nn.Module, merged_state: State, seed: int) -> None:
     """Start the next round from the exact average: the frozen base (and head) load `merged_state`
     (`average_delta`'s output) and the adapters restart from `init_adapters(seed)`, B = 0, so the

@@ -20,16 +20,16 @@ class ProgressView:
 
     def update(self, strategy: str, metrics: dict) -> None:
         step, total = metrics.get("step"), metrics.get("steps")
-        if step is None or (strategy == self.name and step <= self.step):  # workers' posts and the strategy's own
-            return                                                          # reports may arrive out of order
+        if step is None or (strategy == self.name and step < self.step):  # workers' posts and the strategy's own
+            return                                                         # reports may arrive out of order
         if strategy != self.name:
             self.close()
-            self.name, self.logged = strategy, -1
+            self.name, self.logged, self.step = strategy, -1, -1
             if self.use_bar:
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=total, desc=strategy, unit="step", dynamic_ncols=True, file=sys.stderr)
-        self.step = step
+        again, self.step = step == self.step, step  # a step already shown: its bytes on the bar, not a second line
         parts = {}
         if "train_loss" in metrics:
             parts["loss"] = f"{metrics['train_loss']:.4f}"
@@ -39,7 +39,7 @@ class ProgressView:
             self.bar.total = total or self.bar.total
             self.bar.set_postfix(parts, refresh=False)
             self.bar.update(step - self.bar.n)
-        elif total is None or step == total or step * 10 // total > self.logged:
+        elif not again and (total is None or step == total or step * 10 // total > self.logged):
             self.logged = step * 10 // total if total else step
             logger.info("[%s] step %s%s %s", strategy, step, f"/{total}" if total else "",
                         " ".join(f"{k} {v}" for k, v in parts.items()))
@@ -98,7 +98,7 @@ class LiveProgress:
 
     def __init__(self, every_s: float = 1.0, post_every_s: float = 2.0):
         self.every_s, self.post_every_s, self.report, self._seen = every_s, post_every_s, None, None
-        self.steps, self.workers = None, 1
+        self.steps, self.workers, self._failed = None, 1, False
         self._lock = threading.Lock()
 
     def __enter__(self) -> LiveProgress:
@@ -146,16 +146,18 @@ class LiveProgress:
 
         while not self._stop.wait(self.every_s):
             with self._lock:
-                try:
+                try:  # the view must never stop a run: a failed read or report is said once, and the run goes on
                     latest, _, _ = ray.get(self.board.read.remote(), timeout=10)
-                except Exception:  # the view must never stop a run; the strategy's own reports go on
-                    continue
-                if len(latest) < self.workers or self.report is None or tuple(latest.items()) == self._seen:
-                    continue
-                self._seen = tuple(latest.items())
-                steps = self.steps or max((s for _, s, _ in latest.values() if s), default=None)
-                self.report({"step": min(step for step, _, _ in latest.values()), **({"steps": steps} if steps else {}),
-                             "train_loss": sum(loss for _, _, loss in latest.values()) / len(latest)})
+                    if len(latest) < self.workers or self.report is None or tuple(latest.items()) == self._seen:
+                        continue
+                    self._seen = tuple(latest.items())
+                    steps = self.steps or max((s for _, s, _ in latest.values() if s), default=None)
+                    self.report({"step": min(step for step, _, _ in latest.values()), **({"steps": steps} if steps else {}),
+                                 "train_loss": sum(loss for _, _, loss in latest.values()) / len(latest)})
+                except Exception as err:
+                    if not self._failed:
+                        logger.warning("live progress: %s: %s (the strategies' own reports go on)", type(err).__name__, err)
+                    self._failed = True
 
 
 class NoLiveProgress:

@@ -118,7 +118,8 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
                 logger.exception("%s failed; its actors were released", name)
                 cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err  # an actor's own exception
                 records.append({"strategy": name, "error": f"{type(cause).__name__}: {cause}", "wall_s": round(time.time() - started, 3)})
-            view.close()
+            with lock:
+                view.close()
             board.record(records[-1])
             timings[name] = strategy_timing(records[-1])
             _write_records(out, ctx, records)

@@ -137,13 +137,14 @@ def _note_attempt(storage: Storage, start: int, counts: dict, step: int, new: bo
     storage.write_json(ATTEMPTS, attempts)
 
 
-def _common_steps(cfg: RunConfig, examples: int) -> int:
-    """Steps every rank takes when each reads its own files (data.node_files): the smallest shard's."""
+def _common_steps(cfg: RunConfig, examples: int, device: str) -> int:
+    """Steps every rank takes when each reads its own files (data.node_files): the smallest shard's
+    (on the rank's device: nccl reduces GPU tensors only)."""
     import torch.distributed as dist
 
-    smallest = torch.tensor(examples)
+    smallest = torch.tensor(examples, device=device)
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return total_steps(cfg.optim, int(smallest))
+    return total_steps(cfg.optim, int(smallest.item()))
 
 
 def _train_worker(config: dict) -> None:
@@ -159,7 +160,7 @@ def _train_worker(config: dict) -> None:
     node.label = "ddp rank"
     shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
     node.hold_out(config["data"], world)
-    steps = config["steps"] or _common_steps(cfg, num_examples(shard))
+    steps = config["steps"] or _common_steps(cfg, num_examples(shard), node.device)
     optimizer = make_optimizer(cfg.optim, node.model)
     start, curve, tally = _restore(rank, node, optimizer)
     # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.

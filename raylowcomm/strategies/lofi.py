@@ -300,6 +300,7 @@ class Lofi:
         collect_clock = TrainClock()
         if opts.soup == "greedy":
             average, soup_kept = self._greedy_soup(group, metric, node_metrics)
+            to_score = average
         elif plan.adapters is not None:
             from raylowcomm.lora import NodeAdapters
 
@@ -308,7 +309,7 @@ class Lofi:
             average, soup_kept = plan.adapters(to_score.states, to_score.weights), list(range(n))
         else:
             average = average_nodes(group, plan.weights, "final")
-            soup_kept = list(range(n))
+            to_score, soup_kept = average, list(range(n))
         collect_s = collect_clock.elapsed()
         if outer is not None:
             average = outer.step(average)
@@ -322,8 +323,7 @@ class Lofi:
             ref = group.put(average, "final", "averaged_weights_for_bn", copies=n)
             average.update(combine_bn_statistics(group.call("bn_statistics", ref, opts.bn_batches, phase="final", what="bn_statistics")))
             collect_s += bn_clock.elapsed()
-        if plan.adapters is None or "average_without_bn_recalibration" in details:
-            to_score = average
+            to_score = average  # recalibrated statistics: the merged model itself
         per_node = group.score_weights(to_score, "final", on_all)  # scored where the device is, not on the driver
         metrics = mean_metrics(per_node)
         if on_all:  # the test rows are the nodes': each scored the average on its own
