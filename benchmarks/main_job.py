@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> dict:
     for label, seconds in rows:
         print(f"  {label:42s} {seconds:7.1f} s")
     for r in records:
+        parts = timings[r["strategy"]].get("phases_s") or {}
+        print(f"  {r['strategy']} parts: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
+    for r in records:
         m, c = r["metrics"], r["comm"]["by_phase"]
         print(f"  {r['strategy']:12s} id_accuracy {m.get('id_accuracy', float('nan')):.4f}  "
               f"bytes setup/train/final {c['setup'] / 1e6:,.1f} / {c['train'] / 1e6:,.1f} / {c['final'] / 1e6:,.1f} MB")

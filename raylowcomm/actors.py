@@ -101,7 +101,7 @@ class Node:
         sets are fetched once, by the first evaluation, and kept."""
         if self.eval_sets is None:
             self.eval_sets = ray.get(sets[0]) if isinstance(sets[0], ray.ObjectRef) else sets[0]
-        return score_sets(self.task, self.model, {**self.eval_sets, **self.own_sets}, self.cfg.optim.eval_batch_size)
+        return score_sets(self.task, self.model, {**self.eval_sets, **self.own_sets}, self.cfg.eval_rows)
 
     def score_weights(self, state: dict, sets: list, val: bool = False) -> dict:
         """A model the driver put together (an average, a soup: plain weights, adapters merged) scored
@@ -116,7 +116,7 @@ class Node:
         if self.eval_sets is None:
             self.eval_sets = ray.get(sets[0])
         chosen = {k: v for k, v in {**self.eval_sets, **self.own_sets}.items() if val or k != "val"}
-        return score_sets(self.task, self._scratch, chosen, self.cfg.optim.eval_batch_size)
+        return score_sets(self.task, self._scratch, chosen, self.cfg.eval_rows)
 
     def hold_out(self, data, count: int) -> None:
         """With data.eval_on_nodes, keep this node's own held-out rows (read here) as its test set."""

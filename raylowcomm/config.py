@@ -140,7 +140,13 @@ class OptimConfig:
     epochs: int = 1
     max_steps: int | None = None
     """Stop each node after this many steps (None: `epochs` full passes over its shard)."""
-    eval_batch_size: int = 256
+    group_by_length: bool = False
+    """Text: batch rows of similar length together (data.length_grouped_order), so a batch cut to
+    its longest row carries little padding; lo-fi, DDP and SPSA. Batches stay random in content;
+    their lengths come in groups of 8 batches."""
+    eval_batch_size: int | None = None
+    """Rows per evaluation batch; None: 32 on CPU, where a small batch's activations stay in
+    cache (MiniLM scores 1,000 reviews in 5.3 s at 16-32 rows, 10.5 s at 256), 256 on GPUs."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: forward and backward under torch.autocast(bfloat16); weights, optimizer state and
     SPSA's updates stay fp32. SPSA replicas stay bit-identical either way (every replica applies
@@ -197,6 +203,13 @@ class RunConfig:
     @property
     def restarts(self) -> int:
         return 2 if self.nodes.max_restarts is None else self.nodes.max_restarts
+
+    @property
+    def eval_rows(self) -> int:
+        """optim.eval_batch_size, or its default for the nodes' device."""
+        if self.optim.eval_batch_size is not None:
+            return self.optim.eval_batch_size
+        return 256 if self.nodes.gpus > 0 else 32
 
     @property
     def checkpoint_steps(self) -> int:
@@ -406,6 +419,8 @@ def validate(cfg: RunConfig) -> None:
     if kind is not None and catalog.task_of(cfg.model.family, kind) is None:
         raise ConfigError("model.family", cfg.model.family,
                           f"data '{cfg.data.name}' is {kind.replace('_', ' ')}: use {' or '.join(catalog.FAMILIES_FOR_KIND[kind])}")
+    if cfg.optim.group_by_length and cfg.model.family == "timm":
+        raise ConfigError("optim.group_by_length", True, "groups text rows by length; images are all one size: remove it")
     if cfg.model.path is not None and not Path(cfg.model.path).exists():
         raise ConfigError("model.path", cfg.model.path, "no such file or folder; point it at your local weights or remove it")
     if cfg.data.path is not None and not Path(cfg.data.path).exists():

@@ -24,7 +24,7 @@ import torch
 from raylowcomm import assets, catalog
 from raylowcomm.catalog import Kind, TaskSpec
 from raylowcomm.config import ConfigError, DataConfig, RunConfig
-from raylowcomm.seeding import epoch_seed
+from raylowcomm.seeding import epoch_seed, group_order_seed
 
 logger = logging.getLogger("raylowcomm")
 
@@ -51,6 +51,30 @@ def batch_order(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Te
     """The batches of one epoch (full batches only), a pure function of (seed, epoch)."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
     return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+
+
+GROUP_BATCHES = 8
+"""optim.group_by_length sorts each run of 8 batches' rows by length: on the MiniLM main job a
+step's real tokens go from 55% of its trimmed batch to 88% (86% for DDP, whose ranks wait for
+the longest batch), where whole-epoch sorting would reach 98% but order the epoch by length."""
+
+
+def length_grouped_order(lengths: torch.Tensor, batch_size: int, seed: int, epoch: int, group_seed: int) -> list[torch.Tensor]:
+    """The batches of one epoch with rows of similar length together: the epoch's shuffled rows
+    (as `batch_order`) are cut into groups of GROUP_BATCHES batches, each group sorted by length
+    and cut into batches, which the group then takes in an order drawn from `group_seed`. Nodes
+    share `group_seed`, so at each step every DDP rank takes a batch of the same length rank in
+    its group (similar lengths: no rank waits long for another's longer batch)."""
+    n = len(lengths)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
+    span, batches = GROUP_BATCHES * batch_size, []
+    for group, start in enumerate(range(0, n, span)):
+        rows = perm[start : start + span]
+        rows = rows[: len(rows) // batch_size * batch_size]
+        chunks = rows[lengths[rows].argsort(descending=True, stable=True)].split(batch_size)
+        order = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(group_order_seed(group_seed, epoch, group)))
+        batches += [chunks[i] for i in order.tolist()]
+    return batches
 
 
 def eval_batches(split: Split, batch_size: int):

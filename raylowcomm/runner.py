@@ -180,9 +180,11 @@ def _resource_field(cfg: RunConfig, strategy: str, key: str, too_big_each: bool)
 
 def strategy_timing(record: dict) -> dict:
     """Where a strategy's wall time went: training (the strategy's own train_s, evaluation left
-    out) and the rest (actors and data out, evaluation, collecting the result)."""
+    out) and the rest (actors and data out, evaluation, collecting the result), and the parts the
+    strategy timed itself (details.phases_s: starting actors, evaluating, collecting, saving)."""
     wall, train = record["wall_s"], record.get("train_s")
-    return {"wall_s": wall, "train_s": train, "setup_eval_collect_s": round(wall - train, 3) if train is not None else None}
+    return {"wall_s": wall, "train_s": train, "setup_eval_collect_s": round(wall - train, 3) if train is not None else None,
+            "phases_s": record.get("details", {}).get("phases_s", {})}
 
 
 def _mb(n: int | None) -> str:

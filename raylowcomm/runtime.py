@@ -14,8 +14,8 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     they do; their errors come back as exceptions) and Ray's own INFO lines are off.
 
     A Ray already initialised (e.g. by the caller's own `ray.init`) is used as it is. Otherwise
-    every actor gets the hub settings of `raylowcomm.env.hub_env` (offline unless the user set
-    them) through the job's runtime_env (where a submitted job's own runtime_env sets one, the
+    every actor gets the settings of `raylowcomm.env.job_env` (hub offline unless the user set
+    it, Ray Train's polling interval) through the job's runtime_env (where a submitted job's own runtime_env sets one, the
     job's value stands). For the local Ray only, this process's environment gets
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and RAY_DEDUP_LOGS=0 unless set (Ray's own processes
     inherit them). Ray reads both once, when `ray` is first imported — and raylowcomm's modules,
@@ -28,12 +28,12 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
 
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return
-    from raylowcomm.env import LOCAL_RAY_DEFAULTS, hub_env
+    from raylowcomm.env import LOCAL_RAY_DEFAULTS, job_env
 
     # In a `ray job submit` driver, Ray refuses to merge a variable the job's runtime_env sets too.
     job = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
     taken = (job.get("runtime_env") or {}).get("env_vars") or {}
-    runtime_env = {"env_vars": {k: v for k, v in hub_env().items() if k not in taken}}
+    runtime_env = {"env_vars": {k: v for k, v in job_env().items() if k not in taken}}
     if os.environ.get("RAY_ADDRESS"):
         import ray
 

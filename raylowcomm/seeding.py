@@ -17,3 +17,9 @@ def step_seed(seed: int, step: int) -> int:
 def epoch_seed(seed: int, epoch: int) -> int:
     """The permutation of a shard in epoch `epoch`."""
     return seed * 100_003 + epoch
+
+
+def group_order_seed(run_seed: int, epoch: int, group: int) -> int:
+    """The order in which every node takes the length-sorted batches of group `group` in epoch
+    `epoch` (optim.group_by_length): the run's seed, not the node's, so nodes share it."""
+    return epoch_seed(run_seed, epoch) * 1_009 + group

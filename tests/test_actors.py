@@ -91,7 +91,7 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     sets = ctx.eval_sets(val=False)
     weights = state_dict_of(ctx.model.eval())
     task = make_task(ctx.data.task)
-    expected = score_sets(task, ctx.model, sets, cfg.optim.eval_batch_size)
+    expected = score_sets(task, ctx.model, sets, cfg.eval_rows)
     assert {"id_accuracy", "id_loss", "shift_accuracy", "shift_loss", "shift/uci_digits_accuracy", "shift/uci_digits_loss"} == expected.keys()
     sets_ref = ray.put(sets)
 
@@ -108,9 +108,9 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     stage = StageActor.remote(1, 0)
     try:
         [module] = split_timm_cnn(ctx.model, 1)
-        source = Source("image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.optim.eval_batch_size)
+        source = Source("image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.eval_rows)
         ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "cross_entropy", cfg.optim, 1, source))
-        per_set, sent = evaluate_chained([stage], sets, cfg.optim.eval_batch_size, DriverFetches(Ledger()), "cross_entropy")
+        per_set, sent = evaluate_chained([stage], sets, cfg.eval_rows, DriverFetches(Ledger()), "cross_entropy")
     finally:
         ray.kill(stage)
     assert sent == 0 and final_head_metrics(per_set) == expected

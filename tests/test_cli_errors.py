@@ -85,6 +85,7 @@ CASES = [
     ("section-not-a-mapping", lambda t: ["run", _config(t, optim=3)], "'optim'"),
     ("wrong-literal", lambda t: ["run", _config(t), "--set", "optim.name=adam"], "optim.name"),
     ("out-of-range", lambda t: ["run", _config(t), "--set", "optim.momentum=1.5"], "optim.momentum"),
+    ("length-groups-of-images", lambda t: ["run", _config(t), "--set", "optim.group_by_length=true"], "optim.group_by_length"),
     ("zero-nodes", lambda t: ["run", _config(t), "--set", "nodes.count=0"], "nodes.count"),
     ("negative-cpus", lambda t: ["run", _config(t), "--set", "nodes.cpus=-1"], "nodes.cpus"),
     ("bad-placement", lambda t: ["run", _config(t), "--set", "nodes.placement=STRICT"], "nodes.placement"),

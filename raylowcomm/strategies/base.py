@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
@@ -164,10 +165,12 @@ def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock,
     details = details or {}
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name
+    saving = time.perf_counter()
     if ctx.spec.lora is not None:
         details.update(save_adapters(name, ctx, weights))
     rel = f"{name}/model.safetensors"
     ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
+    details.setdefault("phases_s", {})["save"] = round(time.perf_counter() - saving, 3)
     weights_path = ctx.storage.uri_of(rel)
     return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),
                      nodes or [], details, weights_path, curve)

@@ -20,6 +20,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import ClassVar, Literal
@@ -37,7 +38,7 @@ from raylowcomm.seeding import node_seed
 from raylowcomm.storage import Storage
 from raylowcomm.tasks import mean_metrics
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle
-from raylowcomm.training import TrainClock, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
+from raylowcomm.training import Stopwatch, TrainClock, group_seed, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
 
 logger = logging.getLogger(__name__)
 
@@ -154,17 +155,19 @@ def _train_worker(config: dict) -> None:
     from ray import train
     from ray.train.torch import prepare_model
 
+    entered, watch = time.time(), Stopwatch()
     cfg: RunConfig = config["cfg"]
     rank, world, every = train.get_context().get_world_rank(), train.get_context().get_world_size(), cfg.checkpoint_steps
-    node = Node(rank, cfg, config["spec"], config["task"], ray.get(config["weights"]))
-    node.label = "ddp rank"
-    shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
-    node.hold_out(config["data"], world)
-    steps = config["steps"] or _common_steps(cfg, num_examples(shard), node.device)
-    optimizer = make_optimizer(cfg.optim, node.model)
-    start, curve, tally = _restore(rank, node, optimizer)
-    # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
-    wrapped = prepare_model(TaskLoss(node.model, node.task), parallel_strategy_kwargs={"broadcast_buffers": False})
+    with watch("worker_start"):
+        node = Node(rank, cfg, config["spec"], config["task"], ray.get(config["weights"]))
+        node.label = "ddp rank"
+        shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
+        node.hold_out(config["data"], world)
+        steps = config["steps"] or _common_steps(cfg, num_examples(shard), node.device)
+        optimizer = make_optimizer(cfg.optim, node.model)
+        start, curve, tally = _restore(rank, node, optimizer)
+        # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
+        wrapped = prepare_model(TaskLoss(node.model, node.task), parallel_strategy_kwargs={"broadcast_buffers": False})
     if hasattr(wrapped, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
         wrapped.register_comm_hook(None, counting_allreduce_hook(tally.counts))
     points, clock = set(eval_points(cfg, steps)), TrainClock()
@@ -175,7 +178,7 @@ def _train_worker(config: dict) -> None:
         if step == steps or (step not in points and step % every):
             return
         dist.barrier()
-        with clock.paused():
+        with clock.paused(), watch("curve_and_checkpoints"):
             now, metrics = tally.at(clock), {"step": step}
             if rank == 0:
                 metrics.update(train_s=now["train_s"], allreduce_bytes=now["allreduce_bytes"])
@@ -189,19 +192,21 @@ def _train_worker(config: dict) -> None:
         progress.worker, progress.steps = rank, steps
     train_steps(wrapped, tally, optimizer, shard, start, steps, cfg.optim.batch_size, node_seed(cfg.seed, rank),
                 log=node.log if rank == 0 else None, log_every=cfg.log_every, on_step=on_step, clock=clock,
-                precision=cfg.optim.precision, device=node.device, progress=progress)
+                precision=cfg.optim.precision, device=node.device, progress=progress, group_seed=group_seed(cfg))
     done = tally.at(clock)
+    with watch("evaluate"):
+        if cfg.data.eval_on_nodes:  # every rank scores the (same) model on its own held-out rows
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, node.evaluate([config["eval_sets"]]))
+            final = {"final": mean_metrics(per_rank), "final_per_rank": per_rank}
+        else:
+            final = {"final": node.evaluate([config["eval_sets"]])} if rank == 0 else {}
     mine = {"rank": rank, "examples": num_examples(shard), "allreduce_bytes": done["allreduce_bytes"], "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size,
-            "train_s": done["train_s"], "resumed_from": start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None}
+            "train_s": done["train_s"], "resumed_from": start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None,
+            "entered_at": entered, "phases_s": watch.parts, "final_report_at": time.time()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    metrics = {"workers": everyone, "gather_bytes": len(pickle.dumps(mine)) * world, "curve": curve, "steps": steps}
-    if cfg.data.eval_on_nodes:  # every rank scores the (same) model on its own held-out rows
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, node.evaluate([config["eval_sets"]]))
-        metrics.update(final=mean_metrics(per_rank), final_per_rank=per_rank)
-    elif rank == 0:
-        metrics["final"] = node.evaluate([config["eval_sets"]])
+    metrics = {"workers": everyone, "gather_bytes": len(pickle.dumps(mine)) * world, "curve": curve, "steps": steps, **final}
     if rank == 0:
         _note_attempt(config["storage"], start, done, steps)
     _report(metrics, steps, rank, node, optimizer, done, curve)
@@ -234,6 +239,15 @@ def _attempts_ledger(ledger: Ledger, attempts: list[dict], restarts: int, n: int
     if restarts:
         ledger.record("train", "restart_setup_again", ledger.bytes_by_phase["setup"], copies=restarts)
     return {"attempts": attempts, "restarts": restarts, "allreduce_redone_bytes_per_rank_at_least": redone}
+
+
+def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
+    """Where the Train run's time went: Ray Train starting the workers (controller, placement
+    group, process group) until the first entered our loop, rank 0's own parts, and the end:
+    from rank 0's final report (its checkpoint) until `fit` returned."""
+    rank0 = workers[0]
+    return {"train_run_start": round(min(w["entered_at"] for w in workers) - fit_at, 3), **rank0["phases_s"],
+            "train": round(max(w["train_s"] for w in workers), 3), "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
 
 
 class Ddp:
@@ -291,15 +305,16 @@ class Ddp:
         trainer = self._trainer(ctx, backend, {
             "cfg": cfg, "spec": ctx.spec, "task": ctx.data.task, "weights": ray.put(initial), "steps": steps, "storage": ctx.storage,
             "data": ctx.data.train, "eval_sets": ray.put(eval_sets), "progress": ctx.live.poster()})
-        before = set(ray.util.placement_group_table())
+        before, fit_at = set(ray.util.placement_group_table()), time.time()
         try:
             result = trainer.fit()
         except Exception:
             _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
             raise
         attempts = ctx.storage.read_json(ATTEMPTS)
-        return self._finish(ctx, ledger, clock, result, backend,
-                            _attempts_ledger(ledger, attempts, len(attempts) - earlier - 1, n))
+        details = _attempts_ledger(ledger, attempts, len(attempts) - earlier - 1, n)
+        details["phases_s"] = _phases(result.metrics["workers"], fit_at, time.time())
+        return self._finish(ctx, ledger, clock, result, backend, details)
 
     def _finish(self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str, details: dict) -> RunRecord:
         cfg, n, steps = ctx.cfg, ctx.cfg.nodes.count, result.metrics["steps"]
@@ -312,8 +327,10 @@ class Ddp:
             ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
         ledger.send("final", "eval_metrics", result.metrics["final"])
+        collecting = time.perf_counter()
         with result.checkpoint.as_directory() as d:
             tensors, _ = Storage(d).load_tensors(STATE_FILE)
+        details["phases_s"]["collect"] = round(time.perf_counter() - collecting, 3)
         state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}  # under LoRA: adapters and head
         ledger.send("final", "model_checkpoint", {k: v for k, v in state.items() if k in trained or ctx.spec.lora is None})

@@ -229,7 +229,7 @@ class Interlocking:
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         task = ctx.data.task  # one stream of batches from one source: stage 0 reads the training rows
         source = Source("image" if family == "timm" else "tokens", None, ctx.eval_sets(), cfg.optim.batch_size,
-                        cfg.seed, task.image_size, cfg.optim.eval_batch_size, task.mean, task.std)
+                        cfg.seed, task.image_size, cfg.eval_rows, task.mean, task.std)
         # The split is timed on a micro-batch of the test set: the driver holds no training row.
         x = make_task(task).inputs(batch_at(ctx.data.eval_sets["test"], 0, cfg.optim.batch_size // opts.micro_batches, cfg.seed))
         measure = opts.balance == "measured" and opts.split is None
@@ -239,7 +239,7 @@ class Interlocking:
         with NodeGroup(StageActor, cfg, Ledger()) as group, group.stop_on_death("interlocking stage", "each stage holds layers no other has"):
             self._load(group, modules, heads, source, ctx.data.train, cfg, family)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)
-            per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.optim.eval_batch_size,
+            per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.eval_rows,
                                                    group.fetch, LOSS_OF_FAMILY[family])
             group.ledger.record("final", "eval_activations", eval_bytes)
             fetched_eval = {key: getattr(group.fetch, key) - trained["fetched"][key] for key in ("bytes", "tensors")}
@@ -297,7 +297,7 @@ class Interlocking:
             ctx.report({"step": len(stage_losses[K - 1]), "steps": steps, "bytes": ledger.total_bytes, "train_loss": stage_losses[K - 1][-1]})
 
         def evaluate(batch: int, train_s: float) -> None:
-            per_set, sent = evaluate_chained(actors, ctx.eval_sets(val=False), cfg.optim.eval_batch_size, group.fetch,
+            per_set, sent = evaluate_chained(actors, ctx.eval_sets(val=False), cfg.eval_rows, group.fetch,
                                              LOSS_OF_FAMILY[ctx.spec.family])
             ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
             curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size,

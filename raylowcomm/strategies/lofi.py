@@ -26,7 +26,7 @@ from raylowcomm.seeding import epoch_seed, node_seed
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record
 from raylowcomm.tasks import make_task, mean_metrics
-from raylowcomm.training import (TrainClock, batch_at, load_checkpoint, make_optimizer, save_checkpoint,
+from raylowcomm.training import (Stopwatch, TrainClock, batch_at, group_seed, load_checkpoint, make_optimizer, save_checkpoint,
                                  steps_per_epoch, total_steps, train_steps)
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ class LofiNode(Node):
 
         stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until, self.cfg.optim.batch_size,
                             self.seed, log=self.log, log_every=self.cfg.log_every, on_step=on_step, clock=clock,
-                            precision=self.cfg.optim.precision, device=self.device, progress=self.progress)
+                            precision=self.cfg.optim.precision, device=self.device, progress=self.progress,
+                            group_seed=group_seed(self.cfg))
         self.step, restored, self.restored_from = until, self.restored_from, None
         return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
 
@@ -211,14 +212,15 @@ class Lofi:
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
         clock, ledger = TrainClock(), Ledger()
         ctx.fresh_state(self.name)
-        initial = state_dict_of(ctx.model)
+        initial, watch = state_dict_of(ctx.model), Stopwatch()
         with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts) as group:
-            weights_ref = group.put(initial, "setup", "initial_weights", copies=n)
-            group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
-            recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)  # how to read the data, not the data
-            for k in range(n):
-                group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage, ctx.live.poster(k))
-            group.ready()
+            with watch("start"):
+                weights_ref = group.put(initial, "setup", "initial_weights", copies=n)
+                group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
+                recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)  # how to read the data, not the data
+                for k in range(n):
+                    group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage, ctx.live.poster(k))
+                group.ready()
             plan = plan_rounds(cfg, opts, ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes"))
             ctx.live.expect(n, plan.steps)
             if ctx.spec.lora is not None:
@@ -230,8 +232,9 @@ class Lofi:
             outer = OuterNesterov(initial, {k for k, _ in ctx.model.named_parameters()}, opts.outer_lr, opts.outer_momentum) \
                 if opts.outer_optimizer == "nesterov" else None
             first = self._resume_round(ctx, group, outer, plan) if ctx.resume else 0
-            trained = self._train(ctx, group, plan, outer, initial, first)
-            return self._finish(ctx, group, plan, outer, trained, clock)
+            with watch("train"):
+                trained = self._train(ctx, group, plan, outer, initial, first)
+            return self._finish(ctx, group, plan, outer, trained, clock, watch)
 
     GLOBAL = "lofi/global.safetensors"
     """The last averaging round's global model (and outer momentum): what a resumed run starts from."""
@@ -292,9 +295,11 @@ class Lofi:
                 train_s += round_clock.elapsed()
         return {"rounds": rounds, "train_s": train_s, "snapshots": snapshots}
 
-    def _finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, trained: dict, clock: TrainClock) -> RunRecord:
+    def _finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, trained: dict, clock: TrainClock,
+                watch: Stopwatch) -> RunRecord:
         cfg, opts, n, ledger = ctx.cfg, ctx.cfg.options["lofi"], len(group), group.ledger
-        node_metrics = group.evaluate_all()
+        with watch("evaluate_nodes"):
+            node_metrics = group.evaluate_all()
         infos = group.call("info", phase="final", what="node_info")
         metric, on_all = make_task(ctx.data.task).metric, cfg.data.eval_on_nodes
         collect_clock = TrainClock()
@@ -311,12 +316,14 @@ class Lofi:
             average = average_nodes(group, plan.weights, "final")
             to_score, soup_kept = average, list(range(n))
         collect_s = collect_clock.elapsed()
+        watch.add("collect", collect_s)
         if outer is not None:
             average = outer.step(average)
         details = {"steps_per_node": plan.steps, "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
                    "soup_nodes": soup_kept}
-        curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
-                                     ledger.bytes_by_kind.get("final/node_weights", 0) + ledger.bytes_by_kind.get("final/node_adapters", 0))
+        with watch("curve"):
+            curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
+                                         ledger.bytes_by_kind.get("final/node_weights", 0) + ledger.bytes_by_kind.get("final/node_adapters", 0))
         if opts.bn_recalibrate and batchnorm_layers(ctx.model):
             details["average_without_bn_recalibration"] = mean_metrics(group.score_weights(average, "final", on_all))
             bn_clock = TrainClock()
@@ -324,11 +331,12 @@ class Lofi:
             average.update(combine_bn_statistics(group.call("bn_statistics", ref, opts.bn_batches, phase="final", what="bn_statistics")))
             collect_s += bn_clock.elapsed()
             to_score = average  # recalibrated statistics: the merged model itself
-        per_node = group.score_weights(to_score, "final", on_all)  # scored where the device is, not on the driver
+        with watch("score_average"):
+            per_node = group.score_weights(to_score, "final", on_all)  # scored where the device is, not on the driver
         metrics = mean_metrics(per_node)
         if on_all:  # the test rows are the nodes': each scored the average on its own
             details["average_on_nodes"] = per_node
-        details["collect_s"] = collect_s
+        details["collect_s"], details["phases_s"] = collect_s, watch.parts
         details["curve_note"] = (f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
                                  f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
                                  f"average the {n} final models" + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")

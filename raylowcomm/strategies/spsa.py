@@ -32,7 +32,7 @@ from raylowcomm.seeding import node_seed
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
 from raylowcomm.tasks import mean_metrics
-from raylowcomm.training import TrainClock, autocast, batch_at, load_checkpoint, save_checkpoint, total_steps
+from raylowcomm.training import TrainClock, autocast, batch_at, group_seed, load_checkpoint, save_checkpoint, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class SpsaNode(Node):
         count, so no step number needs to travel."""
         t0, step = time.perf_counter(), self.replica.step
         with autocast(self.cfg.optim.precision, self.device):  # the losses only: replicas apply fp32 updates
-            payload, pairs = self.replica.compute(self.task.loss, batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed))
+            payload, pairs = self.replica.compute(self.task.loss, batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed, group_seed(self.cfg)))
         self.losses.append(sum(lp + lm for lp, lm in pairs) / (2 * len(pairs)))
         self.times["compute_s"] += time.perf_counter() - t0
         every = self.cfg.log_every

@@ -163,7 +163,7 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     assert kinds["final/adapters_to_score"] == kinds["final/node_adapters"]
     plain = build_model(dataclasses.replace(ctx.spec, lora=None))
     plain.load_state_dict(got)
-    scored = score_sets(make_task(ctx.data.task), plain, ctx.eval_sets(val=False), cfg.optim.eval_batch_size)
+    scored = score_sets(make_task(ctx.data.task), plain, ctx.eval_sets(val=False), cfg.eval_rows)
     assert scored["id_accuracy"] == rec["metrics"]["id_accuracy"] and scored["id_loss"] == pytest.approx(rec["metrics"]["id_loss"], rel=1e-6)
 
 
