@@ -243,8 +243,9 @@ def _attempts_ledger(ledger: Ledger, attempts: list[dict], restarts: int, n: int
 
 def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
     """Where the Train run's time went: Ray Train starting the workers (controller, placement
-    group, process group) until the first entered our loop, rank 0's own parts, and the end:
-    from rank 0's final report (its checkpoint) until `fit` returned."""
+    group, process group) until the first entered our loop (after a restart: the earlier attempts
+    too), rank 0's own parts, and the end: from rank 0's final report (its checkpoint) until `fit`
+    returned. Start and end compare wall clocks of the driver's and the workers' hosts."""
     rank0 = workers[0]
     return {"train_run_start": round(min(w["entered_at"] for w in workers) - fit_at, 3), **rank0["phases_s"],
             "train": round(max(w["train_s"] for w in workers), 3), "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
