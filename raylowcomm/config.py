@@ -141,7 +141,7 @@ class OptimConfig:
     max_steps: int | None = None
     """Stop each node after this many steps (None: `epochs` full passes over its shard)."""
     group_by_length: bool = False
-    """Text: batch rows of similar length together (data.length_grouped_order), so a batch cut to
+    """Text: batch rows of similar length together (data.length_grouped_batch), so a batch cut to
     its longest row carries little padding; lo-fi, DDP and SPSA. Batches stay random in content;
     their lengths come in groups of 8 batches."""
     eval_batch_size: int | None = None

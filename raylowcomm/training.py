@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from raylowcomm.config import ConfigError, OptimConfig
-from raylowcomm.data import Split, batch_order, length_grouped_order, num_examples, take
+from raylowcomm.data import Split, epoch_permutation, length_grouped_batch, num_examples, take
 from raylowcomm.seeding import step_seed
 from raylowcomm.storage import Storage
 
@@ -87,8 +87,8 @@ def batch_at(shard: Split, step: int, batch_size: int, seed: int, group_seed: in
     per_epoch = steps_per_epoch(num_examples(shard), batch_size)
     epoch, i = divmod(step, per_epoch)
     if group_seed is not None and "attention_mask" in shard:
-        return take(shard, length_grouped_order(shard["attention_mask"].sum(1), batch_size, seed, epoch, group_seed)[i])
-    return take(shard, batch_order(num_examples(shard), batch_size, seed, epoch)[i])
+        return take(shard, length_grouped_batch(shard["attention_mask"], i, batch_size, seed, epoch, group_seed))
+    return take(shard, epoch_permutation(num_examples(shard), seed, epoch)[i * batch_size : (i + 1) * batch_size])
 
 
 def group_seed(cfg) -> int | None:

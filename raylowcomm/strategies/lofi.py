@@ -146,13 +146,23 @@ class LofiNode(Node):
         return {"examples": num_examples(self.shard)}
 
 
+def collect_adapters(group: NodeGroup, weights: list[float], phase: str, how: str, method: str = "weights", *args,
+                     fetch: DriverFetches | None = None):
+    """The nodes' `method(*args)` adapters (and heads) in node order, with their weights: a
+    lora.NodeAdapters, which the driver averages on its base or a node merges on its own."""
+    from raylowcomm.lora import NodeAdapters
+
+    states = dict(group.stream(method, *args, phase=phase, what="node_adapters", fetch=fetch))
+    return NodeAdapters([states[k] for k in sorted(states)], [weights[k] for k in sorted(states)], how)
+
+
 def average_nodes(group: NodeGroup, weights: list[float], phase: str, method: str = "weights", *args,
                   fetch: DriverFetches | None = None, adapters=None) -> dict:
     """Stream the nodes' `method(*args)` state dicts in as they are ready: one running sum + one
     incoming copy; or with `adapters` (lora.AdapterAverage) their adapters, combined by it."""
     if adapters is not None:
-        states = dict(group.stream(method, *args, phase=phase, what="node_adapters", fetch=fetch))
-        return adapters([states[k] for k in sorted(states)], [weights[k] for k in sorted(states)])
+        got = collect_adapters(group, weights, phase, adapters.how, method, *args, fetch=fetch)
+        return adapters(got.states, got.weights)
     avg = StreamingAverage()
     for k, state in group.stream(method, *args, phase=phase, what="node_weights", fetch=fetch):
         avg.add(state, weights[k])
@@ -307,10 +317,7 @@ class Lofi:
             average, soup_kept = self._greedy_soup(group, metric, node_metrics)
             to_score = average
         elif plan.adapters is not None:
-            from raylowcomm.lora import NodeAdapters
-
-            states = dict(group.stream("weights", phase="final", what="node_adapters"))
-            to_score = NodeAdapters([states[k] for k in sorted(states)], [plan.weights[k] for k in sorted(states)], opts.lora_average)
+            to_score = collect_adapters(group, plan.weights, "final", opts.lora_average)
             average, soup_kept = plan.adapters(to_score.states, to_score.weights), list(range(n))
         else:
             average = average_nodes(group, plan.weights, "final")
@@ -329,7 +336,9 @@ class Lofi:
             bn_clock = TrainClock()
             ref = group.put(average, "final", "averaged_weights_for_bn", copies=n)
             average.update(combine_bn_statistics(group.call("bn_statistics", ref, opts.bn_batches, phase="final", what="bn_statistics")))
-            collect_s += bn_clock.elapsed()
+            bn_s = bn_clock.elapsed()
+            collect_s += bn_s
+            watch.add("bn_recalibrate", bn_s)
             to_score = average  # recalibrated statistics: the merged model itself
         with watch("score_average"):
             per_node = group.score_weights(to_score, "final", on_all)  # scored where the device is, not on the driver
