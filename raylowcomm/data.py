@@ -290,7 +290,12 @@ def pixels(values, size: int) -> torch.Tensor:
     size x size (bilinear) only when their sizes differ, so that they stack."""
     from PIL import Image
 
-    arrays = [_image_array(v) for v in values]
+    arrays = []
+    for i, value in enumerate(values):
+        try:
+            arrays.append(_image_array(value))
+        except (ValueError, TypeError, OSError) as err:
+            raise UnreadableValue("image", i, f"{type(err).__name__}: {err}") from None
     if any(a.ndim == 3 for a in arrays):
         arrays = [a if a.ndim == 3 else np.repeat(a[..., None], 3, axis=-1) for a in arrays]
     if len({a.shape for a in arrays}) > 1:
@@ -339,7 +344,7 @@ class Encoder:
         elif self.task == "prompt_classification":
             out = self._prompts(_texts(rows[columns["text"]]))
         else:
-            pairs = _texts(rows[columns["text_pair"]]) if "text_pair" in columns else None
+            pairs = _texts(rows[columns["text_pair"]], "text_pair") if "text_pair" in columns else None
             out = self._tokens(_texts(rows[columns["text"]]), pairs)
         out["labels"] = self.labels(rows[columns["label"]], features[columns["label"]], label_field)
         return out
@@ -365,12 +370,24 @@ class Encoder:
             mask[i, : len(row)] = 1
         return {"input_ids": ids, "attention_mask": mask, "choice_ids": torch.tensor(words).expand(len(rows), -1).contiguous()}
 
-    def rows(self, ds, columns: dict[str, str], label_field: str) -> Rows:
-        """`label_field`: the config field an unknown label is blamed on."""
-        return Rows(ds, columns, self, label_field)
+    def rows(self, spec: SourceSpec, columns: dict[str, str], label_field: str) -> Rows:
+        """`spec`'s rows, opened here; `label_field`: the config field an unknown label is blamed on."""
+        return Rows(spec, columns, self, label_field)
 
 
-def _texts(values) -> list[str]:
+class UnreadableValue(ValueError):
+    """A value the image or text reader cannot take: its role and its position in the rows read."""
+
+    def __init__(self, role: str, position: int, reason: str):
+        super().__init__(reason)
+        self.role, self.position, self.reason = role, position, reason
+
+
+def _texts(values, role: str = "text") -> list[str]:
+    """Text as text, a missing value as ""; anything else (a number, a list) is not guessed at."""
+    for i, t in enumerate(values):
+        if t is not None and not isinstance(t, str):
+            raise UnreadableValue(role, i, f"{type(t).__name__} {str(t)[:40]!r} is not text")
     return [t if t is not None else "" for t in values]
 
 
@@ -379,11 +396,16 @@ class Rows:
     those rows are read). Language modelling: blocks of max_length tokens cut from the whole text
     joined by newlines, so the whole text is tokenised wherever its blocks are counted."""
 
-    def __init__(self, ds, columns: dict[str, str], encoder: Encoder, label_field: str):
-        self.ds, self.columns, self.encoder, self.label_field = ds, columns, encoder, label_field
+    def __init__(self, spec: SourceSpec, columns: dict[str, str], encoder: Encoder, label_field: str):
+        self.spec, self.ds = spec, spec.open()
+        self.columns, self.encoder, self.label_field = columns, encoder, label_field
         self.blocks = None
         if encoder.task == "causal_lm":
-            ids = encoder.tokenizer("\n".join(_texts(ds[columns["text"]])), return_tensors="pt")["input_ids"][0]
+            try:
+                text = "\n".join(_texts(self.ds[columns["text"]]))
+            except UnreadableValue as err:
+                raise self._unreadable(err, torch.arange(len(self.ds))) from None
+            ids = encoder.tokenizer(text, return_tensors="pt")["input_ids"][0]
             n = len(ids) // encoder.max_length
             self.blocks = {"input_ids": ids[: n * encoder.max_length].view(n, encoder.max_length)}
 
@@ -396,8 +418,35 @@ class Rows:
         if self.blocks is not None:
             return take(self.blocks, index)
         wanted = list(dict.fromkeys(self.columns.values()))
-        rows = self.ds.select_columns(wanted)[index.tolist()] if len(index) else {c: [] for c in wanted}
-        return self.encoder.encode(rows, self.ds.features, self.columns, self.label_field)
+        try:
+            rows = self._read(wanted, index)
+            return self.encoder.encode(rows, self.ds.features, self.columns, self.label_field)
+        except UnreadableValue as err:
+            raise self._unreadable(err, index) from None
+
+    def _read(self, wanted: list[str], index: torch.Tensor) -> dict[str, list]:
+        """The rows at `index`; a file that fails to decode as it is read (a corrupt image) is
+        found by reading the rows one at a time."""
+        if not len(index):
+            return {c: [] for c in wanted}
+        table = self.ds.select_columns(wanted)
+        try:
+            return table[index.tolist()]
+        except (OSError, ValueError):
+            for position, at in enumerate(index.tolist()):
+                try:
+                    table[at]
+                except (OSError, ValueError) as err:
+                    role = "image" if self.encoder.task == "image_classification" else "text"
+                    raise UnreadableValue(role, position, f"{type(err).__name__}: {err}") from None
+            raise
+
+    def _unreadable(self, err: UnreadableValue, index: torch.Tensor) -> ConfigError:
+        """Names the column and the row (its number in the split) whose value cannot be read."""
+        what = "an image" if err.role == "image" else "text"
+        return ConfigError(f"{self.spec.field}.columns.{err.role}", self.columns[err.role],
+                           f"row {int(index[err.position])} of {self.spec.files_name} is unreadable as {what} ({err.reason}): "
+                           "fix or drop that row, or name another column")
 
 
 # --- which examples are test / val / train -----------------------------------------------------
@@ -656,7 +705,7 @@ class TrainSource:
         if self.nodes is not None:
             return self._own(node, "test")
         if self.test is not None:
-            rows = self.encoder.rows(self.test.open(), self.columns, "data.test_split")
+            rows = self.encoder.rows(self.test, self.columns, "data.test_split")
             return self._shard(rows, torch.arange(len(rows)), node, count)
         rows = self._shared()
         return self._shard(rows, self.rule.parts(len(rows))["test"], node, count)
@@ -679,14 +728,14 @@ class TrainSource:
 
     def _own(self, node: int, part: str) -> Split:
         spec = self.nodes.spec(node)
-        rows = self.encoder.rows(spec.open(), self.columns, spec.files_field)
+        rows = self.encoder.rows(spec, self.columns, spec.files_field)
         if not self.eval_on_nodes:
             return rows.select()
         rule = SplitRule(self.rule.shuffle_seed, self.rule.test_size, 0, None)
         return rows.select(rule.parts(len(rows))[part])
 
     def _shared(self) -> Rows:
-        rows = self.encoder.rows(self.pool.open(), self.columns, "data.classes")
+        rows = self.encoder.rows(self.pool, self.columns, "data.classes")
         if self.num_rows is not None and len(rows) != self.num_rows:
             raise RuntimeError(f"the training source changed since the driver read it: {self.num_rows} examples then, "
                                f"{len(rows)} here ({self.pool.files or self.pool.source})")
@@ -720,17 +769,17 @@ def prepare_data(cfg: RunConfig, tokenizer=None, image_cfg: dict | None = None, 
                      needs_train=plan.nodes is None)
     sets, num_rows = {}, None
     if plan.pool is not None:
-        rows = encoder.rows(plan.pool.open(), plan.columns, "data.classes")
+        rows = encoder.rows(plan.pool, plan.columns, "data.classes")
         num_rows, parts = len(rows), rule.parts(len(rows))
         if not d.eval_on_nodes:
             if plan.test is not None:
-                sets["test"] = encoder.rows(plan.test.open(), plan.columns, "data.test_split").select()
+                sets["test"] = encoder.rows(plan.test, plan.columns, "data.test_split").select()
             else:
                 sets["test"] = rows.select(parts["test"])
             if d.val_size:
                 sets["val"] = rows.select(parts["val"])
     for name, (spec, columns) in plan.shifts.items():
-        rows = encoder.rows(spec.open(), columns, spec.field)
+        rows = encoder.rows(spec, columns, spec.field)
         sample = None  # data.shift_size: a fixed sample of a large shift set
         if d.shift_size and len(rows) > d.shift_size:
             sample = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.shuffle_seed))[: d.shift_size].sort().values

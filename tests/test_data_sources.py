@@ -255,6 +255,46 @@ def test_bad_data_input_names_the_field_before_anything_starts(tmp_path, monkeyp
     assert err.value.field_name == field, str(err.value)
 
 
+def test_an_unreadable_value_names_its_column_and_row(tmp_path, tokenizer):
+    """A stray letter among pixels, a corrupt image file, a number where text belongs: a ConfigError
+    naming the column and the row, whether the driver (test rows) or a node (training rows) reads it."""
+    grey = {"input_size": (3, 4, 4), "mean": (0.5,) * 3, "std": (0.5,) * 3}
+
+    def failure(cfg, image_cfg=None, node=None):
+        with pytest.raises(ConfigError) as err:
+            train = prepare_data(cfg, tokenizer if image_cfg is None else None, image_cfg).train
+            train.load(node, 2) if node is not None else train.load_all()
+        return err.value
+
+    rows = [{"pixels": " ".join(["7"] * 16), "digit": i % 2} for i in range(20)]
+    rows[13]["pixels"] = "7 7 x 7"
+    write(tmp_path / "flat.csv", rows)
+    err = failure(config(name="flat", source="csv", files=str(tmp_path / "flat.csv"), family="timm", image_size=4,
+                         columns={"image": "pixels", "label": "digit"}, test_size=4, shift="none"), grey)
+    assert err.field_name == "data.columns.image" and "row 13 of data.files" in str(err) and "'x'" in str(err), str(err)
+
+    digit_images(tmp_path / "digits")
+    (tmp_path / "digits" / "train" / "one" / "1.png").write_bytes(b"not a png")
+    err = failure(config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5,
+                         shift="none"), grey)
+    assert err.field_name == "data.columns.image" and "is unreadable as an image" in str(err), str(err)
+
+    write(tmp_path / "counted.csv", [{"review": len(r["review"]), "stars": r["stars"]} for r in reviews(30)])
+    err = failure(config(name="mine", source="csv", files=str(tmp_path / "counted.csv"), test_size=5, shift="none",
+                         columns={"text": "review", "label": "stars"}))
+    assert err.field_name == "data.columns.text" and "int" in str(err) and "is not text" in str(err), str(err)
+
+    shifts = {"odd": {"source": "json", "files": str(write(tmp_path / "odd.jsonl", [{"words": i, "verdict": "pos"} for i in range(4)])),
+                      "columns": {"text": "words", "label": "verdict"}}}
+    err = failure(node_config(tmp_path, shift=shifts))
+    assert err.field_name == "data.shift.odd.columns.text" and "row 0 of data.shift.odd.files" in str(err), str(err)
+
+    cfg = node_config(tmp_path)
+    write(tmp_path / "node_1.csv", [{"review": i, "stars": "pos"} for i in range(8)])  # written after the driver's checks
+    err = failure(cfg, node=1)
+    assert err.field_name == "data.columns.text" and "row 0 of data.node_files[1]" in str(err), str(err)
+
+
 def test_node_files_load_on_the_node_only_and_the_recipe_holds_no_rows(tmp_path, tokenizer):
     cfg = node_config(tmp_path)
     prepared = prepare_data(cfg, tokenizer)
