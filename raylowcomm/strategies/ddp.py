@@ -119,7 +119,8 @@ def _report(metrics: dict, step: int, rank: int, node: Node, optimizer, tally: d
         return train.report(metrics)
     with tempfile.TemporaryDirectory() as tmp:
         if rank == 0:
-            save_checkpoint(Storage(tmp), STATE_FILE, node.model, optimizer, step, extra={"curve": curve})
+            save_checkpoint(Storage(tmp), STATE_FILE, node.model, optimizer, step, extra={"curve": curve},
+                            trainable_only=hasattr(node.model, "peft_config"))  # LoRA: the frozen base never changes
         params = {k for k, _ in node.model.named_parameters()}
         buffers = {k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items() if k not in params}
         Storage(tmp).save_tensors(RANK_FILE.format(rank), buffers, tally)

@@ -60,6 +60,10 @@ def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_se
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == 2 * steps * adapters
     assert rec["comm"]["by_kind"]["final/model_checkpoint"] == adapters
     assert (tmp_path / "ddp" / "adapter" / "adapter_model.safetensors").exists()
+    checkpoints = sorted(p for p in (tmp_path / "state" / "ddp" / "ray_train" / "ddp").glob("checkpoint_*") if p.is_dir())
+    tensors, _ = Storage(checkpoints[-1]).load_tensors("state.safetensors")
+    trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
+    assert {k[len("model."):] for k in tensors if k.startswith("model.")} == trained, "the frozen base is not checkpointed"
 
 
 @pytest.mark.slow
