@@ -1,9 +1,12 @@
-"""What a new user sees: `raylowcomm run` prints every line once, and none of Ray's noise."""
+"""What a new user sees: `raylowcomm run` prints every line once, and none of Ray's noise, and
+writes a record for every strategy."""
 
 import collections
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -32,3 +35,12 @@ def test_a_run_prints_every_line_once_and_no_noise(tmp_path):
     assert not [line for line in lines if any(noise in line for noise in NOISE)]
     assert "=== lofi ===" in lines and "=== ddp ===" in lines and any(line.startswith("[lofi] step 6/6") for line in lines)
     assert (tmp_path / "out" / "timings.json").exists()
+    records = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["strategy"] for r in records] == ["lofi", "ddp"]
+    for r in records:
+        assert {"strategy", "metrics", "comm", "wall_s", "samples_per_s", "peak_rss_bytes"} <= r.keys()
+        assert {"total_bytes", "by_phase"} <= r["comm"].keys()
+        assert Path(r["weights"]).exists() and Path(r["weights"]).name == "model.safetensors"
+    lofi, ddp = records
+    assert lofi["comm"]["by_phase"]["train"] == 0 and ddp["comm"]["by_phase"]["train"] > 0
+    assert len(lofi["nodes"]) == 2 and "id_accuracy" in lofi["nodes"][0]["metrics"]

@@ -351,3 +351,35 @@ def test_timm_convolutions_merge_like_peft():
     x = torch.randn(2, 3, 32, 32, generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(plain_model(spec, merged).eval()(x), model.eval()(x), atol=1e-4, rtol=1e-4)
+
+
+def test_an_adapter_only_checkpoint_restores_the_trained_model_and_optimizer_on_the_pretrained_base(minilm, tmp_path):
+    """What a lo-fi node or DDP rank under LoRA writes (trainable_only) and reads back after a
+    restart: the pretrained base plus the checkpoint is the trained model, moments included."""
+    from raylowcomm.storage import Storage
+    from raylowcomm.training import load_checkpoint, make_optimizer, save_checkpoint
+
+    model, _ = minilm
+    optim_cfg = build_dataclass(RunConfig, {"optim": {"name": "adamw", "lr": 1e-2}}, "").optim
+    trained = copy.deepcopy(model).train()
+    optimizer = make_optimizer(optim_cfg, trained)
+    for seed in range(2):
+        trained(**batch(seed)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    size = save_checkpoint(Storage(tmp_path), "node.safetensors", trained, optimizer, 2, trainable_only=True)
+    assert size < 0.05 * nbytes(state_dict_of(model)), "the frozen base is not written"
+
+    restored = copy.deepcopy(model).train()
+    restored_optimizer = make_optimizer(optim_cfg, restored)
+    assert load_checkpoint(Storage(tmp_path), "node.safetensors", restored, restored_optimizer)["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), restored.state_dict().values()))
+    moments, restored_moments = optimizer.state_dict()["state"], restored_optimizer.state_dict()["state"]
+    assert moments.keys() == restored_moments.keys()
+    assert all(torch.equal(moments[i][k], restored_moments[i][k]) for i in moments for k in ("exp_avg", "exp_avg_sq"))
+    for net, opt in ((trained, optimizer), (restored, restored_optimizer)):
+        torch.manual_seed(5)  # the same dropout masks
+        net(**batch(5)).loss.backward()
+        opt.step()
+    after, restored_after = lora.trainable_state(trained), lora.trainable_state(restored)
+    assert all(torch.equal(after[k], restored_after[k]) for k in after), "the next step is the uninterrupted one"

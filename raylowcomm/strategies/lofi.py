@@ -70,16 +70,18 @@ class LofiNode(Node):
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
+        self.model.load_state_dict(weights)  # a LoRA checkpoint may hold the adapters only: the base comes from here
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
             meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-        else:
-            self.model.load_state_dict(weights)
 
     def _save(self, step: int) -> None:
-        save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds})
+        """Model and optimizer; under LoRA the adapters and head only until an average is merged
+        into the base (lofi.average_every), after which the base is this node's own too."""
+        save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds},
+                        trainable_only=hasattr(self.model, "peft_config") and self.rounds == 0)
 
     def _snapshot_path(self, step: int) -> str:
         return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"

@@ -10,7 +10,6 @@ import torch
 from ray.train import TrainingFailedError
 from safetensors.torch import load_file
 
-from raylowcomm.cli import main
 from raylowcomm.ledger import payload_nbytes
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
@@ -64,27 +63,6 @@ def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_se
     tensors, _ = Storage(checkpoints[-1]).load_tensors("state.safetensors")
     trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
     assert {k[len("model."):] for k in tensors if k.startswith("model.")} == trained, "the frozen base is not checkpointed"
-
-
-@pytest.mark.slow
-def test_run_command_writes_results_for_every_strategy(tmp_path, ray_session):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(json.dumps({
-        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
-        "data": {"name": "mnist", "train_size": 256, "test_size": 100, "image_size": 16},
-        "optim": {"batch_size": 16, "epochs": 1}, "strategies": ["lofi", "ddp"],
-    }))
-    out = tmp_path / "out"
-    assert main(["run", str(config), "--out", str(out), "--set", "optim.lr=0.01"]) == 0
-    records = json.loads((out / "results.json").read_text())
-    assert [r["strategy"] for r in records] == ["lofi", "ddp"]
-    for r in records:
-        assert {"strategy", "metrics", "comm", "wall_s", "samples_per_s", "peak_rss_bytes"} <= r.keys()
-        assert {"total_bytes", "by_phase"} <= r["comm"].keys()
-        assert Path(r["weights"]).exists() and Path(r["weights"]).name == "model.safetensors"
-    lofi, ddp = records
-    assert lofi["comm"]["by_phase"]["train"] == 0 and ddp["comm"]["by_phase"]["train"] > 0
-    assert len(lofi["nodes"]) == 2 and "id_accuracy" in lofi["nodes"][0]["metrics"]
 
 
 def _kill_after_first_checkpoint(storage: Path, rank: int, killed: dict, stop: threading.Event) -> None:

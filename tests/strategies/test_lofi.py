@@ -150,6 +150,7 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     nodes = []
     for k in range(2):
         saved = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}.safetensors"))
+        assert {name[len("model."):] for name in saved if name.startswith("model.")} == trainable, "no frozen base checkpointed"
         nodes.append({name: saved[f"model.{name}"] for name in trainable})
     assert any(not torch.equal(nodes[0][name], nodes[1][name]) for name in trainable), "the nodes trained apart"
     expected = AdapterAverage(state_dict_of(ctx.model), lora_layers(ctx.model), how)(nodes)
