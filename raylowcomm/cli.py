@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--out", help="output directory (default: the config's out_dir)")
     run_p.add_argument("--resume", metavar="OUT", help="continue the run in OUT whose driver stopped: finished strategies "
                        "are kept, the others continue from their last checkpoint in storage")
-    run_p.add_argument("--verbose", action="store_true", help="also show what node actors and Ray print")
+    run_p.add_argument("--verbose", action="store_true", help="also show what node actors, Ray and the model and data loaders print")
     tune_p = sub.add_parser("tune", help="sweep config fields with Ray Tune (a sweep file: see tune_configs/)")
     tune_p.add_argument("sweep")
     tune_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -50,3 +50,14 @@ def set_hub_defaults() -> None:
     Takes effect for libraries not imported yet: call it before loading anything."""
     for key, default in HUB_DEFAULTS.items():
         os.environ.setdefault(key, default)
+
+
+def quiet_loaders() -> None:
+    """Off unless --verbose: transformers' and datasets' progress bars and transformers' load
+    report (a new head's weights "MISSING" is what fine-tuning expects); their errors still show."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()

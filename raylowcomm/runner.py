@@ -13,7 +13,7 @@ import ray
 import yaml
 
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.env import set_hub_defaults
+from raylowcomm.env import quiet_loaders, set_hub_defaults
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.models import image_preprocessing, load_pretrained
 from raylowcomm.progress import LiveProgress, ProgressView
@@ -77,10 +77,12 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     """Run every strategy of `cfg` and return their records (what results.json holds); the file
     is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
     the strategies report while they train (step, steps planned, train_loss, bytes, evaluations);
-    `verbose` shows what actors and Ray print; `bar`: a progress bar (default: on a terminal);
+    `verbose` shows what actors, Ray and the model and data loaders print; `bar`: a progress bar (default: on a terminal);
     `resume`: keep the strategies the run in `out_dir` finished and continue the others from
     their checkpoints in storage."""
     set_hub_defaults()
+    if not verbose:
+        quiet_loaders()
     out, timings = Path(out_dir or cfg.out_dir), {}
     done = finished_records(out) if resume else {}
     ctx = prepare(cfg, out, timings, resume=resume)
@@ -115,9 +117,12 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
                 record["details"].update(live.details())
                 records.append(record)
             except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
-                logger.exception("%s failed; its actors were released", name)
-                cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err  # an actor's own exception
-                records.append({"strategy": name, "error": f"{type(cause).__name__}: {cause}", "wall_s": round(time.time() - started, 3)})
+                error = failure_message(err)
+                if error.startswith(f"{ConfigError.__name__}: "):  # the user's data, found on a node: no stack to read
+                    logger.error("%s failed; its actors were released: %s", name, error)
+                else:
+                    logger.exception("%s failed; its actors were released", name)
+                records.append({"strategy": name, "error": error, "wall_s": round(time.time() - started, 3)})
             with lock:
                 view.close()
             board.record(records[-1])
@@ -129,6 +134,19 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
                                        f"(training {v.get('train_s') or 0:.1f} s)" for k, v in timings.items()))
     logger.info("results: %s; curves: tensorboard --logdir %s", out / "results.json", out / "tensorboard")
     return records
+
+
+def failure_message(err: BaseException) -> str:
+    """"<Type>: <message>" of the exception an actor or worker raised itself, where Ray wraps it: a
+    Ray Train rank's own failure, a task's cause, or the cause of an actor's failed creation."""
+    failures = getattr(err, "worker_failures", None)  # ray.train.WorkerGroupError: rank -> its exception
+    if failures:
+        err = failures[min(failures)]
+    if isinstance(err, ray.exceptions.RayActorError) and err.args and isinstance(err.args[0], ray.exceptions.RayTaskError):
+        err = err.args[0]  # ActorDiedError(cause): the creation task's error
+    if isinstance(err, ray.exceptions.RayTaskError):
+        err = err.cause
+    return f"{type(err).__name__}: {err}"
 
 
 def _write_records(out: Path, ctx: RunContext, records: list[dict]) -> None:
@@ -196,7 +214,7 @@ def format_table(records: list[dict]) -> str:
     rows = []
     for r in records:
         if "error" in r:
-            rows.append([r["strategy"], "FAILED: " + r["error"][:60]] + [""] * (len(cols) - 2))
+            rows.append([r["strategy"], "FAILED: " + r["error"].partition("\n")[0][:60]] + [""] * (len(cols) - 2))
             continue
         m, c = r["metrics"], r["comm"]["by_phase"]
         key = "accuracy" if "id_accuracy" in m else "loss"

@@ -88,3 +88,26 @@ def test_local_ray_stays_on_loopback_whatever_was_imported_first():
         ray.shutdown()
     """, {**_clean_env(), "RAY_AUTH_MODE": "disabled"})
     assert "nodes ['127.0.0.1']" in out and "task 1 127.0.0.1" in out, out
+
+
+def test_the_loaders_print_no_load_report_or_progress_bar_unless_verbose():
+    """A fresh process loading MiniLM with a new head, as `raylowcomm run` does, with and without
+    --verbose: transformers' report lists the head as MISSING, and its progress bar draws."""
+    code = """
+        import sys
+        from raylowcomm.config import ModelConfig
+        from raylowcomm.env import quiet_loaders, set_hub_defaults
+        from raylowcomm.models import load_pretrained
+        set_hub_defaults()
+        if sys.argv[1] == "quiet":
+            quiet_loaders()
+        load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier"), 2, seed=0)
+    """
+    printed = {}
+    for mode in ("quiet", "verbose"):
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), mode], env=_clean_env(), capture_output=True,
+                              text=True, timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        printed[mode] = proc.stdout + proc.stderr
+    assert "MISSING" in printed["verbose"] and "Loading weights" in printed["verbose"], "the check would not see them"
+    assert "MISSING" not in printed["quiet"] and "Loading weights" not in printed["quiet"], printed["quiet"]
