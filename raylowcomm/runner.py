@@ -77,9 +77,9 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     """Run every strategy of `cfg` and return their records (what results.json holds); the file
     is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
     the strategies report while they train (step, steps planned, train_loss, bytes, evaluations);
-    `verbose` shows what actors, Ray and the model and data loaders print; `bar`: a progress bar (default: on a terminal);
-    `resume`: keep the strategies the run in `out_dir` finished and continue the others from
-    their checkpoints in storage."""
+    `verbose` shows what actors, Ray and the model and data loaders print; `bar`: a progress bar
+    (default: on a terminal); `resume`: keep the strategies the run in `out_dir` finished and
+    continue the others from their checkpoints in storage."""
     set_hub_defaults()
     if not verbose:
         quiet_loaders()
