@@ -56,12 +56,6 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
 
 
-def batch_order(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:
-    """The batches of one epoch (full batches only), a pure function of (seed, epoch)."""
-    perm = epoch_permutation(n, seed, epoch)
-    return [perm[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
-
-
 GROUP_BATCHES = 8
 """optim.group_by_length sorts each run of 8 batches' rows by length: on the MiniLM main job a
 step's real tokens go from 55% of its trimmed batch to 88% (86% for DDP, whose ranks wait for
@@ -70,7 +64,7 @@ the longest batch), where whole-epoch sorting would reach 98% but order the epoc
 
 def length_grouped_batch(mask: torch.Tensor, i: int, batch_size: int, seed: int, epoch: int, group_seed: int) -> torch.Tensor:
     """Batch `i` of an epoch with rows of similar length together (rows of `mask`, the attention
-    mask): the epoch's shuffled rows (as `batch_order`) are cut into groups of GROUP_BATCHES
+    mask): the epoch's shuffled rows (`epoch_permutation`) are cut into groups of GROUP_BATCHES
     batches, each group sorted by length and cut into batches, which the group takes in an order
     drawn from `group_seed`. Nodes share `group_seed`, so at each step every DDP rank takes a
     batch of the same length rank in its group (no rank waits long for another's longer batch).

@@ -15,8 +15,8 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
 
     A Ray already initialised (e.g. by the caller's own `ray.init`) is used as it is. Otherwise
     every actor gets the settings of `raylowcomm.env.job_env` (hub offline unless the user set
-    it, Ray Train's polling interval) through the job's runtime_env (where a submitted job's own runtime_env sets one, the
-    job's value stands). For the local Ray only, this process's environment gets
+    it, Ray Train's polling interval) through the job's runtime_env (where a submitted job's own
+    runtime_env sets one, the job's value stands). For the local Ray only, this process's environment gets
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and RAY_DEDUP_LOGS=0 unless set (Ray's own processes
     inherit them). Ray reads both once, when `ray` is first imported — and raylowcomm's modules,
     like a user's program, may import ray before this runs — so the values Ray read are set from

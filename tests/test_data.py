@@ -1,6 +1,6 @@
 import torch
 
-from raylowcomm.data import batch_order, shard_indices
+from raylowcomm.data import epoch_permutation, shard_indices
 from raylowcomm.training import batch_at
 
 
@@ -20,8 +20,9 @@ def test_shards_depend_on_seed_only():
 
 def test_batch_at_is_a_pure_function_of_step():
     shard = {"x": torch.arange(20)}
-    epoch0 = torch.cat([b for b in batch_order(20, 5, seed=1, epoch=0)])
+    epoch0 = torch.cat([batch_at(shard, s, 5, seed=1)["x"] for s in range(4)])
     assert torch.equal(epoch0.sort().values, torch.arange(20))
+    assert torch.equal(epoch0, epoch_permutation(20, 1, 0)), "an epoch's batches are its permutation, in order"
     assert torch.equal(batch_at(shard, 6, 5, seed=1)["x"], batch_at(shard, 6, 5, seed=1)["x"])
     assert not torch.equal(batch_at(shard, 0, 5, seed=1)["x"], batch_at(shard, 4, 5, seed=1)["x"])
 

@@ -334,8 +334,7 @@ class Ddp:
             tensors, _ = Storage(d).load_tensors(STATE_FILE)
         details["phases_s"]["collect"] = round(time.perf_counter() - collecting, 3)
         state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
-        trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}  # under LoRA: adapters and head
-        ledger.send("final", "model_checkpoint", {k: v for k, v in state.items() if k in trained or ctx.spec.lora is None})
+        ledger.send("final", "model_checkpoint", state)  # under LoRA rank 0 checkpoints the adapters and head only
         details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers],
                    **details, "train_run": result.path}
         return finish_record(self.name, ctx, ledger, clock, metrics=result.metrics["final"], step=steps,
