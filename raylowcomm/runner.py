@@ -76,7 +76,9 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
         verbose: bool = False, bar: bool | None = None, resume: bool = False) -> list[dict]:
     """Run every strategy of `cfg` and return their records (what results.json holds); the file
     is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
-    the strategies report while they train (step, steps planned, train_loss, bytes, evaluations);
+    the strategies report while they train (step, steps planned, train_loss, bytes, evaluations),
+    one call at a time: the live view's thread calls it too, between the strategy's own reports;
+    what it raises from the strategy's report ends that strategy, from the live view's is logged;
     `verbose` shows what actors, Ray and the model and data loaders print; `bar`: a progress bar
     (default: on a terminal); `resume`: keep the strategies the run in `out_dir` finished and
     continue the others from their checkpoints in storage."""
