@@ -233,5 +233,6 @@ def format_table(records: list[dict]) -> str:
             rows.append(["  avg w/o BN recal", f"{bn[f'id_{key}']:.4f}", f"{bn[f'shift_{key}']:.4f}" if f"shift_{key}" in bn else "-"] + [""] * 7)
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [cols] + rows]
-    metric = "accuracy" if any("id_accuracy" in r.get("metrics", {}) for r in records) else "loss"
-    return f"\n(id/shift = {metric})\n" + "\n".join(lines)
+    scored = [r["metrics"] for r in records if "metrics" in r]  # none when every strategy failed: no metric to name
+    metric = "accuracy" if any("id_accuracy" in m for m in scored) else "loss"
+    return (f"\n(id/shift = {metric})" if scored else "") + "\n" + "\n".join(lines)

@@ -11,6 +11,8 @@ BN statistics and its tally (safetensors). Ray Train restarts the group up to `n
 times; every rank loads the latest checkpoint and continues `train_steps` from its step (data
 order and dropout are an uninterrupted run's). The Train run's name is stable (storage
 `ddp/ray_train/ddp`): `run --resume` continues from its latest checkpoint; a new run deletes it.
+A rank that cannot read its data (a ConfigError) is not restarted: it would fail again. The ranks
+agree on it when they tell each other their shard sizes, return, and the driver raises the error.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from raylowcomm.actors import Node, process_info
-from raylowcomm.config import RunConfig
+from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import num_examples
 from raylowcomm.ledger import Ledger
 from raylowcomm.models import state_dict_of
@@ -42,7 +44,7 @@ from raylowcomm.training import Stopwatch, TrainClock, group_seed, load_checkpoi
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE, RANK_FILE, ATTEMPTS = "state.safetensors", "rank{}.safetensors", "ddp/attempts.json"
+STATE_FILE, RANK_FILE, ATTEMPTS, DATA_ERROR = "state.safetensors", "rank{}.safetensors", "ddp/attempts.json", "ddp/data_error.json"
 
 
 @dataclass
@@ -139,14 +141,33 @@ def _note_attempt(storage: Storage, start: int, counts: dict, step: int, new: bo
     storage.write_json(ATTEMPTS, attempts)
 
 
-def _common_steps(cfg: RunConfig, examples: int, device: str) -> int:
-    """Steps every rank takes when each reads its own files (data.node_files): the smallest shard's
-    (on the rank's device: nccl reduces GPU tensors only)."""
+def all_gather_nbytes(payloads: list, world: int) -> int:
+    """Bytes `dist.all_gather_object` moves: each rank's pickle size (an int64), then every pickle
+    padded to the largest, each reaching the world - 1 other ranks."""
+    return world * (world - 1) * (8 + max(len(pickle.dumps(p)) for p in payloads))
+
+
+def _read_shard(config: dict, node: Node, rank: int, world: int) -> tuple[object, int, tuple | None, int]:
+    """Read this rank's shard (and held-out rows) on its host, then agree with the others on the
+    steps (with data.node_files the smallest shard's) and on whether every rank could read its data.
+    A rank that cannot (a ConfigError: a file missing on its host, an unreadable row) would fail
+    the same way after every restart Ray Train makes, so every rank stops at once and rank 0
+    leaves the lowest failing rank's error for the driver: (shard, steps, the error as
+    (field, value, fix) or None, bytes sent)."""
     import torch.distributed as dist
 
-    smallest = torch.tensor(examples, device=device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return total_steps(cfg.optim, int(smallest.item()))
+    shard, mine = None, None
+    try:
+        shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
+        node.hold_out(config["data"], world)
+        mine = (num_examples(shard), None)
+    except ConfigError as err:
+        mine = (None, (err.field_name, err.value, err.allowed))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    refused = next((error for _, error in everyone if error is not None), None)
+    steps = config["steps"] or (None if refused else total_steps(config["cfg"].optim, min(n for n, _ in everyone)))
+    return shard, steps, refused, all_gather_nbytes(everyone, world)
 
 
 def _train_worker(config: dict) -> None:
@@ -162,9 +183,11 @@ def _train_worker(config: dict) -> None:
     with watch("worker_start"):
         node = Node(rank, cfg, config["spec"], config["task"], ray.get(config["weights"]))
         node.label = "ddp rank"
-        shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
-        node.hold_out(config["data"], world)
-        steps = config["steps"] or _common_steps(cfg, num_examples(shard), node.device)
+        shard, steps, refused, shard_sizes_bytes = _read_shard(config, node, rank, world)
+        if refused is not None:  # left in storage for the driver, not raised: Ray Train would retry it
+            if rank == 0:
+                config["storage"].write_json(DATA_ERROR, refused)
+            return
         optimizer = make_optimizer(cfg.optim, node.model)
         start, curve, tally = _restore(rank, node, optimizer)
         # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
@@ -207,7 +230,8 @@ def _train_worker(config: dict) -> None:
             "entered_at": entered, "phases_s": watch.parts, "final_report_at": time.time()}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    metrics = {"workers": everyone, "gather_bytes": len(pickle.dumps(mine)) * world, "curve": curve, "steps": steps, **final}
+    metrics = {"workers": everyone, "gather_bytes": all_gather_nbytes(everyone, world), "shard_sizes_bytes": shard_sizes_bytes,
+               "curve": curve, "steps": steps, **final}
     if rank == 0:
         _note_attempt(config["storage"], start, done, steps)
     _report(metrics, steps, rank, node, optimizer, done, curve)
@@ -258,8 +282,6 @@ class Ddp:
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
-        from raylowcomm.config import ConfigError
-
         if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
 
@@ -307,12 +329,16 @@ class Ddp:
         trainer = self._trainer(ctx, backend, {
             "cfg": cfg, "spec": ctx.spec, "task": ctx.data.task, "weights": ray.put(initial), "steps": steps, "storage": ctx.storage,
             "data": ctx.data.train, "eval_sets": ray.put(eval_sets), "progress": ctx.live.poster()})
+        ctx.storage.delete(DATA_ERROR)  # a resumed run's earlier refusal
         before, fit_at = set(ray.util.placement_group_table()), time.time()
         try:
             result = trainer.fit()
         except Exception:
             _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
             raise
+        if ctx.storage.exists(DATA_ERROR):
+            raise ConfigError(*ctx.storage.read_json(DATA_ERROR))
+        ledger.record("setup", "shard_sizes", result.metrics["shard_sizes_bytes"])
         attempts = ctx.storage.read_json(ATTEMPTS)
         details = _attempts_ledger(ledger, attempts, len(attempts) - earlier - 1, n)
         details["phases_s"] = _phases(result.metrics["workers"], fit_at, time.time())

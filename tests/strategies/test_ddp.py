@@ -10,12 +10,15 @@ import torch
 from ray.train import TrainingFailedError
 from safetensors.torch import load_file
 
+from raylowcomm.config import ConfigError
 from raylowcomm.ledger import payload_nbytes
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.storage import Storage
-from raylowcomm.strategies.ddp import Ddp
+from raylowcomm.strategies import from_dict
+from raylowcomm.strategies.ddp import Ddp, all_gather_nbytes
 from tests.strategies.test_lofi import tiny_config
+from tests.test_data_sources import LABELS, reviews, write
 
 
 @pytest.mark.slow
@@ -35,9 +38,38 @@ def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
     assert curve[-1]["bytes"] == rec["comm"]["total_bytes"] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
     assert all(a["wall_s"] < b["wall_s"] for a, b in zip(curve, curve[1:])) and curve[-1]["wall_s"] == rec["train_s"]
     assert rec["comm"]["by_kind"]["setup/initial_weights"] == 2 * payload_nbytes(state_dict_of(ctx.model))
+    assert rec["comm"]["by_kind"]["setup/shard_sizes"] == all_gather_nbytes([(w["examples"], None) for w in rec["nodes"]], 2)
     assert rec["samples_seen"] == 2 * steps * cfg.optim.batch_size
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()
     assert len(rec["nodes"]) == 2
+
+
+def train_worker_actors() -> set[str]:
+    """Every Ray Train worker actor the cluster has made, dead or alive."""
+    import ray._private.state
+
+    return {a for a, info in ray._private.state.actors().items() if info["ActorClassName"] == "RayTrainWorker"}
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_its_data_stops_every_rank_without_a_restart(ray_session, tmp_path):
+    """Node 1's file is not on its host: that would recur after every restart, so the ranks agree
+    to stop, and the driver raises the rank's own error after one attempt, with restarts left."""
+    write(tmp_path / "far_0.csv", reviews(24))
+    write(tmp_path / "eval.csv", reviews(8, 100))
+    cfg = from_dict({
+        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"},
+        "data": {"name": "mine", "source": "csv", "files": str(tmp_path / "eval.csv"), "node_files": str(tmp_path / "far_{node}.csv"),
+                 "node_files_on_driver": False, "columns": {"text": "review", "label": "stars"}, "classes": LABELS,
+                 "test_size": 8, "max_length": 16, "shift": "none"},
+        "optim": {"name": "sgd", "lr": 0.01, "batch_size": 4, "epochs": 1}, "nodes": {"count": 2, "cpus": 1, "max_restarts": 2},
+        "strategies": ["ddp"], "log_every": 1000,
+    })
+    ctx, before = prepare(cfg, tmp_path / "out"), train_worker_actors()
+    with pytest.raises(ConfigError) as err:
+        Ddp().run(ctx)
+    assert err.value.field_name == "data.node_files[1]", str(err.value)
+    assert len(train_worker_actors() - before) == 2, "one attempt of two workers: a data error is not retried"
 
 
 @pytest.mark.slow
