@@ -147,7 +147,7 @@ def all_gather_nbytes(payloads: list, world: int) -> int:
     return world * (world - 1) * (8 + max(len(pickle.dumps(p)) for p in payloads))
 
 
-def _read_shard(config: dict, node: Node, rank: int, world: int) -> tuple[object, int, tuple | None, int]:
+def _read_shard(config: dict, node: Node, rank: int, world: int) -> tuple[object, int | None, tuple | None, int]:
     """Read this rank's shard (and held-out rows) on its host, then agree with the others on the
     steps (with data.node_files the smallest shard's) and on whether every rank could read its data.
     A rank that cannot (a ConfigError: a file missing on its host, an unreadable row) would fail
@@ -156,7 +156,7 @@ def _read_shard(config: dict, node: Node, rank: int, world: int) -> tuple[object
     (field, value, fix) or None, bytes sent)."""
     import torch.distributed as dist
 
-    shard, mine = None, None
+    shard = None
     try:
         shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
         node.hold_out(config["data"], world)
