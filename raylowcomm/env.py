@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 HUB_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
@@ -52,12 +53,16 @@ def set_hub_defaults() -> None:
         os.environ.setdefault(key, default)
 
 
-def quiet_loaders() -> None:
-    """Off unless --verbose: transformers' and datasets' progress bars and transformers' load
-    report (a new head's weights "MISSING" is what fine-tuning expects); their errors still show."""
+def quiet_loaders(hf_model: bool) -> None:
+    """Off unless --verbose: datasets' progress bars and, for a Hugging Face model (or where the
+    caller imported transformers), transformers' bars and load report (a new head's weights
+    "MISSING" is what fine-tuning expects); their errors still show. A timm run does not pay
+    transformers' import (over a second) for this."""
     import datasets
-    import transformers
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
+    if hf_model or "transformers" in sys.modules:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()

@@ -84,7 +84,7 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     continue the others from their checkpoints in storage."""
     set_hub_defaults()
     if not verbose:
-        quiet_loaders()
+        quiet_loaders(hf_model=cfg.model.family != "timm")
     out, timings = Path(out_dir or cfg.out_dir), {}
     done = finished_records(out) if resume else {}
     ctx = prepare(cfg, out, timings, resume=resume)

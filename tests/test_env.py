@@ -100,7 +100,7 @@ def test_the_loaders_print_no_load_report_or_progress_bar_unless_verbose():
         from raylowcomm.models import load_pretrained
         set_hub_defaults()
         if sys.argv[1] == "quiet":
-            quiet_loaders()
+            quiet_loaders(hf_model=True)
         load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier"), 2, seed=0)
     """
     printed = {}
@@ -111,3 +111,13 @@ def test_the_loaders_print_no_load_report_or_progress_bar_unless_verbose():
         printed[mode] = proc.stdout + proc.stderr
     assert "MISSING" in printed["verbose"] and "Loading weights" in printed["verbose"], "the check would not see them"
     assert "MISSING" not in printed["quiet"] and "Loading weights" not in printed["quiet"], printed["quiet"]
+
+
+def test_quieting_the_loaders_for_a_timm_run_does_not_import_transformers():
+    out = _python("""
+        import sys
+        from raylowcomm.env import quiet_loaders
+        quiet_loaders(hf_model=False)
+        print("transformers imported:", "transformers" in sys.modules)
+    """, _clean_env())
+    assert "transformers imported: False" in out, out
