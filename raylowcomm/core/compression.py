@@ -1,0 +1,375 @@
+"""What crosses in an averaging round: an outer gradient Δ (name → float tensor) packed small, decoded
+identically on every node, with error feedback so that what compression drops is only delayed.
+
+Payload: one uint8 tensor per name, exactly the bytes that cross. Names, shapes and dtypes do not
+travel: every node reads them off its own model (`layout_of`). Multi-byte parts (bf16 scales, int16
+offsets, int32 counts) are in the machine's byte order, little-endian on every platform torch runs.
+
+| codec | bytes of a tensor of n entries (block b, k kept entries)               | error per entry              |
+|-------|--------------------------------------------------------------------------|------------------------------|
+| none  | n · itemsize                                                             | 0                            |
+| int8  | 2·⌈n/b⌉ scales + n codes                                                 | ≤ scale/2 of its block       |
+| int4  | 2·⌈n/b⌉ scales + ⌈n/2⌉ codes                                             | ≤ scale/2 of its block       |
+| topk  | 2·⌈k/b⌉ scales + 4·(⌈n/65536⌉ − 1) counts + 2·k offsets + ⌈k/2⌉ codes    | kept ≤ scale/2; dropped: all |
+
+Scales are bf16 (2 bytes like fp16, but fp32's range: a fine-tuning Δ of 1e-6 would underflow
+fp16 scales), rounded up to the next bf16 ≥ absmax/qmax, so no code clips and the error bound is
+scale/2 ≤ absmax/(2·qmax)·(1 + 2⁻⁷). Codes are symmetric: int8 in [−127, 127], int4 in [−7, 7]
+stored as q + 8, two per byte (even entry in the low nibble). Top-k keeps round(fraction·n) entries
+(at least one) of largest |x|, sorted by index; an index is stored as its chunk of 65,536 (a count of
+kept entries per chunk, the last one implied) and its 16-bit offset inside the chunk, so 2 bytes per
+index; the kept values are int4 in blocks of b.
+
+Why decoding is bit-identical everywhere: a decoded entry is q·scale with |q| ≤ 127 (7 bits) and a
+bf16 scale (8 significant bits), a 15-bit product that float32 and float64 hold exactly, so there is
+nothing to round and every device gets the same number. `average_decoded` then sums in float64, one
+node at a time in the caller's order, as separate multiply and add kernels (no fused multiply-add),
+each step correctly rounded IEEE arithmetic: the same bits on every replica, CPU or GPU.
+
+Why error feedback is exact: `ErrorFeedback` keeps the residual r in float64. It encodes x = Δ + r
+(float64) and keeps r' = x − d, d the decoded value. If q = 0 then d = 0 and r' = x. Otherwise q =
+round(x/s) with |q| ≥ 1 puts x in [d/2, 2d], so x − d is exact in float64 (Sterbenz); the `none` codec's
+cast to the tensor's dtype is within a factor 2 as well. So d + r' == x bit for bit, and over rounds
+Σ d_t + r_T = Σ Δ_t exactly as long as every x = Δ + r is itself exact in float64: r only holds bits
+between the lowest bit of the entry's deltas and the highest of its |x|, so this holds while an entry's
+nonzero fp32 deltas stay within 2²⁹ of each other in magnitude over the run (bf16: 2⁴⁵); beyond that,
+the only loss is float64 rounding, 2⁻⁵³ of the entry. The residual costs 8 bytes per entry on the node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+CODECS = ("none", "int8", "int4", "topk")
+SCALE_DTYPE = torch.bfloat16
+CHUNK = 1 << 16  # top-k indices: a 16-bit offset inside a chunk of this many entries
+
+
+class TensorSpec(NamedTuple):
+    """What every node knows about a tensor without being sent it: its shape and dtype."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+Layout = dict[str, TensorSpec]
+
+
+def layout_of(delta: dict[str, Tensor]) -> Layout:
+    """Names, shapes and dtypes of Δ, in its order; every node builds the same one from its model."""
+    layout = {}
+    for name, tensor in delta.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"compression takes float tensors; {name!r} is {tensor.dtype}")
+        layout[name] = TensorSpec(tensor.shape, tensor.dtype)
+    return layout
+
+
+class Payload(dict):
+    """name → one uint8 tensor: a node's encoded Δ, exactly the bytes that cross (and the ledger counts)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.values())
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+class _Reader:
+    """Reads consecutive typed parts out of one packed buffer (copied, so any alignment is fine)."""
+
+    def __init__(self, buffer: Tensor):
+        self.buffer, self.offset = buffer, 0
+
+    def take(self, count: int, dtype: torch.dtype) -> Tensor:
+        size = count * torch.empty(0, dtype=dtype).element_size()
+        part = self.buffer[self.offset:self.offset + size].clone()
+        self.offset += size
+        return part.view(dtype)
+
+
+def _round_up_to_scale_dtype(value: Tensor) -> Tensor:
+    """The smallest bf16 ≥ value (value ≥ 0, float64), so that |x| ≤ qmax·scale and no code clips."""
+    scale = value.to(SCALE_DTYPE)
+    low = scale.to(torch.float64) < value
+    if low.any():
+        scale[low] = (scale[low].view(torch.int16) + 1).view(SCALE_DTYPE)  # next positive bf16 up
+    if not torch.isfinite(scale).all():
+        raise ValueError("a block's absmax is too large for bf16 scales")
+    return scale
+
+
+def _quantize_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
+    """Blockwise absmax quantization of flat float64 x: (codes int16 of len n, bf16 scale per block)."""
+    n = x.numel()
+    blocks = torch.nn.functional.pad(x, (0, _ceil_div(n, block) * block - n)).view(-1, block)
+    scales = _round_up_to_scale_dtype(blocks.abs().amax(dim=1) / qmax)
+    divisor = torch.where(scales > 0, scales.to(torch.float64), 1.0)
+    codes = torch.round(blocks / divisor[:, None]).clamp(-qmax, qmax).to(torch.int16)
+    return codes.view(-1)[:n], scales
+
+
+def _dequantize_blocks(codes: Tensor, scales: Tensor, block: int) -> Tensor:
+    """q·scale in float64 (exact: a 7-bit code times an 8-bit bf16 significand)."""
+    per_entry = scales.to(torch.float64).repeat_interleave(block)[:codes.numel()]
+    return codes.to(torch.float64) * per_entry
+
+
+def _pack_int4(codes: Tensor) -> Tensor:
+    """Codes in [−7, 7] → ⌈n/2⌉ bytes, q + 8 per nibble, even entries low."""
+    nibbles = (codes + 8).to(torch.uint8)
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
+    pairs = nibbles.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack_int4(packed: Tensor, n: int) -> Tensor:
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:n]
+    return nibbles.to(torch.int16) - 8
+
+
+class Codec:
+    """Packs one flat float64 tensor into a uint8 buffer and back; encodes and decodes whole Δ dicts.
+
+    `unpack` returns the exact decoded values in float64, the same bits on every node."""
+
+    name = "codec"
+
+    def packed_nbytes(self, spec: TensorSpec) -> int:
+        raise NotImplementedError
+
+    def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
+        raise NotImplementedError
+
+    def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+        raise NotImplementedError
+
+    def unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+        """Checks the buffer's size against the formula, then decodes it to flat float64."""
+        expected = self.packed_nbytes(spec)
+        if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
+            raise ValueError(f"{self.name} payload of {tuple(packed.shape)} {packed.dtype}: expected "
+                             f"{expected} uint8 bytes for {tuple(spec.shape)} {spec.dtype}")
+        return self._unpack(packed, spec)
+
+    def payload_nbytes(self, layout: Layout) -> int:
+        """What a payload for `layout` weighs, from the formula alone (for planning and checks)."""
+        return sum(self.packed_nbytes(spec) for spec in layout.values())
+
+    def encode(self, delta: dict[str, Tensor]) -> Payload:
+        """Δ (any float dtype) → Payload, without error feedback (see `ErrorFeedback.encode`)."""
+        payload = Payload()
+        for name, spec in layout_of(delta).items():
+            payload[name] = self.pack(_flat_float64(delta[name], name), spec)
+        return payload
+
+    def decode(self, payload: Payload, layout: Layout, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """Payload → float tensors in the layout's shapes and order; dtype None restores each tensor's own
+        dtype (bf16 then rounds q·scale), torch.float32 or float64 keeps the decoded values exact."""
+        out = {}
+        for name in _names_in_layout_order(payload, layout):
+            spec = layout[name]
+            out[name] = self.unpack(payload[name], spec).to(dtype or spec.dtype).view(spec.shape)
+        return out
+
+
+def _flat_float64(tensor: Tensor, name: str) -> Tensor:
+    x = tensor.detach().reshape(-1).to(torch.float64)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"outer gradient {name!r} has non-finite entries")
+    return x
+
+
+def _names_in_layout_order(payload: Payload, layout: Layout) -> list[str]:
+    unknown = set(payload) - set(layout)
+    if unknown:
+        raise ValueError(f"payload has tensors the layout does not: {sorted(unknown)[:5]}")
+    return [name for name in layout if name in payload]
+
+
+class NoCompression(Codec):
+    """The tensor's own bytes, in its own dtype (a float64 input is cast to it first)."""
+
+    name = "none"
+
+    def packed_nbytes(self, spec: TensorSpec) -> int:
+        return spec.numel * torch.empty(0, dtype=spec.dtype).element_size()
+
+    def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
+        sent = x.to(spec.dtype)
+        if not torch.isfinite(sent).all():
+            raise ValueError(f"outer gradient overflows {spec.dtype}")
+        return _as_bytes(sent).clone()
+
+    def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+        return _Reader(packed).take(spec.numel, spec.dtype).to(torch.float64)
+
+
+class BlockwiseInt(Codec):
+    """Blockwise absmax-scaled int8 (bits=8) or int4 (bits=4): [bf16 scales | codes]."""
+
+    def __init__(self, bits: int, block_size: int = 64):
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be ≥ 1, got {block_size}")
+        self.bits, self.block_size = bits, block_size
+        self.qmax = 2 ** (bits - 1) - 1
+        self.name = f"int{bits}"
+
+    def _code_nbytes(self, n: int) -> int:
+        return n if self.bits == 8 else _ceil_div(n, 2)
+
+    def packed_nbytes(self, spec: TensorSpec) -> int:
+        n = spec.numel
+        return 2 * _ceil_div(n, self.block_size) + self._code_nbytes(n)
+
+    def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
+        codes, scales = _quantize_blocks(x, self.block_size, self.qmax)
+        packed_codes = _as_bytes(codes.to(torch.int8)) if self.bits == 8 else _pack_int4(codes)
+        return torch.cat([_as_bytes(scales), packed_codes])
+
+    def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+        n, reader = spec.numel, _Reader(packed)
+        scales = reader.take(_ceil_div(n, self.block_size), SCALE_DTYPE)
+        if self.bits == 8:
+            codes = reader.take(n, torch.int8).to(torch.int16)
+        else:
+            codes = _unpack_int4(reader.take(self._code_nbytes(n), torch.uint8), n)
+        return _dequantize_blocks(codes, scales, self.block_size)
+
+
+class TopK(Codec):
+    """The `fraction` largest-|x| entries per tensor, int4 values:
+    [bf16 scales | int32 counts per chunk but the last | int16 offsets in chunk − 32768 | int4 codes]."""
+
+    name = "topk"
+
+    def __init__(self, fraction: float, block_size: int = 64):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"topk fraction must be in (0, 1], got {fraction}")
+        self.fraction, self.values = fraction, BlockwiseInt(4, block_size)
+
+    def kept(self, n: int) -> int:
+        """Entries kept of a tensor of n: round(fraction·n), at least one of a non-empty tensor."""
+        return min(n, max(1, round(self.fraction * n))) if n else 0
+
+    def packed_nbytes(self, spec: TensorSpec) -> int:
+        n, k = spec.numel, self.kept(spec.numel)
+        counts = 4 * max(_ceil_div(n, CHUNK) - 1, 0)
+        return counts + 2 * k + self.values.packed_nbytes(TensorSpec(torch.Size([k]), spec.dtype))
+
+    def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
+        n, k = x.numel(), self.kept(x.numel())
+        index = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        chunk, offset = index // CHUNK, index % CHUNK
+        counts = torch.bincount(chunk, minlength=_ceil_div(n, CHUNK))[:-1].to(torch.int32)
+        values = self.values.pack(x[index], TensorSpec(torch.Size([k]), spec.dtype))
+        scale_bytes = 2 * _ceil_div(k, self.values.block_size)
+        offsets = (offset - CHUNK // 2).to(torch.int16)
+        return torch.cat([values[:scale_bytes], _as_bytes(counts), _as_bytes(offsets), values[scale_bytes:]])
+
+    def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+        n, k = spec.numel, self.kept(spec.numel)
+        scale_bytes = 2 * _ceil_div(k, self.values.block_size)
+        reader = _Reader(packed[scale_bytes:])
+        counts = reader.take(max(_ceil_div(n, CHUNK) - 1, 0), torch.int32).to(torch.int64)
+        offsets = reader.take(k, torch.int16).to(torch.int64) + CHUNK // 2
+        last = k - int(counts.sum())
+        if (counts < 0).any() or last < 0:
+            raise ValueError("top-k payload has inconsistent chunk counts")
+        chunks = torch.arange(counts.numel() + 1, device=packed.device)
+        index = torch.repeat_interleave(chunks, torch.cat([counts, counts.new_full((1,), last)])) * CHUNK + offsets
+        if k and (int(index.max()) >= n or (index[1:] <= index[:-1]).any()):
+            raise ValueError("top-k payload has indices out of range or out of order")
+        values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - _ceil_div(k, 2):]])
+        out = torch.zeros(n, dtype=torch.float64, device=packed.device)
+        out[index] = self.values.unpack(values_packed, TensorSpec(torch.Size([k]), spec.dtype))
+        return out
+
+
+def make_codec(name: str, block_size: int = 64, topk_fraction: float = 0.01) -> Codec:
+    """The codec `lofi.compress` names: none | int8 | int4 | topk."""
+    if name == "none":
+        return NoCompression()
+    if name in ("int8", "int4"):
+        return BlockwiseInt(int(name[3:]), block_size)
+    if name == "topk":
+        return TopK(topk_fraction, block_size)
+    raise ValueError(f"unknown compression {name!r}; choose one of {CODECS}")
+
+
+class ErrorFeedback:
+    """A node's memory of what compression dropped: adds it to the next Δ before encoding and keeps the
+    new residual, so nothing is lost, only delayed. Residuals are float64 (see the module docstring for
+    why that makes Σ sent + kept = Σ Δ exact). Tensors not in a round's Δ (other fragments) keep theirs."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.residual: dict[str, Tensor] = {}
+
+    def encode(self, delta: dict[str, Tensor]) -> Payload:
+        payload = Payload()
+        for name, spec in layout_of(delta).items():
+            x = _flat_float64(delta[name], name)
+            if name in self.residual:
+                kept = self.residual[name]
+                if kept.shape != spec.shape:
+                    raise ValueError(f"residual of {name!r} is {tuple(kept.shape)}, Δ is {tuple(spec.shape)}")
+                x = x + kept.to(x.device).reshape(-1)
+            payload[name] = self.codec.pack(x, spec)
+            self.residual[name] = (x - self.codec.unpack(payload[name], spec)).view(spec.shape)
+        return payload
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Plain name → float64 tensor, ready for safetensors."""
+        return {name: r.clone() for name, r in self.residual.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        bad = [name for name, r in state.items() if r.dtype != torch.float64]
+        if bad:
+            raise ValueError(f"residuals must be float64 to stay exact; not so: {bad[:5]}")
+        self.residual = {name: r.clone() for name, r in state.items()}
+
+
+def average_decoded(codec: Codec, payloads: Sequence[Payload], layout: Layout,
+                    weights: Sequence[float] | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """Δ̄ = Σ_k w_k·d_k / Σ_k w_k over the nodes' payloads, in the given order (pass them by node index).
+
+    Accumulates in float64, one node at a time, multiply and add as separate kernels, then divides once:
+    every replica that decodes the same payloads in the same order gets the same bits. Holds one
+    tensor's sum and one decoded tensor at a time, never N decoded models."""
+    if not payloads:
+        raise ValueError("nothing to average")
+    weights = [1.0] * len(payloads) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(payloads) or any(not w > 0 for w in weights):
+        raise ValueError(f"need one positive weight per payload, got {weights} for {len(payloads)}")
+    names = _names_in_layout_order(payloads[0], layout)
+    if any(set(p) != set(names) for p in payloads):
+        raise ValueError("payloads carry different sets of tensors")
+    total = math.fsum(weights)
+    out = {}
+    for name in names:
+        spec = layout[name]
+        acc = codec.unpack(payloads[0][name], spec) * weights[0]
+        for payload, weight in zip(payloads[1:], weights[1:]):
+            term = codec.unpack(payload[name], spec) * weight
+            acc = acc + term
+        out[name] = (acc / total).to(dtype).view(spec.shape)
+    return out

@@ -1,0 +1,246 @@
+import math
+import pickle
+from fractions import Fraction
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from raylowcomm.common.ledger import payload_nbytes
+from raylowcomm.core.compression import (
+    CHUNK,
+    BlockwiseInt,
+    ErrorFeedback,
+    Payload,
+    TensorSpec,
+    TopK,
+    average_decoded,
+    layout_of,
+    make_codec,
+)
+
+SIZES = [0, 1, 7, 63, 64, 65, 129, 1000]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _delta(n, dtype=torch.float32, seed=0, shape=None):
+    """An outer-gradient-like tensor: ~1e-3 with entries spread over four orders of magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = 10.0 ** (4 * torch.rand(n, generator=gen, dtype=torch.float64) - 2)
+    x = (1e-3 * torch.randn(n, generator=gen, dtype=torch.float64) * spread).to(dtype)
+    return x.view(shape) if shape is not None else x
+
+
+def _model_delta(dtype=torch.float32, seed=0):
+    """A small Δ dict with the awkward shapes: a matrix, an odd vector, a scalar, an empty tensor."""
+    return {"w": _delta(37 * 11, dtype, seed, (37, 11)), "b": _delta(129, dtype, seed + 1),
+            "scale": _delta(1, dtype, seed + 2, ()), "empty": torch.zeros(0, 5, dtype=dtype)}
+
+
+def _block_bound(x, block, qmax):
+    """|x − decode| ≤ scale/2 with scale the next bf16 ≥ absmax/qmax, < absmax/qmax·(1 + 2⁻⁷)."""
+    n = x.numel()
+    blocks = torch.nn.functional.pad(x.double().reshape(-1), (0, -(-n // block) * block - n)).view(-1, block)
+    absmax = blocks.abs().amax(dim=1).repeat_interleave(block)[:n]
+    return absmax / (2 * qmax) * (1 + 2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_none_is_exact_and_sends_the_tensors_own_bytes(dtype):
+    delta = _model_delta(dtype)
+    codec = make_codec("none")
+    payload = codec.encode(delta)
+    decoded = codec.decode(payload, layout_of(delta))
+    for name, tensor in delta.items():
+        assert decoded[name].dtype == dtype and decoded[name].shape == tensor.shape
+        assert torch.equal(decoded[name], tensor)
+    assert payload.nbytes == sum(t.numel() * t.element_size() for t in delta.values())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_blockwise_round_trip_within_the_block_bound(bits, block, dtype, n):
+    x = _delta(n, dtype, seed=n)
+    codec = make_codec(f"int{bits}", block_size=block)
+    layout = {"x": TensorSpec(x.shape, dtype)}
+    payload = codec.encode({"x": x})
+    exact = codec.decode(payload, layout, dtype=torch.float64)["x"]
+    assert ((exact - x.double()).abs() <= _block_bound(x, block, 2 ** (bits - 1) - 1)).all()
+    assert torch.equal(codec.decode(payload, layout, dtype=torch.float32)["x"].double(), exact)  # q·scale is exact
+    restored = codec.decode(payload, layout)["x"]
+    assert restored.dtype == dtype and restored.shape == x.shape
+    if n:  # not a vacuous bound: the codes carry the values
+        assert (exact - x.double()).abs().max() < x.double().abs().max() / 2 ** (bits - 2)
+
+
+def test_blockwise_keeps_a_block_of_tiny_deltas_that_fp16_scales_would_zero():
+    x = torch.linspace(1e-7, 3e-7, 64)
+    codec = make_codec("int8")
+    exact = codec.decode(codec.encode({"x": x}), layout_of({"x": x}), torch.float64)["x"]
+    assert (exact > 0).all()
+    assert ((exact - x.double()).abs() <= _block_bound(x, 64, 127)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES + [3 * CHUNK + 17])
+def test_topk_keeps_the_largest_entries_within_the_4bit_bound_and_zeroes_the_rest(dtype, n):
+    x = _delta(n, dtype, seed=n)
+    codec = TopK(0.1, block_size=64)
+    exact = codec.decode(codec.encode({"x": x}), layout_of({"x": x}), dtype=torch.float64)["x"]
+    k = codec.kept(n)
+    kept = torch.topk(x.double().abs(), k).indices.sort().values
+    dropped = torch.ones(n, dtype=torch.bool)
+    dropped[kept] = False
+    assert (exact[dropped] == 0).all()
+    values = x.double()[kept]
+    assert ((exact[kept] - values).abs() <= _block_bound(values, 64, 7)).all()
+    assert (exact[kept] != 0).sum() >= k // 2  # the kept entries really arrive
+
+
+def _formula(name, n, block, itemsize, codec):
+    blocks = lambda m: -(-m // block)  # noqa: E731
+    if name == "none":
+        return n * itemsize
+    if name == "int8":
+        return n + 2 * blocks(n)
+    if name == "int4":
+        return -(-n // 2) + 2 * blocks(n)
+    k = codec.kept(n)
+    return 2 * k + -(-k // 2) + 2 * blocks(k) + 4 * max(-(-n // CHUNK) - 1, 0)
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("n", SIZES + [CHUNK, CHUNK + 1, 2 * CHUNK + 3])
+def test_payload_nbytes_is_the_packed_bytes_and_the_formula(name, block, n):
+    codec = make_codec(name, block_size=block, topk_fraction=0.03)
+    x = _delta(n, torch.bfloat16, seed=1)
+    payload = codec.encode({"x": x})
+    assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in payload.values())
+    assert payload.nbytes == payload["x"].numel() == _formula(name, n, block, 2, codec)
+    assert payload.nbytes == codec.payload_nbytes(layout_of({"x": x}))
+    assert payload_nbytes(payload) == payload.nbytes  # what the ledger records
+    assert len(pickle.dumps(payload, protocol=5)) < payload.nbytes + 600  # only pickle framing besides
+
+
+def test_topk_index_encoding_costs_two_bytes_per_kept_entry():
+    codec = TopK(0.01)
+    spec = TensorSpec(torch.Size([1_000_000]), torch.float32)
+    k = codec.kept(1_000_000)
+    assert k == 10_000
+    assert codec.packed_nbytes(spec) == 2 * k + 4 * 15 + k // 2 + 2 * math.ceil(k / 64)
+
+
+def _exact_sum(tensors):
+    """Per entry, the exact rational sum of the tensors' values."""
+    columns = zip(*(t.double().reshape(-1).tolist() for t in tensors))
+    return [sum(map(Fraction, column), Fraction(0)) for column in columns]
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_error_feedback_sent_plus_kept_equals_the_true_deltas_exactly(name, dtype):
+    codec = make_codec(name, block_size=64, topk_fraction=0.05)
+    feedback = ErrorFeedback(codec)
+    deltas, decoded = [], []
+    for round_ in range(5):
+        delta = _model_delta(dtype, seed=10 * round_)
+        before = {k: r.clone() for k, r in feedback.residual.items()}
+        payload = feedback.encode(delta)
+        sent = codec.decode(payload, layout_of(delta), dtype=torch.float64)
+        for k in delta:  # per round, bit for bit: decoded + new residual == Δ + old residual
+            x = delta[k].double() + before.get(k, torch.zeros_like(delta[k], dtype=torch.float64))
+            assert torch.equal(sent[k] + feedback.residual[k], x)
+        deltas.append(delta)
+        decoded.append(sent)
+    for k in deltas[0]:
+        sent_plus_kept = _exact_sum([d[k] for d in decoded] + [feedback.residual[k]])
+        assert sent_plus_kept == _exact_sum([d[k] for d in deltas])
+    carried = any(bool((r != 0).any()) for r in feedback.residual.values())
+    assert carried == (name != "none")  # compression dropped something to carry; `none` sends Δ as it is
+
+
+def test_error_feedback_checkpoints_through_safetensors_and_resumes_identically(tmp_path):
+    codec = make_codec("int4")
+    uninterrupted, resumed = ErrorFeedback(codec), ErrorFeedback(make_codec("int4"))
+    for round_ in range(2):
+        uninterrupted.encode(_model_delta(seed=round_))
+    save_file(uninterrupted.state_dict(), str(tmp_path / "residual.safetensors"))
+    resumed.load_state_dict(load_file(str(tmp_path / "residual.safetensors")))
+    for round_ in range(2, 4):
+        a, b = uninterrupted.encode(_model_delta(seed=round_)), resumed.encode(_model_delta(seed=round_))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_error_feedback_leaves_other_fragments_residuals_alone():
+    feedback = ErrorFeedback(make_codec("int4"))
+    feedback.encode(_model_delta())
+    kept_b = feedback.residual["b"].clone()
+    feedback.encode({"w": _model_delta(seed=5)["w"]})
+    assert torch.equal(feedback.residual["b"], kept_b)
+    with pytest.raises(ValueError, match="float64"):
+        feedback.load_state_dict({"w": torch.zeros(37, 11)})
+
+
+def _bits(tensors):
+    return {k: v.reshape(-1).view(torch.uint8).clone() for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_independent_decoders_average_to_the_same_bits(name, dtype):
+    nodes = [_model_delta(dtype, seed=100 + k) for k in range(3)]
+    payloads = [ErrorFeedback(make_codec(name, topk_fraction=0.1)).encode(d) for d in nodes]
+    layout = layout_of(nodes[0])
+    weights = [3.0, 1.0, 2.5]
+    here = average_decoded(make_codec(name, topk_fraction=0.1), payloads, layout, weights)
+    received = [pickle.loads(pickle.dumps(p, protocol=5)) for p in payloads]  # as a peer gets them
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        there = average_decoded(make_codec(name, topk_fraction=0.1), received, layout, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert _bits(here).keys() == _bits(there).keys()
+    assert all(torch.equal(a, b) for a, b in zip(_bits(here).values(), _bits(there).values()))
+    codec = make_codec(name, topk_fraction=0.1)
+    for k, spec in layout.items():
+        reference = sum(w * codec.decode(p, layout, torch.float64)[k] for w, p in zip(weights, payloads)) / 6.5
+        assert here[k].dtype == torch.float32 and here[k].shape == spec.shape
+        torch.testing.assert_close(here[k], reference.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["int8", "int4", "topk"])
+def test_gpu_and_cpu_decoders_agree_bit_for_bit(name):
+    nodes = [_model_delta(seed=200 + k) for k in range(3)]
+    codec = make_codec(name, topk_fraction=0.1)
+    payloads = [codec.encode(d) for d in nodes]
+    on_gpu = [Payload({k: t.cuda() for k, t in p.items()}) for p in payloads]
+    cpu = average_decoded(codec, payloads, layout_of(nodes[0]), [1.0, 2.0, 0.7])
+    gpu = average_decoded(codec, on_gpu, layout_of(nodes[0]), [1.0, 2.0, 0.7])
+    assert all(torch.equal(_bits(cpu)[k], _bits({k: v.cpu() for k, v in gpu.items()})[k]) for k in cpu)
+
+
+def test_bad_inputs_are_refused_with_clear_errors():
+    codec = make_codec("int8")
+    with pytest.raises(ValueError, match="unknown compression"):
+        make_codec("int2")
+    with pytest.raises(ValueError, match="float tensors"):
+        codec.encode({"steps": torch.tensor([3])})
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode({"x": torch.tensor([1.0, float("nan")])})
+    layout = {"x": TensorSpec(torch.Size([100]), torch.float32)}
+    with pytest.raises(ValueError, match="expected 104 uint8 bytes"):
+        codec.decode(Payload(x=torch.zeros(50, dtype=torch.uint8)), layout)
+    with pytest.raises(ValueError, match="layout does not"):
+        codec.decode(Payload(y=torch.zeros(104, dtype=torch.uint8)), layout)
+    a = codec.encode({"x": torch.ones(100)})
+    with pytest.raises(ValueError, match="different sets"):
+        average_decoded(codec, [a, Payload(x=a["x"], z=a["x"])], {**layout, "z": layout["x"]})
+    with pytest.raises(ValueError, match="positive weight"):
+        average_decoded(codec, [a, a], layout, [1.0, 0.0])
+    with pytest.raises(ValueError, match="bits"):
+        BlockwiseInt(3)
