@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Small sizes (each finishes in a few minutes on 2 CPUs); the rest are each script's defaults.
 BENCHMARKS: dict[str, list[str]] = {
-    "lofi_scaling": ["--steps", "20"],               # lo-fi vs DDP, N = 1, 2: 20 steps per actor
+    "lofi_scaling": ["--steps", "20"],  # lo-fi vs DDP, N = 1, 2: 20 steps per actor
     "spsa_replay": ["--repeats", "2", "--steps", "3"],  # SmolLM2-135M replay, memory, 3 exchange steps
-    "interlocking_steptime": ["--budget", "30"],      # K = 2, n = 1, 2: 30 s of training each
-    "driver_memory": ["--rows", "5000", "50000"],     # the driver's peak RSS after prepare: 5k vs 50k training rows
+    "interlocking_steptime": ["--budget", "30"],  # K = 2, n = 1, 2: 30 s of training each
+    "driver_memory": ["--rows", "5000", "50000"],  # the driver's peak RSS after prepare: 5k vs 50k training rows
 }
 
 
@@ -40,20 +40,33 @@ def run_benchmarks(names: list[str], out_dir: str | Path, extra: dict[str, list[
         print(f"\n=== {name}: python -m benchmarks.{name} {' '.join(args)}", flush=True)
         start = time.perf_counter()
         status[name] = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT).returncode
-        print(f"=== {name}: {'done' if status[name] == 0 else f'FAILED (exit {status[name]})'} in {time.perf_counter() - start:.0f} s",
-              flush=True)
+        print(
+            f"=== {name}: {'done' if status[name] == 0 else f'FAILED (exit {status[name]})'}"
+            f" in {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
     return status
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
-                        help=f"run only these ({', '.join(BENCHMARKS)}); default: all")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(BENCHMARKS),
+        metavar="NAME",
+        help=f"run only these ({', '.join(BENCHMARKS)}); default: all",
+    )
     parser.add_argument("--out", default="runs/benchmarks", help="folder for <name>.json (default: runs/benchmarks)")
     args = parser.parse_args(argv)
     status = run_benchmarks(args.only or list(BENCHMARKS), args.out)
-    print("\n" + "\n".join(f"{name:24s} {'saved ' + str(Path(args.out) / (name + '.json')) if rc == 0 else f'failed (exit {rc})'}"
-                           for name, rc in status.items()))
+    print(
+        "\n"
+        + "\n".join(
+            f"{name:24s} {'saved ' + str(Path(args.out) / (name + '.json')) if rc == 0 else f'failed (exit {rc})'}"
+            for name, rc in status.items()
+        )
+    )
     return 1 if any(status.values()) else 0
 
 

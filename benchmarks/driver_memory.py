@@ -58,12 +58,22 @@ def make_csv(path: Path, rows: int, seed: int = 0) -> Path:
 def config(csv_path: Path, test_size: int):
     from raylowcomm.strategies import from_dict
 
-    return from_dict({
-        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"},
-        "data": {"name": "reviews", "source": "csv", "files": str(csv_path), "columns": {"text": "review", "label": "verdict"},
-                 "test_size": test_size, "max_length": 64, "shift": "none"},
-        "nodes": {"count": 2, "cpus": 1}, "strategies": ["lofi"],
-    })
+    return from_dict(
+        {
+            "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"},
+            "data": {
+                "name": "reviews",
+                "source": "csv",
+                "files": str(csv_path),
+                "columns": {"text": "review", "label": "verdict"},
+                "test_size": test_size,
+                "max_length": 64,
+                "shift": "none",
+            },
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": ["lofi"],
+        }
+    )
 
 
 def peak_mb() -> float:
@@ -75,8 +85,8 @@ def measure(csv_path: Path, mode: str, test_size: int, out_dir: Path) -> dict:
     after load_all), what the driver holds."""
     import psutil
 
-    from raylowcomm.data import num_examples
-    from raylowcomm.ledger import payload_nbytes
+    from raylowcomm.common.batches import num_examples
+    from raylowcomm.common.ledger import payload_nbytes
     from raylowcomm.runner import prepare
 
     cfg = config(csv_path, test_size)
@@ -85,12 +95,18 @@ def measure(csv_path: Path, mode: str, test_size: int, out_dir: Path) -> dict:
     t0 = time.perf_counter()
     ctx = prepare(cfg, out_dir)
     prepare_s = time.perf_counter() - t0
-    row = {"mode": mode, "rss_before_mb": round(before, 1), "peak_before_mb": round(peak_before, 1),
-           "peak_after_prepare_mb": round(peak_mb(), 1), "rss_after_prepare_mb": round(process.memory_info().rss / MB, 1),
-           "prepare_s": round(prepare_s, 2), "train_rows": sum(ctx.data.train.sizes(1)),
-           "eval_rows": {k: num_examples(v) for k, v in ctx.data.eval_sets.items()},
-           "eval_sets_mb": round(sum(payload_nbytes(v) for v in ctx.data.eval_sets.values()) / MB, 2),
-           "recipe_bytes": payload_nbytes(ctx.data.train)}
+    row = {
+        "mode": mode,
+        "rss_before_mb": round(before, 1),
+        "peak_before_mb": round(peak_before, 1),
+        "peak_after_prepare_mb": round(peak_mb(), 1),
+        "rss_after_prepare_mb": round(process.memory_info().rss / MB, 1),
+        "prepare_s": round(prepare_s, 2),
+        "train_rows": sum(ctx.data.train.sizes(1)),
+        "eval_rows": {k: num_examples(v) for k, v in ctx.data.eval_sets.items()},
+        "eval_sets_mb": round(sum(payload_nbytes(v) for v in ctx.data.eval_sets.values()) / MB, 2),
+        "recipe_bytes": payload_nbytes(ctx.data.train),
+    }
     if mode == "control":
         train = ctx.data.train.load_all()
         row.update(peak_after_load_all_mb=round(peak_mb(), 1), train_tensors_mb=round(payload_nbytes(train) / MB, 1))
@@ -103,20 +119,39 @@ def child(args) -> None:
 
 
 def run_child(csv_path: Path, mode: str, cache: Path, work: Path, test_size: int) -> dict:
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error"}
-    cmd = [sys.executable, "-m", "benchmarks.driver_memory", "--child", "--csv", str(csv_path), "--mode", mode,
-           "--test-size", str(test_size), "--work", str(work / mode)]
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.driver_memory",
+        "--child",
+        "--csv",
+        str(csv_path),
+        "--mode",
+        mode,
+        "--test-size",
+        str(test_size),
+        "--work",
+        str(work / mode),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{mode} on {csv_path.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[5000, 50000], help="training CSV sizes (default: 5000 50000)")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[5000, 50000], help="training CSV sizes (default: 5000 50000)"
+    )
     parser.add_argument("--test-size", type=int, default=1000, help="rows the driver scores on, the same at every size")
     parser.add_argument("--out", default="runs/bench/driver_memory.json", help="the JSON to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -135,13 +170,38 @@ def main(argv: list[str] | None = None) -> None:
                 row = run_child(csv_path, mode, cache, work, args.test_size)
                 row.update(rows=rows, csv_mb=round(csv_path.stat().st_size / MB, 2))
                 results.append(row)
-                print(f"  {rows:>7,} rows {mode:8s} peak after prepare {row['peak_after_prepare_mb']:8.1f} MB"
-                      + (f", after load_all {row['peak_after_load_all_mb']:8.1f} MB" if mode == "control" else ""), flush=True)
-    header = ["rows", "CSV MB", "mode", "RSS before MB", "peak after prepare MB", "RSS after MB", "prepare s",
-              "eval sets MB", "recipe B", "peak after load_all MB"]
-    table = [[f"{r['rows']:,}", f"{r['csv_mb']:.1f}", r["mode"], f"{r['rss_before_mb']:.0f}", f"{r['peak_after_prepare_mb']:.0f}",
-              f"{r['rss_after_prepare_mb']:.0f}", f"{r['prepare_s']:.1f}", f"{r['eval_sets_mb']:.2f}", f"{r['recipe_bytes']:,}",
-              f"{r['peak_after_load_all_mb']:.0f}" if "peak_after_load_all_mb" in r else "-"] for r in results]
+                print(
+                    f"  {rows:>7,} rows {mode:8s} peak after prepare {row['peak_after_prepare_mb']:8.1f} MB"
+                    + (f", after load_all {row['peak_after_load_all_mb']:8.1f} MB" if mode == "control" else ""),
+                    flush=True,
+                )
+    header = [
+        "rows",
+        "CSV MB",
+        "mode",
+        "RSS before MB",
+        "peak after prepare MB",
+        "RSS after MB",
+        "prepare s",
+        "eval sets MB",
+        "recipe B",
+        "peak after load_all MB",
+    ]
+    table = [
+        [
+            f"{r['rows']:,}",
+            f"{r['csv_mb']:.1f}",
+            r["mode"],
+            f"{r['rss_before_mb']:.0f}",
+            f"{r['peak_after_prepare_mb']:.0f}",
+            f"{r['rss_after_prepare_mb']:.0f}",
+            f"{r['prepare_s']:.1f}",
+            f"{r['eval_sets_mb']:.2f}",
+            f"{r['recipe_bytes']:,}",
+            f"{r['peak_after_load_all_mb']:.0f}" if "peak_after_load_all_mb" in r else "-",
+        ]
+        for r in results
+    ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
     print("\n" + "\n".join("  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [header] + table))
     by = {(r["rows"], r["mode"]): r for r in results}

@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(FULL_WEIGHTS), default=sorted(FULL_WEIGHTS))
     parser.add_argument("--weights", nargs="*", choices=["full", "lora"], default=["full", "lora"])
-    parser.add_argument("--reuse", action="store_true", help="weights not in --weights: read the runs OUT already holds")
+    parser.add_argument(
+        "--reuse", action="store_true", help="weights not in --weights: read the runs OUT already holds"
+    )
     parser.add_argument("--out", default="runs/lora_table")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -69,16 +71,30 @@ def main(argv: list[str] | None = None) -> dict:
                 if "error" in r:
                     raise SystemExit(f"{model} {weights} {r['strategy']}: {r['error']}")
                 m, phase = r["metrics"], r["comm"]["by_phase"]
-                rows.append({"model": model, "weights": weights, "strategy": r["strategy"],
-                             "setup": phase["setup"], "train": phase["train"], "final": phase["final"],
-                             "collected": collected(r) if r["strategy"] == "lofi" else None,
-                             "id_accuracy": m.get("id_accuracy"), "shift_accuracy": m.get("shift_accuracy"),
-                             "wall_s": r["wall_s"]})
-    print(f"\n{'model':8s} {'weights':7s} {'strategy':8s} {'setup MB':>10s} {'train MB':>10s} {'final MB':>10s} "
-          f"{'ID acc':>7s} {'shift acc':>9s} {'wall s':>7s}")
+                rows.append(
+                    {
+                        "model": model,
+                        "weights": weights,
+                        "strategy": r["strategy"],
+                        "setup": phase["setup"],
+                        "train": phase["train"],
+                        "final": phase["final"],
+                        "collected": collected(r) if r["strategy"] == "lofi" else None,
+                        "id_accuracy": m.get("id_accuracy"),
+                        "shift_accuracy": m.get("shift_accuracy"),
+                        "wall_s": r["wall_s"],
+                    }
+                )
+    print(
+        f"\n{'model':8s} {'weights':7s} {'strategy':8s} {'setup MB':>10s} {'train MB':>10s} {'final MB':>10s} "
+        f"{'ID acc':>7s} {'shift acc':>9s} {'wall s':>7s}"
+    )
     for row in rows:
-        print(f"{row['model']:8s} {row['weights']:7s} {row['strategy']:8s} {row['setup'] / 1e6:10.3f} {row['train'] / 1e6:10.3f} "
-              f"{row['final'] / 1e6:10.3f} {row['id_accuracy']:7.3f} {row['shift_accuracy']:9.3f} {row['wall_s']:7.0f}")
+        print(
+            f"{row['model']:8s} {row['weights']:7s} {row['strategy']:8s} {row['setup'] / 1e6:10.3f} "
+            f"{row['train'] / 1e6:10.3f} {row['final'] / 1e6:10.3f} {row['id_accuracy']:7.3f} "
+            f"{row['shift_accuracy']:9.3f} {row['wall_s']:7.0f}"
+        )
     for model in args.models:
         lofi = {r["weights"]: r["collected"] for r in rows if r["model"] == model and r["strategy"] == "lofi"}
         if len(lofi) < 2:

@@ -37,10 +37,17 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"the main job failed (exit {proc.returncode})")
     timings = json.loads((Path(args.out) / "timings.json").read_text())
     records = json.loads((Path(args.out) / "results.json").read_text())
-    rows = [("model load", timings["model_load_s"]), ("data load", timings["data_load_s"]), ("Ray start", timings["ray_start_s"])]
+    rows = [
+        ("model load", timings["model_load_s"]),
+        ("data load", timings["data_load_s"]),
+        ("Ray start", timings["ray_start_s"]),
+    ]
     for r in records:
         t = timings[r["strategy"]]
-        rows += [(f"{r['strategy']}: training", t["train_s"]), (f"{r['strategy']}: setup, evaluation, collection", t["setup_eval_collect_s"])]
+        rows += [
+            (f"{r['strategy']}: training", t["train_s"]),
+            (f"{r['strategy']}: setup, evaluation, collection", t["setup_eval_collect_s"]),
+        ]
     rows.insert(0, ("interpreter, imports, teardown", wall - sum(v for _, v in rows)))
     print(f"main job: {' '.join(command[1:])}\nwall {wall:.1f} s")
     for label, seconds in rows:
@@ -50,9 +57,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {r['strategy']} parts: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
     for r in records:
         m, c = r["metrics"], r["comm"]["by_phase"]
-        print(f"  {r['strategy']:12s} id_accuracy {m.get('id_accuracy', float('nan')):.4f}  "
-              f"bytes setup/train/final {c['setup'] / 1e6:,.1f} / {c['train'] / 1e6:,.1f} / {c['final'] / 1e6:,.1f} MB")
-    result = {"wall_s": wall, "breakdown": dict(rows), "records": [{k: r[k] for k in ("strategy", "metrics", "comm")} for r in records]}
+        print(
+            f"  {r['strategy']:12s} id_accuracy {m.get('id_accuracy', float('nan')):.4f}  "
+            f"bytes setup/train/final {c['setup'] / 1e6:,.1f} / {c['train'] / 1e6:,.1f} / {c['final'] / 1e6:,.1f} MB"
+        )
+    result = {
+        "wall_s": wall,
+        "breakdown": dict(rows),
+        "records": [{k: r[k] for k in ("strategy", "metrics", "comm")} for r in records],
+    }
     (Path(args.out) / "main_job.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -41,8 +41,9 @@ def write(path: Path, header: list[str], rows) -> int:
         writer = csv.writer(f)
         writer.writerow(header)
         n = 0
-        for n, row in enumerate(rows, 1):
+        for row in rows:
             writer.writerow(row)
+            n += 1
     return n
 
 
@@ -61,18 +62,28 @@ def pngs(rows: list[dict], folder_of) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "data"), help="where to write (default: examples/data)")
-    parser.add_argument("--train-per-class", type=int, default=200, help="MNIST training PNGs per class (of 500; default 200)")
+    parser.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent / "data"), help="where to write (default: examples/data)"
+    )
+    parser.add_argument(
+        "--train-per-class", type=int, default=200, help="MNIST training PNGs per class (of 500; default 200)"
+    )
     parser.add_argument("--test-per-class", type=int, default=50, help="MNIST test PNGs per class (default 50)")
     args = parser.parse_args(argv)
     out = Path(args.out)
 
     # A CSV whose columns are not called text / label and whose labels are words.
     reviews = read("rotten_tomatoes")
-    n = write(out / "reviews" / "reviews.csv", ["review", "verdict"], ([r["text"], VERDICT[r["label"]]] for r in reviews))
+    n = write(
+        out / "reviews" / "reviews.csv", ["review", "verdict"], ([r["text"], VERDICT[r["label"]]] for r in reviews)
+    )
     print(f"{out / 'reviews' / 'reviews.csv'}: {n} rows")
     # Its shift set: other column names, other column order, the same label names.
-    n = write(out / "reviews" / "amazon.csv", ["opinion", "snippet"], ([VERDICT[r["label"]], r["text"]] for r in read("amazon_reviews")))
+    n = write(
+        out / "reviews" / "amazon.csv",
+        ["opinion", "snippet"],
+        ([VERDICT[r["label"]], r["text"]] for r in read("amazon_reviews")),
+    )
     print(f"{out / 'reviews' / 'amazon.csv'}: {n} rows")
 
     # Node-local training files (disjoint rows, of different sizes) and the driver's evaluation file.
@@ -80,7 +91,11 @@ def main(argv: list[str] | None = None) -> None:
         path = out / "nodes" / f"node_{k}" / "reviews.csv"
         n = write(path, ["review", "verdict"], ([r["text"], VERDICT[r["label"]]] for r in reviews[lo:hi]))
         print(f"{path}: {n} rows")
-    n = write(out / "nodes" / "eval.csv", ["review", "verdict"], ([r["text"], VERDICT[r["label"]]] for r in reviews[10000:11000]))
+    n = write(
+        out / "nodes" / "eval.csv",
+        ["review", "verdict"],
+        ([r["text"], VERDICT[r["label"]]] for r in reviews[10000:11000]),
+    )
     print(f"{out / 'nodes' / 'eval.csv'}: {n} rows")
 
     # PNG class folders: train/ and test/ splits of MNIST, the UCI digits as a shift folder.

@@ -1,6 +1,6 @@
 """raylowcomm: fine-tune pretrained models across machines that cannot afford to talk much.
 
-Python API (README, "Python API")::
+Python API (docs/python-api.md)::
 
     import raylowcomm
     cfg = raylowcomm.load_config("x.yaml", ["optim.lr=0.01"])   # validated; raylowcomm.ConfigError if not

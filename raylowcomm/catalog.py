@@ -44,15 +44,26 @@ class DatasetInfo:
 _DIGITS = {"image": "pixels", "label": "label"}
 _REVIEWS = {"text": "text", "label": "label"}
 
-DATASETS = {d.name: d for d in (
-    DatasetInfo("mnist", "image", "mnist", "csv", _DIGITS,
-                shift={"uci_digits": ShiftPreset("uci_digits", "csv", _DIGITS)}),
-    DatasetInfo("rotten_tomatoes", "labelled_text", "rotten_tomatoes", "csv", _REVIEWS,
-                shift={"amazon_reviews": ShiftPreset("amazon_reviews", "csv", _REVIEWS)},
-                template=PROMPT_TEMPLATE, label_words=LABEL_WORDS),
-    DatasetInfo("hamlet", "text", "hamlet", "text", {"text": "text"}),
-    DatasetInfo("speeches", "text", "speeches", "text", {"text": "text"}),
-)}
+DATASETS = {
+    d.name: d
+    for d in (
+        DatasetInfo(
+            "mnist", "image", "mnist", "csv", _DIGITS, shift={"uci_digits": ShiftPreset("uci_digits", "csv", _DIGITS)}
+        ),
+        DatasetInfo(
+            "rotten_tomatoes",
+            "labelled_text",
+            "rotten_tomatoes",
+            "csv",
+            _REVIEWS,
+            shift={"amazon_reviews": ShiftPreset("amazon_reviews", "csv", _REVIEWS)},
+            template=PROMPT_TEMPLATE,
+            label_words=LABEL_WORDS,
+        ),
+        DatasetInfo("hamlet", "text", "hamlet", "text", {"text": "text"}),
+        DatasetInfo("speeches", "text", "speeches", "text", {"text": "text"}),
+    )
+}
 
 TASKS = {
     ("timm", "image"): "image_classification",
@@ -66,7 +77,10 @@ NEW_HEAD_TASKS = ("image_classification", "text_classification")
 """Tasks that give the model a new classifier head with the data's class count."""
 
 FAMILIES_FOR_KIND = {kind: sorted(f for f, k in TASKS if k == kind) for kind in ("image", "labelled_text", "text")}
-FAMILY_DATA = {kind: " or ".join(d.name for d in DATASETS.values() if d.kind == kind) for kind in ("image", "labelled_text", "text")}
+FAMILY_DATA = {
+    kind: " or ".join(d.name for d in DATASETS.values() if d.kind == kind)
+    for kind in ("image", "labelled_text", "text")
+}
 """Dataset names of each kind, for error messages."""
 
 
@@ -99,4 +113,3 @@ def declared_kind(name: str, source: str | None, columns: dict[str, str]) -> Kin
 def task_name(family: str, data: str) -> str | None:
     """The task a `family` model trains on the preset `data`, None when they do not fit."""
     return task_of(family, DATASETS[data].kind)
-

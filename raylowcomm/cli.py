@@ -41,7 +41,9 @@ def check_out_dir(path: str | Path, field: str) -> None:
             if existing.exists():
                 break
         except OSError as err:  # e.g. a parent that may not be searched
-            raise ConfigError(field, str(path), f"cannot look into {existing.parent} ({err.strerror}): choose another folder") from None
+            raise ConfigError(
+                field, str(path), f"cannot look into {existing.parent} ({err.strerror}): choose another folder"
+            ) from None
     if not existing.is_dir():
         where = "is an existing file" if existing == target else f"lies under {existing}, which is a file"
         raise ConfigError(field, str(path), f"{where}: choose a folder (new or existing) for the outputs")
@@ -49,35 +51,57 @@ def check_out_dir(path: str | Path, field: str) -> None:
         raise ConfigError(field, str(path), f"{existing} is not writable: choose a folder you can write to")
 
 
+def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raylowcomm", description="Low-communication fine-tuning on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run the strategies of a config and compare them")
     run_p.add_argument("config")
-    run_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set optim.lr=0.01 (repeatable)")
+    _add_overrides(run_p, "override a config field, e.g. --set optim.lr=0.01 (repeatable)")
     run_p.add_argument("--out", help="output directory (default: the config's out_dir)")
-    run_p.add_argument("--resume", metavar="OUT", help="continue the run in OUT whose driver stopped: finished strategies "
-                       "are kept, the others continue from their last checkpoint in storage")
-    run_p.add_argument("--verbose", action="store_true", help="also show what node actors, Ray and the model and data loaders print")
+    run_p.add_argument(
+        "--resume",
+        metavar="OUT",
+        help="continue the run in OUT whose driver stopped: finished strategies "
+        "are kept, the others continue from their last checkpoint in storage",
+    )
+    run_p.add_argument(
+        "--verbose", action="store_true", help="also show what node actors, Ray and the model and data loaders print"
+    )
     tune_p = sub.add_parser("tune", help="sweep config fields with Ray Tune (a sweep file: see tune_configs/)")
     tune_p.add_argument("sweep")
-    tune_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field of the sweep's base config for every trial (repeatable)")
+    _add_overrides(tune_p, "override a field of the sweep's base config for every trial (repeatable)")
     tune_p.add_argument("--storage-path", help="where Tune writes the sweep (default: the sweep file's storage_path)")
-    bench_p = sub.add_parser("bench", help="every strategy of a config on identical inputs, curves and a report: "
-                                           "over a shaped 2-host link (wan, needs root) or on local Ray")
+    bench_p = sub.add_parser(
+        "bench",
+        help="every strategy of a config on identical inputs, curves and a report: "
+        "over a shaped 2-host link (wan, needs root) or on local Ray",
+    )
     bench_p.add_argument("mode", choices=["wan", "local"])
     bench_p.add_argument("config")
-    bench_p.add_argument("--rate", dest="rates", action="append", default=[], metavar="RATE",
-                         help="wan: link rate, e.g. 100mbit or 1gbit (repeatable; default 100mbit)")
-    bench_p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config field (repeatable)")
+    bench_p.add_argument(
+        "--rate",
+        dest="rates",
+        action="append",
+        default=[],
+        metavar="RATE",
+        help="wan: link rate, e.g. 100mbit or 1gbit (repeatable; default 100mbit)",
+    )
+    _add_overrides(bench_p, "override a config field (repeatable)")
     bench_p.add_argument("--out", help="output directory (default: the config's out_dir)")
-    report_p = sub.add_parser("report", help="rebuild report.md and the curve plots of a bench (or run) directory from its saved results")
+    report_p = sub.add_parser(
+        "report", help="rebuild report.md and the curve plots of a bench (or run) directory from its saved results"
+    )
     report_p.add_argument("dir")
-    report_p.add_argument("--target-fraction", type=float, default=0.95,
-                          help="target = this fraction of DDP's final accuracy (for a loss: DDP's final / it)")
+    report_p.add_argument(
+        "--target-fraction",
+        type=float,
+        default=0.95,
+        help="target = this fraction of DDP's final accuracy (for a loss: DDP's final / it)",
+    )
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
     assets_p.add_argument("action", choices=["list", "fetch"])
     assets_p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
@@ -165,7 +189,7 @@ def _report(args) -> int:
 def _tune(args) -> int:
     from raylowcomm import assets
     from raylowcomm.config import ConfigError
-    from raylowcomm.tune import SweepError, load_sweep, run_sweep
+    from raylowcomm.tune import SweepError, format_summary, load_sweep, run_sweep
 
     try:
         sweep = load_sweep(args.sweep, args.overrides)
@@ -176,6 +200,7 @@ def _tune(args) -> int:
         summary = run_sweep(sweep, args.storage_path)
     except (SweepError, ConfigError, assets.AssetError) as err:
         return _fail(err)
+    print(format_summary(sweep.spec, summary))
     return 1 if any(t["status"] == "error" for t in summary["trials"]) else 0
 
 
@@ -187,7 +212,9 @@ def _run(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.resume and args.out and Path(args.out) != Path(args.resume):
-            raise ConfigError("--out", args.out, "--resume OUT continues the run in OUT: drop --out or give the same folder")
+            raise ConfigError(
+                "--out", args.out, "--resume OUT continues the run in OUT: drop --out or give the same folder"
+            )
         if args.out or args.resume:
             cfg.out_dir = args.resume or args.out
         check_out_dir(cfg.out_dir, "--resume" if args.resume else "--out" if args.out else "out_dir")
@@ -201,8 +228,11 @@ def _run(args) -> int:
     except (ConfigError, assets.AssetError) as err:
         return _fail(err)
     except KeyboardInterrupt:  # the running strategy's actors were released on the way out
-        print(f"error: interrupted; the running strategy's actors were released; strategies that finished, if any, "
-              f"are in {Path(cfg.out_dir) / 'results.json'}", file=sys.stderr)
+        print(
+            f"error: interrupted; the running strategy's actors were released; strategies that finished, if any, "
+            f"are in {Path(cfg.out_dir) / 'results.json'}",
+            file=sys.stderr,
+        )
         return 130
     return 1 if any("error" in r for r in records) else 0
 

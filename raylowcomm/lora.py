@@ -1,5 +1,7 @@
 """LoRA adapters (peft) for every strategy: wrapping a model, what a node sends, how the nodes'
-adapters are averaged, restarting adapters after an averaging round, saving. Plain torch: no Ray.
+adapters are averaged, restarting adapters after an averaging round, saving; `LoraFineTune` is
+what a LoRA run asks all of it through (`finetune.fine_tune_for`). The only module that knows
+peft. Plain torch: no Ray.
 
 Two forms of a state dict appear here. The PEFT model's names its frozen weights
 `base_model.model.<path>.base_layer.weight`, its adapters `<path>.lora_A.default.weight` and
@@ -10,22 +12,23 @@ what merging gives) names the same weights `<path>.weight`; `plain_key` maps one
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import peft
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from raylowcomm.config import ConfigError, LoraConfig, RunConfig
-from raylowcomm.models import ModelSpec, build_model, state_dict_of
+from raylowcomm.common.ledger import payload_nbytes
+from raylowcomm.config import ConfigError, LoraConfig
+from raylowcomm.models import ModelSpec, build_architecture, state_dict_of
 from raylowcomm.training import save_weights
 
 logger = logging.getLogger(__name__)
@@ -37,26 +40,6 @@ _ADAPTER_ONLY = re.compile(r"\.(lora_\w+|original_module)\.")
 _TASK_TYPE = {"hf_classifier": peft.TaskType.SEQ_CLS, "hf_causal_lm": peft.TaskType.CAUSAL_LM}
 
 State = dict[str, torch.Tensor]
-
-
-def validate_lora(cfg: RunConfig) -> None:
-    """`model.lora` and `model.merge`, before any model is loaded or actor started."""
-    model = cfg.model
-    if model.lora is None:
-        if model.merge:
-            raise ConfigError("model.merge", model.merge, "only applies to LoRA runs: set model.lora or remove model.merge")
-        return
-    lora = model.lora
-    if lora.r <= 0:
-        raise ConfigError("model.lora.r", lora.r, "must be > 0")
-    if lora.alpha <= 0:
-        raise ConfigError("model.lora.alpha", lora.alpha, "must be > 0")
-    if not 0 <= lora.dropout < 1:
-        raise ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)")
-    targets = lora.target_modules
-    if targets is not None and (not targets or not all(t.strip() for t in targets)):
-        raise ConfigError("model.lora.target_modules", targets,
-                          "a non-empty list of module names, or null for peft's default for the architecture")
 
 
 # --- building ----------------------------------------------------------------------------------
@@ -153,7 +136,8 @@ def _check_mergeable(name: str, layer: LoraLayer) -> None:
     base = layer.get_base_layer()
     if ADAPTER in layer.lora_embedding_A or getattr(layer, "fan_in_fan_out", False) or getattr(base, "groups", 1) > 1:
         raise NotImplementedError(f"{name}: only Linear and ungrouped Conv LoRA layers can be averaged exactly; "
-                                  f"leave embeddings, GPT-2 Conv1D and depthwise convolutions out of model.lora.target_modules")
+                                  "leave embeddings, GPT-2 Conv1D and depthwise convolutions out of "
+                                  "model.lora.target_modules")
 
 
 def lora_layers(model: nn.Module) -> list[AdaptedLayer]:
@@ -193,7 +177,8 @@ def _mean(states: Sequence[State], w: list[float], key: str) -> torch.Tensor:
 def _check_same_keys(states: Sequence[State]) -> None:
     for k, s in enumerate(states[1:], 1):
         if s.keys() != states[0].keys():
-            raise ValueError(f"node state {k} differs from node state 0 in keys: {sorted(s.keys() ^ states[0].keys())[:5]}")
+            odd = sorted(s.keys() ^ states[0].keys())[:5]
+            raise ValueError(f"node state {k} differs from node state 0 in keys: {odd}")
 
 
 def average_factors(node_states: Sequence[State], weights: Sequence[float] | None = None) -> State:
@@ -232,16 +217,35 @@ def average_delta(base_state: State, node_states: Sequence[State], layers: Seque
 class AdapterAverage:
     """lo-fi's average of adapters on top of the nodes' common frozen `base`: `delta`, the exact
     average of what they learned, or `factors`, FedAvg of A and B (for comparison). Returns the
-    plain merged state; after an averaging round it becomes the next round's base."""
+    plain merged state; after an averaging round it becomes the next round's base. The
+    `finetune.NodeAverage` of a LoRA run."""
 
     base: State
     layers: list[AdaptedLayer]
     how: str = "delta"
+    what: ClassVar[str] = "node_adapters"
 
     def __call__(self, node_states: Sequence[State], weights: Sequence[float] | None = None) -> State:
         if self.how == "factors":
             return average_delta(self.base, [average_factors(node_states, weights)], self.layers)
         return average_delta(self.base, node_states, self.layers, weights)
+
+    def gather(self, states: Iterable[tuple[int, State]], weights: Sequence[float]) -> NodeAdapters:
+        """Every node's adapters and head, kept (they are small) in node order with their weights."""
+        got = dict(states)
+        return NodeAdapters([got[k] for k in sorted(got)], [weights[k] for k in sorted(got)], self.how)
+
+    def combine(self, gathered: NodeAdapters) -> State:
+        return self(gathered.states, gathered.weights)
+
+    def rebase(self, state: State) -> None:
+        self.base = state
+
+    def sent(self, payload: NodeAdapters | State) -> tuple[str, int]:
+        """The nodes' adapters cross to be merged where they are scored; a merged model crosses whole."""
+        if isinstance(payload, NodeAdapters):
+            return "adapters_to_score", sum(payload_nbytes(s) for s in payload.states)
+        return "weights_to_score", payload_nbytes(payload)
 
 
 @dataclass
@@ -287,7 +291,7 @@ def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if any(k.startswith(_PREFIX) for k in state):
-        model = build_model(spec)
+        model = apply_lora(build_architecture(spec), spec)
         model.load_state_dict(state)
         if not merge:
             model.save_pretrained(str(out))
@@ -295,13 +299,62 @@ def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str |
             return out
         plain = model.merge_and_unload()
     elif merge:
-        plain = build_model(dataclasses.replace(spec, lora=None))
+        plain = build_architecture(spec)
         plain.load_state_dict(state)
     else:
-        raise ValueError("an averaged (merged) state cannot be saved as an adapter: save it with merge=True (model.merge: true)")
+        raise ValueError("an averaged (merged) state cannot be saved as an adapter: "
+                         "save it with merge=True (model.merge: true)")
     if hasattr(plain, "save_pretrained"):
         plain.save_pretrained(str(out))
     else:
         save_weights(out / "model.safetensors", state_dict_of(plain))
     logger.info("saved the merged model to %s", out)
     return out
+
+
+# --- the fine-tune ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoraFineTune:
+    """`finetune.FineTune` for adapters: only the adapters and the new head train, so only they are
+    sent, all-reduced and checkpointed (until an average moves the base); lo-fi averages them
+    exactly on the nodes' common base, and each averaging round restarts them on the merged one."""
+
+    spec: ModelSpec
+
+    def wrap(self, model: nn.Module, seed: int | None = None) -> nn.Module:
+        return apply_lora(model, self.spec, seed)
+
+    def node_state(self, model: nn.Module) -> State:
+        return trainable_state(model)
+
+    def trainable_only(self, base_moved: bool = False) -> bool:
+        return not base_moved
+
+    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
+        """The merged average becomes the frozen base under fresh adapters (`merge_and_reset`)."""
+        merge_and_reset(model, state, seed)
+        return True
+
+    def plain_state(self, payload: NodeAdapters | State, model: nn.Module) -> State:
+        """The nodes' adapters merged on this node's base, or a merged model as it came."""
+        return payload.merged_on(model) if isinstance(payload, NodeAdapters) else payload
+
+    def plain_names(self, state: State) -> State:
+        return {plain_key(k): v for k, v in state.items()}
+
+    def node_average(self, base: State, model: nn.Module, how: str) -> AdapterAverage:
+        return AdapterAverage(base, lora_layers(model), how)
+
+    def save_result(self, weights: State, model: nn.Module, out_dir: Path, merge: bool) -> dict[str, str]:
+        """The adapter as peft writes it where the result is adapters on the pretrained base (SPSA,
+        DDP), and with model.merge the merged model (always the form of lo-fi's average, which is no
+        longer one rank-r adapter)."""
+        adapters = any(".lora_" in k for k in weights)
+        full = {**state_dict_of(model), **weights} if adapters else weights
+        out = {}
+        if adapters:
+            out["adapter_dir"] = str(save_lora(full, self.spec, out_dir / "adapter", merge=False))
+        if merge:
+            out["merged_dir"] = str(save_lora(full, self.spec, out_dir / "merged", merge=True))
+        return out

@@ -3,6 +3,7 @@ and a file-free `ModelSpec` from which any actor rebuilds the same architecture.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,16 +25,71 @@ class ModelSpec:
     timm_arch: str | None = None
     hf_config: object | None = None
     lora: LoraConfig | None = None
-    """Wrap the architecture in these LoRA adapters (raylowcomm.lora)."""
+    """Train these LoRA adapters on the frozen architecture (`finetune.fine_tune_for` wraps it)."""
 
 
 def model_source(cfg: ModelConfig) -> str:
     """Where the model's weights come from (a bundled asset is materialised): a cheap check that
-    they exist, for callers that do not load the model themselves."""
-    source = _resolve(cfg)
-    if cfg.path is not None and not Path(source).exists():
-        raise ConfigError("model.path", cfg.path, "no such file or folder; point it at your local weights or remove it")
-    return source
+    they exist and hold a model (`check_model_files`), for callers that do not load the model themselves."""
+    check_model_files(cfg)
+    return _resolve(cfg)
+
+
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+"""Weight files `from_pretrained` loads from a folder (one file, or the index of a sharded set)."""
+
+
+def check_model_files(cfg: ModelConfig) -> None:
+    """A local model (model.path, or a folder as model.name) holds what its family loads (timm: one
+    checkpoint file; Hugging Face: a folder with config.json, weights and a tokenizer), checked from
+    the files alone before anything loads: an error naming the field and what is missing, not a
+    loader's traceback, nor a tokenizer of special tokens only (transformers' answer to a folder
+    without vocabulary)."""
+    local = cfg.family != "timm" and cfg.name not in assets.ASSETS and Path(cfg.name).expanduser().is_dir()
+    if cfg.path is None and not local:
+        return  # a timm architecture, a bundled asset or a hub id: no local files to look at
+    field, value = ("model.path", cfg.path) if cfg.path is not None else ("model.name", cfg.name)
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(field, value, "no such file or folder; point it at your local weights or remove it")
+    if cfg.family == "timm":
+        if path.is_dir():
+            raise ConfigError(field, value, "is a folder; a timm checkpoint is one file (.safetensors, .pth or .bin): "
+                                            "give the file")
+        _check_weights(field, value, path)
+        return
+    if not path.is_dir():
+        raise ConfigError(field, value, "is a file; a Hugging Face model is a folder (config.json, weights, "
+                                        "tokenizer): give the folder")
+    names = {p.name for p in path.iterdir()}
+    tokenizer = {"tokenizer.json", "vocab.txt", "vocab.json"} & names or {n for n in names if n.endswith(".model")}
+    parts = {"config.json": "config.json" in names,
+             "weights (model.safetensors or pytorch_model.bin)": set(HF_WEIGHTS) & names,
+             "a tokenizer (tokenizer.json, vocab.txt, vocab.json or a .model file)": tokenizer}
+    missing = [what for what, found in parts.items() if not found]
+    if missing:
+        raise ConfigError(field, value, f"is not a Hugging Face model folder: it lacks {', '.join(missing)} "
+                                        f"(it holds {', '.join(sorted(names)[:8]) or 'nothing'})")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (ValueError, OSError) as err:
+        raise ConfigError(field, value, f"its config.json cannot be read ({type(err).__name__}: {err})") from None
+    for name in HF_WEIGHTS[:2]:
+        if name in names:
+            _check_weights(field, value, path / name)
+
+
+def _check_weights(field: str, value: str, file: Path) -> None:
+    """`file` begins as its format does: a safetensors header (a .safetensors file), else a torch
+    checkpoint (a zip archive or a pickle)."""
+    with open(file, "rb") as f:
+        head = f.read(9)
+    if file.suffix == ".safetensors":
+        if len(head) < 9 or head[8:9] != b"{" or int.from_bytes(head[:8], "little") > file.stat().st_size:
+            raise ConfigError(field, value, f"{file.name} is not a safetensors file: give the model's weights")
+    elif not head.startswith((b"PK\x03\x04", b"\x80")):
+        raise ConfigError(field, value, f"{file.name} is not a torch checkpoint (.pth, .bin) nor a .safetensors file: "
+                                        "give the model's weights")
 
 
 def _resolve(cfg: ModelConfig) -> str:
@@ -44,20 +100,50 @@ def _resolve(cfg: ModelConfig) -> str:
     return cfg.name
 
 
-def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int):
-    """(model, spec, tokenizer). A new head is drawn from `seed`, so it is the same on every node;
-    with `cfg.lora` the model comes wrapped in adapters drawn from `seed` too (base frozen)."""
-    model, spec, tokenizer = _load_base(cfg, num_classes, seed)
-    if cfg.lora is None:
-        return model, spec, tokenizer
-    from raylowcomm.lora import apply_lora  # peft only for LoRA runs
+def _timm_model(cfg: ModelConfig, arch: str, num_classes: int | None, source: str | None) -> nn.Module:
+    """timm's `arch` with the checkpoint `source`'s weights (None: random); weights that do not fit
+    it are an error naming the field, checked before timm loads them (see `_check_fits`)."""
+    import timm
 
-    spec.lora = cfg.lora
-    return apply_lora(model, spec, seed), spec, tokenizer
+    field = "model.timm_arch" if cfg.timm_arch else "model.path" if cfg.path else "model.name"
+    value, fix = cfg.timm_arch or cfg.path or cfg.name, "set model.timm_arch to the checkpoint's architecture"
+    if source is None:
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes)
+    _check_fits(arch, num_classes, source, field, value, fix)
+    try:
+        overlay = {"file": source}
+        return timm.create_model(arch, pretrained=True, num_classes=num_classes, pretrained_cfg_overlay=overlay)
+    except RuntimeError as err:  # a tensor of another shape
+        if "state_dict" not in str(err):
+            raise
+        detail = (str(err).splitlines()[1:] or [str(err)])[0].strip().rstrip(".")  # the first tensor that does not fit
+        raise ConfigError(field, value, f"the weights do not fit timm architecture {arch!r} ({detail}): "
+                                        f"{fix}") from None
 
 
-def _load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
-    """The pretrained model without adapters."""
+def _check_fits(arch: str, num_classes: int | None, source: str, field: str, value: str, fix: str) -> None:
+    """Under a new head timm loads a checkpoint of another architecture with a warning only, keeping
+    the tensors whose names match (none): the checkpoint must hold most of `arch`'s tensors by name
+    (not all: timm adapts some checkpoints as it loads them)."""
+    import timm
+    from timm.models import load_state_dict
+
+    with torch.device("meta"):  # the architecture's tensor names, nothing allocated
+        expected = timm.create_model(arch, pretrained=False, num_classes=num_classes)
+    head = expected.pretrained_cfg.get("classifier") or ()
+    names = [k for k in expected.state_dict() if not k.startswith(head)]
+    held = load_state_dict(source).keys()
+    missing = [k for k in names if k not in held]
+    if len(missing) > len(names) / 2:
+        raise ConfigError(field, value, f"the weights do not fit timm architecture {arch!r}: {len(missing)} of its "
+                                        f"{len(names)} tensors are not in {Path(source).name} (e.g. {missing[0]}): "
+                                        f"{fix}")
+
+
+def load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
+    """(model, spec, tokenizer): the pretrained architecture as loaded, a new head drawn from `seed`
+    (the same on every node); `finetune.load_pretrained` turns it into the model as it trains."""
+    check_model_files(cfg)
     torch.manual_seed(seed)
     if cfg.family == "timm":
         import timm
@@ -65,20 +151,21 @@ def _load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
         arch = cfg.timm_arch or ASSET_TIMM_ARCH.get(cfg.name, cfg.name)
         if arch not in timm.list_models():
             raise ConfigError("model.timm_arch", arch, "not a timm architecture (see timm.list_models())")
-        kwargs = {}
+        source = None
         if cfg.pretrained:
             source = _resolve(cfg) if (cfg.path or cfg.name in assets.ASSETS) else None
             if source is None:
-                raise ConfigError("model.path", None, f"pretrained '{arch}' needs local weights: set model.path to a checkpoint file, or model.pretrained=false")
-            kwargs["pretrained_cfg_overlay"] = {"file": source}
-        model = timm.create_model(arch, pretrained=cfg.pretrained, num_classes=num_classes, **kwargs)
-        return model, ModelSpec("timm", num_classes=num_classes, timm_arch=arch), None
+                raise ConfigError("model.path", None, f"pretrained '{arch}' needs local weights: set model.path to a "
+                                                      "checkpoint file, or model.pretrained=false")
+        model = _timm_model(cfg, arch, num_classes, source)
+        return model, ModelSpec("timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora), None
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     source = _resolve(cfg)
     if not Path(source).exists() and "/" not in source:
-        raise ConfigError("model.name", cfg.name, f"not a bundled asset ({', '.join(a for a, v in assets.ASSETS.items() if v.kind == 'model')}), a local folder or a hub id")
+        bundled = ", ".join(a for a, v in assets.ASSETS.items() if v.kind == "model")
+        raise ConfigError("model.name", cfg.name, f"not a bundled asset ({bundled}), a local folder or a hub id")
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -87,11 +174,12 @@ def _load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model, ModelSpec(cfg.family, num_classes=num_classes, hf_config=model.config), tokenizer
+    return model, ModelSpec(cfg.family, num_classes=num_classes, hf_config=model.config, lora=cfg.lora), tokenizer
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
-    """The architecture alone (random weights), with `spec.lora`'s adapters: load a state dict into it."""
+def build_architecture(spec: ModelSpec) -> nn.Module:
+    """The architecture alone (random weights), with no adapters: the plain model a merged or full
+    state dict loads into (`finetune.build_model` builds the model as it trains)."""
     if spec.family == "timm":
         import timm
 
@@ -101,11 +189,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
         auto = AutoModelForSequenceClassification if spec.family == "hf_classifier" else AutoModelForCausalLM
         model = auto.from_config(spec.hf_config, dtype=torch.float32)
-    if spec.lora is None:
-        return model
-    from raylowcomm.lora import apply_lora  # peft only for LoRA runs
-
-    return apply_lora(model, spec)
+    return model
 
 
 def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -115,10 +199,10 @@ def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def image_preprocessing(model: nn.Module) -> dict | None:
     """How a timm model's pretrained weights expect images: {input_size, mean, std, ...} from its
-    pretrained config (timm.data.resolve_data_config); None for a model that takes no images."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA adapters
-    if not hasattr(base, "pretrained_cfg"):
+    pretrained config (timm.data.resolve_data_config); None for a model that takes no images. A
+    model wrapped in adapters answers for the model it wraps."""
+    if not hasattr(model, "pretrained_cfg"):
         return None
     from timm.data import resolve_data_config
 
-    return resolve_data_config({}, model=base)
+    return resolve_data_config({}, model=model)

@@ -21,7 +21,7 @@ class ProgressView:
     def update(self, strategy: str, metrics: dict) -> None:
         step, total = metrics.get("step"), metrics.get("steps")
         if step is None or (strategy == self.name and step < self.step):  # workers' posts and the strategy's own
-            return                                                         # reports may arrive out of order
+            return  # reports may arrive out of order
         if strategy != self.name:
             self.close()
             self.name, self.logged, self.step = strategy, -1, -1
@@ -41,8 +41,13 @@ class ProgressView:
             self.bar.update(step - self.bar.n)
         elif not again and (total is None or step == total or step * 10 // total > self.logged):
             self.logged = step * 10 // total if total else step
-            logger.info("[%s] step %s%s %s", strategy, step, f"/{total}" if total else "",
-                        " ".join(f"{k} {v}" for k, v in parts.items()))
+            logger.info(
+                "[%s] step %s%s %s",
+                strategy,
+                step,
+                f"/{total}" if total else "",
+                " ".join(f"{k} {v}" for k, v in parts.items()),
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -152,11 +157,18 @@ class LiveProgress:
                         continue
                     self._seen = tuple(latest.items())
                     steps = self.steps or max((s for _, s, _ in latest.values() if s), default=None)
-                    self.report({"step": min(step for step, _, _ in latest.values()), **({"steps": steps} if steps else {}),
-                                 "train_loss": sum(loss for _, _, loss in latest.values()) / len(latest)})
+                    self.report(
+                        {
+                            "step": min(step for step, _, _ in latest.values()),
+                            **({"steps": steps} if steps else {}),
+                            "train_loss": sum(loss for _, _, loss in latest.values()) / len(latest),
+                        }
+                    )
                 except Exception as err:
                     if not self._failed:
-                        logger.warning("live progress: %s: %s (the strategies' own reports go on)", type(err).__name__, err)
+                        logger.warning(
+                            "live progress: %s: %s (the strategies' own reports go on)", type(err).__name__, err
+                        )
                     self._failed = True
 
 

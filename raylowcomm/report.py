@@ -25,6 +25,7 @@ class ReportError(Exception):
 
 # ---------------------------------------------------------------------------------------- numbers
 
+
 def primary_metric(records: list[dict]) -> str:
     """Accuracy where the task has one (classifiers), else the loss (language models)."""
     ok = [r for r in records if "error" not in r]
@@ -83,30 +84,42 @@ def summarize_run(records: list[dict], metric: str, fraction: float = TARGET_FRA
             rows.append({"strategy": r.get("strategy", "?"), "error": r["error"], "wall_s": r.get("wall_s")})
             continue
         curve = r.get("curve") or []
-        rows.append({
-            "strategy": r["strategy"],
-            "final": r.get("metrics", {}).get(metric),
-            "metrics": r.get("metrics", {}),
-            "time_to_target_s": crossing(curve, metric, target, "wall_s") if target is not None else None,
-            "bytes_to_target": crossing(curve, metric, target, "bytes") if target is not None else None,
-            "total_bytes": r.get("comm", {}).get("total_bytes"),
-            "train_s": r.get("train_s"),
-            "wall_s": r.get("wall_s"),
-            "curve_points": len(curve),
-            "curve_note": (r.get("details") or {}).get("curve_note"),
-        })
-    base = next((row for row in rows if row["strategy"] == "ddp" and "error" not in row), None) if target is not None else None
+        rows.append(
+            {
+                "strategy": r["strategy"],
+                "final": r.get("metrics", {}).get(metric),
+                "metrics": r.get("metrics", {}),
+                "time_to_target_s": crossing(curve, metric, target, "wall_s") if target is not None else None,
+                "bytes_to_target": crossing(curve, metric, target, "bytes") if target is not None else None,
+                "total_bytes": r.get("comm", {}).get("total_bytes"),
+                "train_s": r.get("train_s"),
+                "wall_s": r.get("wall_s"),
+                "curve_points": len(curve),
+                "curve_note": (r.get("details") or {}).get("curve_note"),
+            }
+        )
+    base = (
+        next((row for row in rows if row["strategy"] == "ddp" and "error" not in row), None)
+        if target is not None
+        else None
+    )
     for row in rows:
         if "error" in row:
             continue
         row["bytes_vs_ddp"] = _ratio(row["total_bytes"], base["total_bytes"]) if base else None
         t = row["time_to_target_s"]
         row["speedup_vs_ddp"] = _ratio(base["time_to_target_s"], t) if base and t is not None else None
-    return {"metric": metric, "target": target, "ddp_final": ddp["metrics"][metric] if target is not None else None,
-            "note": note, "rows": rows}
+    return {
+        "metric": metric,
+        "target": target,
+        "ddp_final": ddp["metrics"][metric] if target is not None else None,
+        "note": note,
+        "rows": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------ input
+
 
 def load_bench(bench_dir: str | Path) -> dict:
     """bench.json with each run's records attached (None where results.json is missing)."""
@@ -116,7 +129,11 @@ def load_bench(bench_dir: str | Path) -> dict:
     if (bench_dir / "bench.json").exists():
         bench = json.loads((bench_dir / "bench.json").read_text())
     elif (bench_dir / "results.json").exists():
-        bench = {"mode": "local", "config": _read_config(bench_dir), "runs": [{"label": bench_dir.name, "rate": None, "dir": "."}]}
+        bench = {
+            "mode": "local",
+            "config": _read_config(bench_dir),
+            "runs": [{"label": bench_dir.name, "rate": None, "dir": "."}],
+        }
     elif (bench_dir / "benchmarks").is_dir():
         bench = {"mode": "local", "config": None, "runs": []}
     else:
@@ -134,6 +151,7 @@ def _read_config(run_dir: Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------------ plots
 
+
 def plot_curves(bench: dict, metric: str, axis: str, path: Path, targets: list[float | None]) -> None:
     """One panel per run, one line per strategy, the same colour for a strategy in every panel."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -143,7 +161,10 @@ def plot_curves(bench: dict, metric: str, axis: str, path: Path, targets: list[f
     fig = Figure(figsize=(5.5 * len(runs), 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
-    names = sorted({r["strategy"] for run in runs for r in run.get("records") or [] if "strategy" in r}, key=lambda n: (n != "ddp", n))
+    names = sorted(
+        {r["strategy"] for run in runs for r in run.get("records") or [] if "strategy" in r},
+        key=lambda n: (n != "ddp", n),
+    )
     colours = {name: f"C{i % 10}" for i, name in enumerate(names)}  # DDP always blue
     for ax, run, target in zip(axes, runs, targets + [None] * len(runs)):
         drawn = 0
@@ -151,7 +172,14 @@ def plot_curves(bench: dict, metric: str, axis: str, path: Path, targets: list[f
             pts = [p for p in r.get("curve") or [] if metric in p and axis in p and (axis != "bytes" or p[axis] > 0)]
             if "error" in r or not pts:
                 continue
-            ax.plot([p[axis] for p in pts], [p[metric] for p in pts], marker="o", ms=3, color=colours[r["strategy"]], label=r["strategy"])
+            ax.plot(
+                [p[axis] for p in pts],
+                [p[metric] for p in pts],
+                marker="o",
+                ms=3,
+                color=colours[r["strategy"]],
+                label=r["strategy"],
+            )
             drawn += 1
         if target is not None:
             ax.axhline(target, color="grey", ls="--", lw=1, label="target")
@@ -169,6 +197,7 @@ def plot_curves(bench: dict, metric: str, axis: str, path: Path, targets: list[f
 
 
 # -------------------------------------------------------------------------------------- markdown
+
 
 def _num(x: float | None, spec: str = ".4f") -> str:
     return "-" if x is None else format(x, spec)
@@ -188,6 +217,27 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in clean]
 
 
+def _result_row(row: dict, has_target: bool, shift: str | None) -> list[str]:
+    """One scored strategy's cells in a run's table; `shift`: the shift metric's column, if shown."""
+    reach = "no curve" if not row["curve_points"] else "not reached"
+    ttt = row["time_to_target_s"]
+    time_to_target = f"{ttt:.3g} s" if ttt is not None and ttt < 100 else f"{ttt:.0f} s" if ttt is not None else reach
+    bytes_to_target = human_bytes(row["bytes_to_target"]) if row["bytes_to_target"] is not None else reach
+    return (
+        [row["strategy"], _num(row["final"])]
+        + ([_num(row["metrics"].get(shift))] if shift else [])
+        + [
+            time_to_target if has_target else "-",
+            _num(row["speedup_vs_ddp"], ".2f") + ("×" if row["speedup_vs_ddp"] is not None else ""),
+            human_bytes(row["total_bytes"]),
+            _num(row["bytes_vs_ddp"], ".3g"),
+            bytes_to_target if has_target else "-",
+            _num(row["train_s"], ".1f"),
+            _num(row["wall_s"], ".1f"),
+        ]
+    )
+
+
 def run_section(run: dict, summary: dict | None, fraction: float) -> list[str]:
     title = run["label"] + (f" — link shaped to {run['rate']}" if run.get("rate") else " — no link shaping")
     lines = [f"## {title}", ""]
@@ -195,8 +245,11 @@ def run_section(run: dict, summary: dict | None, fraction: float) -> list[str]:
         lines += [run["collect_note"], ""]
     if run.get("link"):
         link = run["link"]
-        lines += [f"Link measured before the run: {link['mbit_per_s']} Mbit/s ({link['bytes'] / 1e6:.0f} MB host 1 → host 0 "
-                  f"in {link['seconds']} s over TCP).", ""]
+        lines += [
+            f"Link measured before the run: {link['mbit_per_s']} Mbit/s ({link['bytes'] / 1e6:.0f} MB host 1 → host 0 "
+            f"in {link['seconds']} s over TCP).",
+            "",
+        ]
     if summary is None:
         return lines + [f"No results.json in `{run.get('dir', run['label'])}/`.", ""]
     metric, target = summary["metric"], summary["target"]
@@ -207,22 +260,18 @@ def run_section(run: dict, summary: dict | None, fraction: float) -> list[str]:
         lines += [summary["note"], ""]
     shift = "shift_" + metric[3:]
     has_shift = any(shift in row.get("metrics", {}) for row in summary["rows"])
-    header = ["strategy", f"final {metric}"] + ([shift] if has_shift else []) + [
-        "time to target", "speed-up vs DDP", "bytes sent", "bytes / DDP", "bytes to target", "train s", "wall s"]
+    header = (
+        ["strategy", f"final {metric}"]
+        + ([shift] if has_shift else [])
+        + ["time to target", "speed-up vs DDP", "bytes sent", "bytes / DDP", "bytes to target", "train s", "wall s"]
+    )
     rows, notes, failed = [], [], []
     for row in summary["rows"]:
         if "error" in row:
             failed.append(f"- **{row['strategy']}** failed after {_num(row['wall_s'], '.1f')} s: {row['error']}")
             rows.append([row["strategy"], "FAILED"] + ["-"] * (len(header) - 2))
             continue
-        reach = "no curve" if not row["curve_points"] else "not reached"
-        ttt = row["time_to_target_s"]
-        rows.append([row["strategy"], _num(row["final"])] + ([_num(row["metrics"].get(shift))] if has_shift else []) + [
-            "-" if target is None else (f"{ttt:.3g} s" if ttt is not None and ttt < 100 else f"{ttt:.0f} s" if ttt is not None else reach),
-            _num(row["speedup_vs_ddp"], ".2f") + ("×" if row["speedup_vs_ddp"] is not None else ""),
-            human_bytes(row["total_bytes"]), _num(row["bytes_vs_ddp"], ".3g"),
-            "-" if target is None else (human_bytes(row["bytes_to_target"]) if row["bytes_to_target"] is not None else reach),
-            _num(row["train_s"], ".1f"), _num(row["wall_s"], ".1f")])
+        rows.append(_result_row(row, target is not None, shift if has_shift else None))
         if row["curve_note"]:
             notes.append(f"- **{row['strategy']}**: {row['curve_note']}")
     lines += _table(header, rows) + [""]
@@ -286,8 +335,11 @@ def tensorboard_line(bench_dir: str | Path, bench: dict) -> list[str]:
         logdir = bench_dir
     else:
         return []
-    return [f"TensorBoard curves (training loss, evaluation metrics and bytes sent, against step and training "
-            f"wall time): `tensorboard --logdir {logdir}`.", ""]
+    return [
+        f"TensorBoard curves (training loss, evaluation metrics and bytes sent, against step and training "
+        f"wall time): `tensorboard --logdir {logdir}`.",
+        "",
+    ]
 
 
 def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> str:
@@ -298,27 +350,41 @@ def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> st
     bench = load_bench(bench_dir)
     all_records = [r for run in bench["runs"] for r in run["records"] or []]
     metric = primary_metric(all_records)
-    summaries = [summarize_run(run["records"], metric, fraction) if run["records"] is not None else None for run in bench["runs"]]
+    summaries = [
+        summarize_run(run["records"], metric, fraction) if run["records"] is not None else None for run in bench["runs"]
+    ]
     mode = bench.get("mode", "local")
     lines = ["# raylowcomm benchmark report", ""]
     if mode == "wan":
-        lines.append("Mode **wan**: two Ray nodes in network namespaces, the link between them shaped in both directions to each run's rate.")
+        lines.append(
+            "Mode **wan**: two Ray nodes in network namespaces, the link between them shaped in both directions "
+            "to each run's rate."
+        )
     else:
         lines.append("Mode **local**: one machine's embedded Ray, no link shaping.")
     lines.append("")
     cfg = bench.get("config") or {}
     if cfg:
         model, data, nodes = cfg.get("model", {}), cfg.get("data", {}), cfg.get("nodes", {})
-        lines += [f"Model `{model.get('name')}`, data `{data.get('name')}` ({data.get('train_size')} training examples), "
-                     f"{nodes.get('count')} nodes; strategies {', '.join(cfg.get('strategies', []))}; "
-                     f"evaluation every {cfg.get('eval_every') or '— (end only)'} steps. Full config at the end.", ""]
+        lines += [
+            f"Model `{model.get('name')}`, data `{data.get('name')}` ({data.get('train_size')} training examples), "
+            f"{nodes.get('count')} nodes; strategies {', '.join(cfg.get('strategies', []))}; "
+            f"evaluation every {cfg.get('eval_every') or '— (end only)'} steps. Full config at the end.",
+            "",
+        ]
     lines += tensorboard_line(bench_dir, bench)
     if bench["runs"]:
-        lines += [f"Metric: **{metric}** ({'higher' if higher_is_better(metric) else 'lower'} is better). Time to target: "
-                  "the curve's training wall time (evaluation excluded), linearly interpolated between evaluations; "
-                  "speed-up over DDP = DDP's time to target ÷ the strategy's; bytes are everything sent in all "
-                  "phases, as counted by the byte ledger.", "",
-                  "![metric vs training wall time](curves_time.png)", "", "![metric vs bytes sent](curves_bytes.png)", ""]
+        lines += [
+            f"Metric: **{metric}** ({'higher' if higher_is_better(metric) else 'lower'} is better). Time to target: "
+            "the curve's training wall time (evaluation excluded), linearly interpolated between evaluations; "
+            "speed-up over DDP = DDP's time to target ÷ the strategy's; bytes are everything sent in all "
+            "phases, as counted by the byte ledger.",
+            "",
+            "![metric vs training wall time](curves_time.png)",
+            "",
+            "![metric vs bytes sent](curves_bytes.png)",
+            "",
+        ]
         targets = [s["target"] if s else None for s in summaries]
         plot_curves(bench, metric, "wall_s", bench_dir / "curves_time.png", targets)
         plot_curves(bench, metric, "bytes", bench_dir / "curves_bytes.png", targets)

@@ -6,21 +6,23 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import ray
 import yaml
 
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.env import quiet_loaders, set_hub_defaults
 from raylowcomm.data import describe_data, prepare_data
-from raylowcomm.models import image_preprocessing, load_pretrained
+from raylowcomm.env import quiet_loaders, set_hub_defaults
+from raylowcomm.finetune import load_pretrained
+from raylowcomm.models import image_preprocessing
 from raylowcomm.progress import LiveProgress, ProgressView
 from raylowcomm.runtime import init_ray
 from raylowcomm.storage import Storage
 from raylowcomm.strategies import STRATEGIES
-from raylowcomm.strategies.base import RunContext, actor_bundles, external_bundles
+from raylowcomm.strategies.base import RunContext
 from raylowcomm.tensorboard import TensorBoardLog
 from raylowcomm.training import total_steps
 
@@ -41,9 +43,12 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     sizes = data.train.sizes(cfg.nodes.count)  # None with node_files: the nodes know theirs
     if sizes:
         total_steps(cfg.optim, min(sizes))  # batch size vs shard size, checked now
+    ctx = RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume)
+    for name in cfg.strategies:
+        STRATEGIES[name].check(ctx)  # options the loaded model or data cannot take
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume)
+    return ctx
 
 
 def check_resumable(cfg: RunConfig, out_dir: str | Path) -> None:
@@ -55,8 +60,11 @@ def check_resumable(cfg: RunConfig, out_dir: str | Path) -> None:
     before.pop("out_dir", None), now.pop("out_dir", None)  # OUT itself, however the first run spelled it
     changed = sorted(_differences(before, now))
     if changed:
-        raise ConfigError("--resume", str(out_dir), f"the run there had other settings ({', '.join(changed[:5])}): "
-                                                    f"resume with the config it was started with")
+        raise ConfigError(
+            "--resume",
+            str(out_dir),
+            f"the run there had other settings ({', '.join(changed[:5])}): resume with the config it was started with",
+        )
 
 
 def _differences(a, b, prefix: str = "") -> list[str]:
@@ -72,8 +80,14 @@ def finished_records(out_dir: Path) -> dict[str, dict]:
     return {r["strategy"]: r for r in records if "error" not in r}
 
 
-def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[str, dict], None] | None = None,
-        verbose: bool = False, bar: bool | None = None, resume: bool = False) -> list[dict]:
+def run(
+    cfg: RunConfig,
+    out_dir: str | Path | None = None,
+    progress: Callable[[str, dict], None] | None = None,
+    verbose: bool = False,
+    bar: bool | None = None,
+    resume: bool = False,
+) -> list[dict]:
     """Run every strategy of `cfg` and return their records (what results.json holds); the file
     is rewritten after each strategy, so none is lost. `progress(strategy, metrics)` sees what
     the strategies report while they train (step, steps planned, train_loss, bytes, evaluations),
@@ -86,114 +100,184 @@ def run(cfg: RunConfig, out_dir: str | Path | None = None, progress: Callable[[s
     if not verbose:
         quiet_loaders(hf_model=cfg.model.family != "timm")
     out, timings = Path(out_dir or cfg.out_dir), {}
-    done = finished_records(out) if resume else {}
+    kept = finished_records(out) if resume else {}
     ctx = prepare(cfg, out, timings, resume=resume)
     t0 = time.perf_counter()
     init_ray(verbose=verbose)
     timings["ray_start_s"] = round(time.perf_counter() - t0, 3)
     check_cluster_fits(cfg)
-    records: list[dict] = []
-    view, lock = ProgressView(bar), threading.Lock()
     with TensorBoardLog(out) as board, LiveProgress() as live:
         ctx.live = live
-        for name in cfg.strategies:
-            if name in done:  # kept, and written again below even when no strategy after it runs
-                logger.info("=== %s: finished before, kept ===", name)
-                records.append(done[name])
-                _write_records(out, ctx, records)
-                continue
-            logger.info("=== %s ===", name)
-            started = time.time()
-
-            def report(metrics: dict, name: str = name) -> None:
-                with lock:  # the strategy's thread and the live view's
-                    board.progress(name, metrics)
-                    view.update(name, metrics)
-                    if progress is not None:
-                        progress(name, metrics)
-
-            ctx.report = report
-            live.follow(report)
-            try:
-                record = STRATEGIES[name]().run(ctx).to_dict()
-                record["details"].update(live.details())
-                records.append(record)
-            except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
-                error = failure_message(err)
-                if error.startswith(f"{ConfigError.__name__}: "):  # the user's data, found on a node: no stack to read
-                    logger.error("%s failed; its actors were released: %s", name, error)
-                else:
-                    logger.exception("%s failed; its actors were released", name)
-                records.append({"strategy": name, "error": error, "wall_s": round(time.time() - started, 3)})
-            with lock:
-                view.close()
-            board.record(records[-1])
-            timings[name] = strategy_timing(records[-1])
-            _write_records(out, ctx, records)
-            (out / "timings.json").write_text(json.dumps(timings, indent=2))
+        shown = _ShownProgress(board, ProgressView(bar), live, progress, out, timings)
+        records = run_strategies(ctx, StrategyHooks(shown.report_to, shown.finished), kept)
     logger.info("%s", format_table(records))
-    logger.info("time: %s", ", ".join(f"{k} {v}" if not isinstance(v, dict) else f"{k} {v['wall_s']:.1f} s "
-                                       f"(training {v.get('train_s') or 0:.1f} s)" for k, v in timings.items()))
+    logger.info(
+        "time: %s",
+        ", ".join(
+            f"{k} {v}"
+            if not isinstance(v, dict)
+            else f"{k} {v['wall_s']:.1f} s (training {v.get('train_s') or 0:.1f} s)"
+            for k, v in timings.items()
+        ),
+    )
     logger.info("results: %s; curves: tensorboard --logdir %s", out / "results.json", out / "tensorboard")
     return records
 
 
+class _ShownProgress:
+    """A run's view of its strategies: each report goes to TensorBoard, the progress view and the
+    caller's `progress`, one at a time (the strategy's thread and the live view's both report);
+    each record to TensorBoard and timings.json."""
+
+    def __init__(
+        self,
+        board: TensorBoardLog,
+        view: ProgressView,
+        live: LiveProgress,
+        progress: Callable[[str, dict], None] | None,
+        out: Path,
+        timings: dict,
+    ) -> None:
+        self.board, self.view, self.live, self.progress = board, view, live, progress
+        self.out, self.timings, self.lock = out, timings, threading.Lock()
+
+    def report_to(self, name: str) -> Callable[[dict], None]:
+        def report(metrics: dict) -> None:
+            with self.lock:
+                self.board.progress(name, metrics)
+                self.view.update(name, metrics)
+                if self.progress is not None:
+                    self.progress(name, metrics)
+
+        self.live.follow(report)
+        return report
+
+    def finished(self, name: str, record: dict) -> None:
+        if "error" not in record:
+            record["details"].update(self.live.details())
+        with self.lock:
+            self.view.close()
+        self.board.record(record)
+        self.timings[name] = strategy_timing(record)
+        (self.out / "timings.json").write_text(json.dumps(self.timings, indent=2))
+
+
+@dataclass
+class StrategyHooks:
+    """What a caller of `run_strategies` does around each strategy: the CLI's run (progress view,
+    TensorBoard, timings) and a Tune trial (reports to Tune) differ here and nowhere else."""
+
+    report_to: Callable[[str], Callable[[dict], None]]
+    """Strategy name -> the `ctx.report` it calls with its progress metrics."""
+    finished: Callable[[str, dict], None]
+    """Called with each record that ran (a failed one included) before results.json is rewritten."""
+
+
+def run_strategies(ctx: RunContext, hooks: StrategyHooks, kept: dict[str, dict] | None = None) -> list[dict]:
+    """The one loop over a run's strategies, for `raylowcomm run` and a Tune trial alike: each
+    strategy in turn on the same context; a failure is that strategy's record (its actors are
+    released) and the next one runs; results.json is rewritten after each, so none is lost;
+    `kept` (a resumed run's finished records) are written again, not run."""
+    records: list[dict] = []
+    for name in ctx.cfg.strategies:
+        if kept and name in kept:
+            logger.info("=== %s: finished before, kept ===", name)
+            records.append(kept[name])
+        else:
+            logger.info("=== %s ===", name)
+            ctx.report = hooks.report_to(name)
+            records.append(_run_one(ctx, name))
+            hooks.finished(name, records[-1])
+        _write_records(ctx, records)
+    return records
+
+
+def _run_one(ctx: RunContext, name: str) -> dict:
+    started = time.time()
+    try:
+        return STRATEGIES[name]().run(ctx).to_dict()
+    except Exception as err:  # one strategy failing must not lose the others' results; its actors are gone
+        error = failure_message(err)
+        if error.startswith(f"{ConfigError.__name__}: "):  # the user's data, found on a node: no stack to read
+            logger.error("%s failed; its actors were released: %s", name, error)
+        else:
+            logger.exception("%s failed; its actors were released", name)
+        return {"strategy": name, "error": error, "wall_s": round(time.time() - started, 3)}
+
+
 def failure_message(err: BaseException) -> str:
-    """"<Type>: <message>" of the exception an actor or worker raised itself, where Ray wraps it: a
+    """ "<Type>: <message>" of the exception an actor or worker raised itself, where Ray wraps it: a
     Ray Train rank's own failure, a task's cause, or the cause of an actor's failed creation."""
     failures = getattr(err, "worker_failures", None)  # ray.train.WorkerGroupError: rank -> its exception
     if failures:
         err = failures[min(failures)]
-    if isinstance(err, ray.exceptions.RayActorError) and err.args and isinstance(err.args[0], ray.exceptions.RayTaskError):
+    if (
+        isinstance(err, ray.exceptions.RayActorError)
+        and err.args
+        and isinstance(err.args[0], ray.exceptions.RayTaskError)
+    ):
         err = err.args[0]  # ActorDiedError(cause): the creation task's error
     if isinstance(err, ray.exceptions.RayTaskError):
         err = err.cause
     return f"{type(err).__name__}: {err}"
 
 
-def _write_records(out: Path, ctx: RunContext, records: list[dict]) -> None:
+def _write_records(ctx: RunContext, records: list[dict]) -> None:
     """results.json in OUT and in storage, rewritten after every strategy, kept ones included."""
-    (out / "results.json").write_text(json.dumps(records, indent=2, default=str))
+    (ctx.out_dir / "results.json").write_text(json.dumps(records, indent=2, default=str))
     ctx.storage.write_json("results.json", records)
 
 
-def check_cluster_fits(cfg: RunConfig) -> None:
+def check_cluster_fits(cfg: RunConfig, demands: dict[str, list[dict]] | None = None) -> None:
     """Every strategy's actors must fit the cluster: on the local Ray, which cannot grow, asking
     for more CPUs, GPUs or custom resources than it has stops the run now (ConfigError naming the
     field) instead of waiting forever; on a joined cluster, which may autoscale, it is a warning,
     and the actor layer says what it waits for while it waits, unless no node has the resource
-    at all (a GPU run on a CPU-only cluster): that stops too, unless nodes.wait_for_resources."""
+    at all (a GPU run on a CPU-only cluster): that stops too, unless nodes.wait_for_resources.
+    `demands`: what must fit at once, by who asks (default: each strategy's own bundles; a sweep
+    passes a trial's whole reservation)."""
     import os
-
-    import ray
 
     capacity = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     total = ray.cluster_resources()
-    for name in cfg.strategies:
-        bundles = actor_bundles(STRATEGIES[name], cfg) + external_bundles(STRATEGIES[name], cfg)
+    if demands is None:
+        demands = {
+            name: STRATEGIES[name].bundles(cfg) + STRATEGIES[name].external_bundles(cfg) for name in cfg.strategies
+        }
+    for name, bundles in demands.items():
         for key in sorted({k for b in bundles for k in b}):
-            need, each, have = sum(b.get(key, 0) for b in bundles), max(b.get(key, 0) for b in bundles), total.get(key, 0)
+            need, each, have = (
+                sum(b.get(key, 0) for b in bundles),
+                max(b.get(key, 0) for b in bundles),
+                total.get(key, 0),
+            )
             largest = max((n.get(key, 0) for n in capacity), default=0)
             if need <= have and each <= largest:
                 continue
             field, value = _resource_field(cfg, name, key, too_big_each=each > largest)
-            has = (f"has {have:g} {key}, at most {largest:g} on one node" if have else
-                   f"has no {key} on any node (set nodes.wait_for_resources if an autoscaler adds them)")
-            message = (f"{name} starts {len(bundles)} actors needing {need:g} {key} in all ({each:g} each), but the cluster "
-                       f"{has}: lower {field} or add nodes")
+            has = (
+                f"has {have:g} {key}, at most {largest:g} on one node"
+                if have
+                else f"has no {key} on any node (set nodes.wait_for_resources if an autoscaler adds them)"
+            )
+            message = (
+                f"{name} starts {len(bundles)} actors needing {need:g} {key} in all ({each:g} each), but the cluster "
+                f"{has}: lower {field} or add nodes"
+            )
             if os.environ.get("RAY_ADDRESS") and (have or cfg.nodes.wait_for_resources):
                 logger.warning("%s; waiting for the cluster to grow", message)
             else:
                 raise ConfigError(field, value, message)
 
 
-def _resource_field(cfg: RunConfig, strategy: str, key: str, too_big_each: bool) -> tuple[str, object]:
-    """The config field to change: what one actor asks for when no node can hold it, else how many actors."""
+def _resource_field(cfg: RunConfig, who: str, key: str, too_big_each: bool) -> tuple[str, object]:
+    """The config field to change: what one actor asks for when no node can hold it, else how many
+    actors (the strategy's own count field; nodes.count for a sweep's trial)."""
     if too_big_each:
         if key in ("CPU", "GPU"):
             return f"nodes.{key.lower()}s", getattr(cfg.nodes, f"{key.lower()}s")
         return f"nodes.resources.{key}", cfg.nodes.resources.get(key)
-    field = getattr(STRATEGIES[strategy], "count_field", "nodes.count")
+    field = STRATEGIES[who].count_field if who in STRATEGIES else "nodes.count"
     section, key = field.split(".", 1)
     return field, getattr(cfg.options[section] if section in cfg.options else getattr(cfg, section), key)
 
@@ -203,8 +287,12 @@ def strategy_timing(record: dict) -> dict:
     out) and the rest (actors and data out, evaluation, collecting the result), and the parts the
     strategy timed itself (details.phases_s: starting actors, evaluating, collecting, saving)."""
     wall, train = record["wall_s"], record.get("train_s")
-    return {"wall_s": wall, "train_s": train, "setup_eval_collect_s": round(wall - train, 3) if train is not None else None,
-            "phases_s": record.get("details", {}).get("phases_s", {})}
+    return {
+        "wall_s": wall,
+        "train_s": train,
+        "setup_eval_collect_s": round(wall - train, 3) if train is not None else None,
+        "phases_s": record.get("details", {}).get("phases_s", {}),
+    }
 
 
 def _mb(n: int | None) -> str:
@@ -212,7 +300,18 @@ def _mb(n: int | None) -> str:
 
 
 def format_table(records: list[dict]) -> str:
-    cols = ["strategy", "id", "shift", "setup MB", "train MB", "final MB", "total MB", "wall s", "samples/s", "peak RSS MB"]
+    cols = [
+        "strategy",
+        "id",
+        "shift",
+        "setup MB",
+        "train MB",
+        "final MB",
+        "total MB",
+        "wall s",
+        "samples/s",
+        "peak RSS MB",
+    ]
     rows = []
     for r in records:
         if "error" in r:
@@ -220,17 +319,38 @@ def format_table(records: list[dict]) -> str:
             continue
         m, c = r["metrics"], r["comm"]["by_phase"]
         key = "accuracy" if "id_accuracy" in m else "loss"
-        rows.append([r["strategy"], f"{m[f'id_{key}']:.4f}", f"{m[f'shift_{key}']:.4f}" if f"shift_{key}" in m else "-",
-                     _mb(c["setup"]), _mb(c["train"]), _mb(c["final"]), _mb(r["comm"]["total_bytes"]),
-                     f"{r['wall_s']:.1f}", f"{r['samples_per_s']:.1f}" if r["samples_per_s"] else "-", _mb(r["peak_rss_bytes"])])
+        rows.append(
+            [
+                r["strategy"],
+                f"{m[f'id_{key}']:.4f}",
+                f"{m[f'shift_{key}']:.4f}" if f"shift_{key}" in m else "-",
+                _mb(c["setup"]),
+                _mb(c["train"]),
+                _mb(c["final"]),
+                _mb(r["comm"]["total_bytes"]),
+                f"{r['wall_s']:.1f}",
+                f"{r['samples_per_s']:.1f}" if r["samples_per_s"] else "-",
+                _mb(r["peak_rss_bytes"]),
+            ]
+        )
         for node in r.get("nodes") or []:
             if "metrics" in node:
                 nm = node["metrics"]
-                rows.append([f"  node {node['node']}", f"{nm[f'id_{key}']:.4f}", f"{nm[f'shift_{key}']:.4f}" if f"shift_{key}" in nm else "-",
-                             "", "", "", "", "", "", _mb(node["peak_rss_bytes"])])
-        bn = r.get("details", {}).get("average_without_bn_recalibration")
-        if bn:
-            rows.append(["  avg w/o BN recal", f"{bn[f'id_{key}']:.4f}", f"{bn[f'shift_{key}']:.4f}" if f"shift_{key}" in bn else "-"] + [""] * 7)
+                rows.append(
+                    [
+                        f"  node {node['node']}",
+                        f"{nm[f'id_{key}']:.4f}",
+                        f"{nm[f'shift_{key}']:.4f}" if f"shift_{key}" in nm else "-",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        _mb(node["peak_rss_bytes"]),
+                    ]
+                )
+        rows += [row + [""] * (len(cols) - len(row)) for row in STRATEGIES[r["strategy"]].table_rows(r, key)]
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [cols] + rows]
     scored = [r["metrics"] for r in records if "metrics" in r]  # none when every strategy failed: no metric to name

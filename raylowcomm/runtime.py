@@ -86,3 +86,12 @@ def setup_threads(cpus: float) -> None:
 
 def device_for(gpus: float) -> str:
     return "cuda" if gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+def wire_nbytes(obj) -> int:
+    """Size Ray's serialiser gives an object (data + metadata): what ray.put stores or a task's
+    inline argument or reply carries."""
+    import ray
+
+    ser = ray._private.worker.global_worker.get_serialization_context().serialize(obj)
+    return ser.total_bytes + len(ser.metadata or b"")

@@ -13,8 +13,30 @@ import json
 import struct
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")
+"""The URI schemes `pyarrow.fs.FileSystem.from_uri` opens (mock: in memory, for tests)."""
+
+
+def storage_problem(uri: str) -> str | None:
+    """Why a run could not keep its state at `uri` (config.validate names the field), or None: a
+    scheme pyarrow.fs does not open, or a local or mounted path that is (or lies under) a file."""
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0].lower()
+        if scheme in SCHEMES:
+            return None
+        return (f"pyarrow.fs cannot open {scheme}:// URIs: give a path every node can reach (a shared mount) or a URI "
+                f"of {', '.join(s + '://' for s in SCHEMES[:-1])}")
+    target = Path(uri).expanduser().absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())  # the root always exists
+    if existing.is_dir():
+        return None
+    where = "is a file" if existing == target else f"lies under {existing}, which is a file"
+    return f"{where}: give a folder (new or existing) for the run's state"
 
 
 class Storage:

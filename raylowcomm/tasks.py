@@ -17,7 +17,7 @@ from torch import nn
 
 from raylowcomm import catalog
 from raylowcomm.catalog import TaskSpec
-from raylowcomm.data import Split, eval_batches, take
+from raylowcomm.common.batches import Split, eval_batches, take
 
 SET_PREFIX = {"test": "id", "shift": "shift", "val": "val"}
 """Evaluation set name -> the prefix of its metrics in a record (id_accuracy, val_loss, ...); any
@@ -36,8 +36,13 @@ def trim_padding(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
 class ImageClassification:
     metric = "accuracy"
 
-    def __init__(self, image_size: int, device: str = "cpu", mean: tuple[float, ...] = (0.5,) * 3,
-                 std: tuple[float, ...] = (0.5,) * 3):
+    def __init__(
+        self,
+        image_size: int,
+        device: str = "cpu",
+        mean: tuple[float, ...] = (0.5,) * 3,
+        std: tuple[float, ...] = (0.5,) * 3,
+    ):
         self.image_size, self.device = image_size, device
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
@@ -67,8 +72,11 @@ class ImageClassification:
     @staticmethod
     def sums(logits: torch.Tensor, targets: torch.Tensor) -> dict:
         """Additive statistics of one evaluation batch."""
-        return {"loss_sum": F.cross_entropy(logits.float(), targets, reduction="sum").item(), "count": len(targets),
-                "correct": int((logits.argmax(-1) == targets).sum())}
+        return {
+            "loss_sum": F.cross_entropy(logits.float(), targets, reduction="sum").item(),
+            "count": len(targets),
+            "correct": int((logits.argmax(-1) == targets).sum()),
+        }
 
     @staticmethod
     def summarize(sums: dict) -> dict:
@@ -82,7 +90,9 @@ class ImageClassification:
             split = take(split, split["attention_mask"].sum(1).argsort(stable=True))
         was = model.training
         model.eval()
-        parts = [self.sums(self.forward(model, batch), self.targets(batch)) for batch in eval_batches(split, batch_size)]
+        parts = [
+            self.sums(self.forward(model, batch), self.targets(batch)) for batch in eval_batches(split, batch_size)
+        ]
         model.train(was)
         return self.summarize(add_sums(parts))
 
@@ -94,7 +104,11 @@ class TextClassification(ImageClassification):
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         """Text pairs also carry token_type_ids (which text each token belongs to), trimmed alike."""
         ids, mask = trim_padding(batch["input_ids"], batch["attention_mask"])
-        extra = {"token_type_ids": batch["token_type_ids"][:, : ids.shape[1]].to(self.device)} if "token_type_ids" in batch else {}
+        extra = (
+            {"token_type_ids": batch["token_type_ids"][:, : ids.shape[1]].to(self.device)}
+            if "token_type_ids" in batch
+            else {}
+        )
         return model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
 
 
@@ -109,11 +123,12 @@ class PromptClassification(ImageClassification):
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
         ids, mask = (t.to(self.device) for t in trim_padding(batch["input_ids"], batch["attention_mask"]))
-        lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: the adapted LM
-        hidden = lm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        # The decoder and output embeddings of the LM, asked of the model itself: an adapter wrapper passes both
+        # through to the LM it adapts, so this task never needs to know whether one is there.
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         # right padding: the prompt ends at the last attended position of each row
         last = hidden[torch.arange(len(ids), device=hidden.device), mask.sum(1) - 1]
-        head = lm.get_output_embeddings()
+        head = model.get_output_embeddings()
         choices = batch["choice_ids"].to(self.device)
         logits = torch.einsum("bh,bch->bc", last, head.weight[choices])
         return logits + head.bias[choices] if head.bias is not None else logits
@@ -146,8 +161,10 @@ class CausalLM:
         count = int((targets[:, 1:] != -100).sum())
         flat = logits[:, :-1].flatten(0, 1)
         flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
-        return {"loss_sum": F.cross_entropy(flat, targets[:, 1:].flatten(), ignore_index=-100, reduction="sum").item(),
-                "count": count}
+        return {
+            "loss_sum": F.cross_entropy(flat, targets[:, 1:].flatten(), ignore_index=-100, reduction="sum").item(),
+            "count": count,
+        }
 
     @staticmethod
     def summarize(sums: dict) -> dict:
@@ -166,8 +183,11 @@ def mean_metrics(per_node: list[dict]) -> dict:
     return {key: sum(m[key] for m in per_node) / len(per_node) for key in per_node[0]}
 
 
-TASK_CLASSES = {"text_classification": TextClassification, "prompt_classification": PromptClassification,
-                "causal_lm": CausalLM}
+TASK_CLASSES = {
+    "text_classification": TextClassification,
+    "prompt_classification": PromptClassification,
+    "causal_lm": CausalLM,
+}
 
 
 def make_task(spec: TaskSpec, device: str = "cpu"):
@@ -180,7 +200,11 @@ def make_task(spec: TaskSpec, device: str = "cpu"):
 def task_for(family: str, image_size: int, device: str = "cpu", data: str | None = None):
     """The task a `family` model trains on the preset `data` (catalog.TASKS); without `data`, the
     family's plain task (a causal LM models text). Images normalised with mean = std = 0.5."""
-    name = catalog.task_name(family, data) if data else {"timm": "image_classification", "hf_classifier": "text_classification"}.get(family, "causal_lm")
+    name = (
+        catalog.task_name(family, data)
+        if data
+        else {"timm": "image_classification", "hf_classifier": "text_classification"}.get(family, "causal_lm")
+    )
     return make_task(TaskSpec(name, image_size), device)
 
 
@@ -189,11 +213,13 @@ def metric_names(per_set: dict[str, dict]) -> dict:
     and shift_* the mean over the shift sets (a single set's own values)."""
     out = {f"{SET_PREFIX.get(name, name)}_{k}": v for name, metrics in per_set.items() for k, v in metrics.items()}
     shifts = [m for name, m in per_set.items() if name.startswith(SHIFT_SET)]
-    for key in (shifts[0] if shifts else {}):
+    for key in shifts[0] if shifts else {}:
         out[f"shift_{key}"] = sum(m[key] for m in shifts) / len(shifts)
     return out
 
 
 def score_sets(task, model: nn.Module, sets: dict[str, Split], batch_size: int) -> dict:
     """Every metric of `model` on every evaluation set, named by `metric_names`."""
-    return metric_names({name: task.evaluate(model, split, batch_size) for name, split in sets.items() if split is not None})
+    return metric_names(
+        {name: task.evaluate(model, split, batch_size) for name, split in sets.items() if split is not None}
+    )

@@ -3,57 +3,19 @@ and checkpoints that a restarted node resumes from, bit for bit."""
 
 from __future__ import annotations
 
-import resource
-import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from raylowcomm.common.batches import Split, batch_at, steps_per_epoch
+from raylowcomm.common.seeding import step_seed
+from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, OptimConfig
-from raylowcomm.data import Split, epoch_permutation, length_grouped_batch, num_examples, take
-from raylowcomm.seeding import step_seed
 from raylowcomm.storage import Storage
-
-
-class TrainClock:
-    """Training time with evaluation (or anything else that is not training) left out: wrap that
-    work in `paused()`. Every strategy measures its curve's and record's times with one."""
-
-    def __init__(self) -> None:
-        self.start, self.paused_s = time.perf_counter(), 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start - self.paused_s
-
-    @contextmanager
-    def paused(self):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - t
-
-
-class Stopwatch:
-    """Wall seconds per named part of a strategy's run (actors starting, training, evaluation,
-    collection, saving): the record's `details.phases_s`, which says where the time went."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, part: str):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(part, time.perf_counter() - t)
-
-    def add(self, part: str, seconds: float) -> None:
-        self.parts[part] = round(self.parts.get(part, 0.0) + seconds, 3)
 
 
 def make_optimizer(cfg: OptimConfig, model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -68,32 +30,14 @@ def make_optimizer(cfg: OptimConfig, model: nn.Module | list[nn.Parameter]) -> t
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
-def steps_per_epoch(shard_size: int, batch_size: int) -> int:
-    return shard_size // batch_size
-
-
 def total_steps(cfg: OptimConfig, smallest_shard: int) -> int:
     """Steps every node (and DDP worker) takes, so all strategies see the same samples."""
     per_epoch = steps_per_epoch(smallest_shard, cfg.batch_size)
     if per_epoch == 0:
-        raise ConfigError("optim.batch_size", cfg.batch_size, f"larger than a node's shard ({smallest_shard} examples): lower it or raise data.train_size")
+        raise ConfigError("optim.batch_size", cfg.batch_size,
+                          f"larger than a node's shard ({smallest_shard} examples): lower it or raise data.train_size")
     steps = per_epoch * cfg.epochs
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
-
-
-def batch_at(shard: Split, step: int, batch_size: int, seed: int, group_seed: int | None = None) -> Split:
-    """The batch of global step `step`: a pure function, so a resumed node sees the same data.
-    With `group_seed` (optim.group_by_length) padded rows of similar length are batched together."""
-    per_epoch = steps_per_epoch(num_examples(shard), batch_size)
-    epoch, i = divmod(step, per_epoch)
-    if group_seed is not None and "attention_mask" in shard:
-        return take(shard, length_grouped_batch(shard["attention_mask"], i, batch_size, seed, epoch, group_seed))
-    return take(shard, epoch_permutation(num_examples(shard), seed, epoch)[i * batch_size : (i + 1) * batch_size])
-
-
-def group_seed(cfg) -> int | None:
-    """The seed every node shares for its length-grouped batches (optim.group_by_length), or None."""
-    return cfg.seed if cfg.optim.group_by_length else None
 
 
 def autocast(precision: str, device: str = "cpu"):
@@ -102,15 +46,39 @@ def autocast(precision: str, device: str = "cpu"):
     return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+@dataclass
+class StepHooks:
+    """What a caller of `train_steps` does after each step besides training (lo-fi nodes checkpoint
+    and snapshot, DDP ranks meet for their curve and checkpoints, both log and post progress)."""
+
+    on_step: Callable[[int], None] | None = None
+    """Called with the number of steps done: checkpoints, snapshots, curve points."""
+    log: Callable[[str], None] | None = None
+    """Gets the mean loss every `log_every` steps and at the last."""
+    log_every: int = 0
+    progress: Callable[..., None] | None = None
+    """`progress(step, loss, last)` (a progress.ProgressPoster) sees every step's loss."""
+    clock: TrainClock = field(default_factory=TrainClock)
+    """The loop's `train_s`: what `on_step` does inside `clock.paused()` is not counted."""
+
+    def after(self, done: int, stop: int, losses: list[float]) -> None:
+        if self.log and self.log_every and (done % self.log_every == 0 or done == stop):
+            recent = losses[-self.log_every:]
+            self.log(f"step {done}/{stop} loss {sum(recent) / len(recent):.4f}")
+        if self.progress is not None:
+            self.progress(done, losses[-1], last=done == stop)
+        if self.on_step is not None:
+            self.on_step(done)
+
+
 def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, batch_size: int, seed: int,
-                log=None, log_every: int = 0, on_step=None, before_step=None, clock: TrainClock | None = None,
-                precision: str = "fp32", device: str = "cpu", progress=None, group_seed: int | None = None) -> dict:
+                hooks: StepHooks | None = None, precision: str = "fp32", device: str = "cpu",
+                group_seed: int | None = None) -> dict:
     """Steps [start, stop): per-step seeding makes dropout identical on a resumed run. `train_s`
-    is `clock`'s time, so what `on_step` does inside `clock.paused()` is not counted.
-    `group_seed`: batches grouped by length (see `batch_at`).
-    `progress(step, loss, last)` (a progress.ProgressPoster) sees every step's loss."""
+    is `hooks.clock`'s time. `group_seed`: batches grouped by length (see `batch_at`)."""
+    hooks = hooks or StepHooks()
     model.train()
-    losses, clock = [], clock or TrainClock()
+    losses = []
     for step in range(start, stop):
         torch.manual_seed(step_seed(seed, step))
         batch = batch_at(shard, step, batch_size, seed, group_seed)
@@ -118,17 +86,10 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
             loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if before_step is not None:
-            before_step()
         optimizer.step()
         losses.append(loss.item())
-        if log and log_every and ((step + 1) % log_every == 0 or step + 1 == stop):
-            log(f"step {step + 1}/{stop} loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}")
-        if progress is not None:
-            progress(step + 1, losses[-1], last=step + 1 == stop)
-        if on_step is not None:
-            on_step(step + 1)
-    return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": clock.elapsed(),
+        hooks.after(step + 1, stop, losses)
+    return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": hooks.clock.elapsed(),
             "mean_loss": sum(losses) / len(losses) if losses else None}
 
 
@@ -136,7 +97,7 @@ def save_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: tor
                     extra: dict | None = None, trainable_only: bool = False) -> int:
     """Model + optimizer state as one safetensors file in `storage` (atomic); returns its size.
     `trainable_only`: the parameters that train (a LoRA model's adapters and head), for a model
-    whose frozen rest every reader has already."""
+    whose frozen rest every reader has already (`FineTune.trainable_only` says when)."""
     state = {k: p for k, p in model.named_parameters() if p.requires_grad} if trainable_only else model.state_dict()
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in state.items()}
     meta = {"step": step, "extra": extra or {}}
@@ -171,7 +132,8 @@ def load_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: tor
     result = model.load_state_dict(state, strict=False)  # a trainable_only checkpoint leaves the frozen rest as it is
     lacking = {k for k, p in model.named_parameters() if p.requires_grad} & set(result.missing_keys)
     if lacking or result.unexpected_keys:
-        raise ValueError(f"checkpoint {rel} does not fit the model: missing {sorted(lacking)[:3]}, unexpected {result.unexpected_keys[:3]}")
+        raise ValueError(f"checkpoint {rel} does not fit the model: missing {sorted(lacking)[:3]}, "
+                         f"unexpected {result.unexpected_keys[:3]}")
     if optimizer is not None and "param_groups" in meta:
         state: dict[int, dict] = {}
         for k, v in tensors.items():
@@ -190,7 +152,3 @@ def save_weights(path: Path, state: dict) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(dedupe_shared({k: v.contiguous() for k, v in state.items()}), str(path))
     return str(path)
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

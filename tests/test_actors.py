@@ -11,12 +11,14 @@ import ray
 import torch
 
 from raylowcomm.actors import DriverFetches, Node
-from raylowcomm.core.interlock import split_hf_decoder, split_timm_cnn
-from raylowcomm.ledger import Ledger
+from raylowcomm.common.batches import Source
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.core.interlock.splitting import split_hf_decoder, split_timm_cnn
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare, run
 from raylowcomm.strategies import from_dict
-from raylowcomm.strategies.interlocking import Source, StageActor, evaluate_chained, final_head_metrics
+from raylowcomm.strategies.interlocking import evaluate_chained, final_head_metrics
+from raylowcomm.strategies.interlocking.stage import StageActor
 from raylowcomm.strategies.lofi import LofiNode
 from raylowcomm.strategies.spsa import SpsaNode
 from raylowcomm.tasks import CausalLM, make_task, score_sets
@@ -25,13 +27,19 @@ ACTOR_CLASS = {"lofi": "LofiNode", "spsa": "SpsaNode", "interlocking": "StageAct
 
 
 def small_config(strategies, **top):
-    return from_dict({
-        "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
-        "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
-        "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "max_steps": 3},
-        "nodes": {"count": 2, "cpus": 1}, "strategies": strategies, "log_every": 1000,
-        "spsa": {"verify_every": 100}, "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8]}, **top,
-    })
+    return from_dict(
+        {
+            "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+            "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
+            "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "max_steps": 3},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": strategies,
+            "log_every": 1000,
+            "spsa": {"verify_every": 100},
+            "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8]},
+            **top,
+        }
+    )
 
 
 def actor_processes(cls: str) -> list[int]:
@@ -39,7 +47,9 @@ def actor_processes(cls: str) -> list[int]:
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if f"ray::{cls}" in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE:  # a zombie has exited: its parent reaps it late
+        if (
+            f"ray::{cls}" in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE
+        ):  # a zombie has exited: its parent reaps it late
             found.append(proc.pid)
     return found
 
@@ -53,9 +63,12 @@ def wait_until_gone(cls: str, timeout: float = 30.0) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("failing, following", [("lofi", "spsa"), ("spsa", "interlocking"), ("interlocking", "lofi")])
-def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(ray_session, tmp_path, failing, following):
+def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(
+    ray_session, tmp_path, failing, following
+):
     cpus = ray.available_resources().get("CPU", 0)
-    seen = {}  # reports from the strategy's own thread; the live view's thread reports too, and its failure is only logged
+    # reports from the strategy's own thread; the live view's thread reports too, and its failure is only logged
+    seen = {}
 
     def progress(name, metrics):
         if threading.current_thread() is threading.main_thread():
@@ -69,7 +82,9 @@ def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(ra
     assert records[1]["strategy"] == following and "error" not in records[1] and "id_accuracy" in records[1]["metrics"]
     assert seen[failing] == 1 and seen[following] >= 1
     assert wait_until_gone(ACTOR_CLASS[failing]) == [], f"{failing}'s actors outlived its failure"
-    deadline = time.time() + 30  # an earlier test's killed actors may still be freeing theirs: at least as many as before
+    deadline = (
+        time.time() + 30
+    )  # an earlier test's killed actors may still be freeing theirs: at least as many as before
     while ray.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) >= cpus, "every CPU the run took is free again"
@@ -94,7 +109,14 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     weights = state_dict_of(ctx.model.eval())
     task = make_task(ctx.data.task)
     expected = score_sets(task, ctx.model, sets, cfg.eval_rows)
-    assert {"id_accuracy", "id_loss", "shift_accuracy", "shift_loss", "shift/uci_digits_accuracy", "shift/uci_digits_loss"} == expected.keys()
+    assert {
+        "id_accuracy",
+        "id_loss",
+        "shift_accuracy",
+        "shift_loss",
+        "shift/uci_digits_accuracy",
+        "shift/uci_digits_loss",
+    } == expected.keys()
     sets_ref = ray.put(sets)
 
     lofi = LofiNode.remote(0, ctx.spec, ctx.data.task, weights, ctx.data.train, cfg, ctx.storage)
@@ -110,7 +132,9 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     stage = StageActor.remote(1, 0)
     try:
         [module] = split_timm_cnn(ctx.model, 1)
-        source = Source("image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.eval_rows)
+        source = Source(
+            "image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.eval_rows
+        )
         ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "cross_entropy", cfg.optim, 1, source))
         per_set, sent = evaluate_chained([stage], sets, cfg.eval_rows, DriverFetches(Ledger()), "cross_entropy")
     finally:
@@ -122,8 +146,15 @@ def test_the_chain_of_one_decoder_stage_scores_what_the_causal_lm_scores(ray_ses
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config).eval()
     train, test = {"input_ids": torch.randint(0, 64, (32, 12))}, {"input_ids": torch.randint(0, 64, (20, 12))}
     expected = CausalLM().evaluate(model, test, 8)
@@ -139,20 +170,38 @@ def test_the_chain_of_one_decoder_stage_scores_what_the_causal_lm_scores(ray_ses
     assert per_set["test"][0]["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-6)
 
 
-@pytest.mark.parametrize("change, field, says", [
-    ({"nodes": {"count": 8, "cpus": 1}}, "nodes.count", "needing 8 CPU in all"),
-    ({"nodes": {"count": 2, "cpus": 16}}, "nodes.cpus", "16 each"),
-    ({"nodes": {"count": 2, "cpus": 1, "gpus": 1}}, "nodes.gpus", "has no GPU on any node"),
-    ({"nodes": {"count": 2, "cpus": 1, "resources": {"trainer": 1}}}, "nodes.resources.trainer", "has no trainer on any node"),
-    ({"strategies": ["interlocking"], "interlocking": {"stages": 6, "micro_batches": 2, "aux_widths": [8]}},
-     "interlocking.stages", "6 actors"),
-])
+@pytest.mark.parametrize(
+    "change, field, says",
+    [
+        ({"nodes": {"count": 8, "cpus": 1}}, "nodes.count", "needing 8 CPU in all"),
+        ({"nodes": {"count": 2, "cpus": 16}}, "nodes.cpus", "16 each"),
+        ({"nodes": {"count": 2, "cpus": 1, "gpus": 1}}, "nodes.gpus", "has no GPU on any node"),
+        (
+            {"nodes": {"count": 2, "cpus": 1, "resources": {"trainer": 1}}},
+            "nodes.resources.trainer",
+            "has no trainer on any node",
+        ),
+        (
+            {
+                "strategies": ["interlocking"],
+                "interlocking": {"stages": 6, "micro_batches": 2, "aux_widths": [8]},
+                "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+            },  # 6 units: 6 stages split
+            "interlocking.stages",
+            "6 actors",
+        ),
+    ],
+)
 def test_a_run_the_local_cluster_can_never_hold_stops_before_any_actor(ray_session, tmp_path, change, field, says):
     from raylowcomm.config import ConfigError
 
-    raw = {"model": {"name": "test_resnet", "family": "timm", "pretrained": False},
-           "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
-           "optim": {"batch_size": 16, "max_steps": 2}, "strategies": ["lofi"], **change}
+    raw = {
+        "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
+        "optim": {"batch_size": 16, "max_steps": 2},
+        "strategies": ["lofi"],
+        **change,
+    }
     with pytest.raises(ConfigError) as err:
         run(from_dict(raw), tmp_path)  # the session's Ray has 4 CPUs, no GPU
     assert err.value.field_name == field and says in str(err.value) and "add nodes" in str(err.value)
@@ -164,9 +213,13 @@ def test_a_joined_cluster_without_any_gpu_says_so_before_any_actor(ray_session, 
     from raylowcomm.config import ConfigError
 
     monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
-    raw = {"model": {"name": "test_resnet", "family": "timm", "pretrained": False},
-           "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
-           "optim": {"batch_size": 16, "max_steps": 2}, "strategies": ["lofi"], "nodes": {"count": 2, "cpus": 1, "gpus": 1}}
+    raw = {
+        "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 128, "test_size": 64, "image_size": 16},
+        "optim": {"batch_size": 16, "max_steps": 2},
+        "strategies": ["lofi"],
+        "nodes": {"count": 2, "cpus": 1, "gpus": 1},
+    }
     with pytest.raises(ConfigError, match="has no GPU on any node") as err:
         run(from_dict(raw), tmp_path)
     assert err.value.field_name == "nodes.gpus"
@@ -186,6 +239,8 @@ def test_a_dead_interlocking_stage_stops_its_run_naming_the_stage_and_the_next_o
     cfg.optim.max_steps = 8
     records = run(cfg, tmp_path, progress=progress)
     assert killed
-    assert re.search(r"ActorDied: interlocking stage [01] \(of 2\) died: each stage holds layers no other has", records[0]["error"]), records[0]
+    assert re.search(
+        r"ActorDied: interlocking stage [01] \(of 2\) died: each stage holds layers no other has", records[0]["error"]
+    ), records[0]
     assert "error" not in records[1] and "id_accuracy" in records[1]["metrics"]
     assert wait_until_gone("StageActor") == []

@@ -19,7 +19,9 @@ TINY = {
     "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
     "nodes": {"count": 2, "cpus": 1},
     "strategies": ["ddp", "lofi", "spsa", "interlocking"],
-    "eval_every": 4, "log_every": 1000, "checkpoint_every": 1000,
+    "eval_every": 4,
+    "log_every": 1000,
+    "checkpoint_every": 1000,
     "spsa": {"lr": 0.001, "samples": 2},
     "interlocking": {"stages": 2, "micro_batches": 1, "aux_widths": [8]},
 }
@@ -31,7 +33,9 @@ def _check_bench(out, labels, strategies):
     for name in ("report.md", "curves_time.png", "curves_bytes.png"):
         assert (out / name).stat().st_size > 0
     report = (out / "report.md").read_text()
-    grad_bytes = sum(p.numel() * p.element_size() for p in timm.create_model("test_efficientnet", num_classes=10).parameters())
+    grad_bytes = sum(
+        p.numel() * p.element_size() for p in timm.create_model("test_efficientnet", num_classes=10).parameters()
+    )
     for label in labels:
         records = json.loads((out / label / "results.json").read_text())
         assert [r["strategy"] for r in records] == strategies and not any("error" in r for r in records)

@@ -1,9 +1,11 @@
 """Bad input, all of it: every malformed input to the `raylowcomm` CLI ends with exit code 2 and
-exactly one stderr line, `error: ...`, naming the field, flag or path — before Ray starts and
-before any model or dataset loads (no Ray, no weights: these tests are fast)."""
+exactly one stderr line, `error: ...`, naming the field, flag or path — before Ray starts and,
+unless only the loaded model or data can tell, before any model or dataset loads (no Ray, no
+weights: these tests are fast)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import yaml
 
 from raylowcomm.cli import main
 
-# A config that validates (the model is never built: every case fails before `prepare`).
+# A config that validates (most cases fail before `prepare` builds the model).
 GOOD = {
     "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
     "data": {"name": "mnist", "train_size": 64, "test_size": 32, "image_size": 16},
@@ -33,6 +35,15 @@ def _config(tmp: Path, **changes) -> str:
         section, key = dotted.split(".", 1)
         raw[section] = {**raw.get(section, {}), key: raw.pop(dotted)}
     return str(_write(tmp / "cfg.yaml", raw))
+
+
+LORA_DECODER = {"model.family": "hf_causal_lm", "model.name": "SmolLM2-135M", "model.lora": {}, "data.name": "hamlet"}
+
+
+def _interlocking(tmp: Path, **options) -> str:
+    """GOOD run by interlocking alone; `options` are interlocking's, dotted keys (model.name) the config's."""
+    changes = {k: options.pop(k) for k in [k for k in options if "." in k]}
+    return _config(tmp, strategies=["interlocking"], interlocking=options, **changes)
 
 
 def _sweep(tmp: Path, **changes) -> str:
@@ -58,7 +69,96 @@ def _binary(tmp: Path) -> str:
     return str(path)
 
 
-# (id, argv builder from tmp_path, text the error line must contain)
+TEXT_MODEL = {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"}
+
+
+def _reviews(tmp: Path, name: str = "reviews.csv", blank: str | None = None, at: int = 3,
+             labels=("fresh", "rotten")) -> str:
+    """A user's 12 reviews as a CSV (review, verdict), with the cell of column `blank` in row `at` left empty."""
+    rows = [{"review": f"review {i} says {labels[i % 2]}", "verdict": labels[i % 2]} for i in range(12)]
+    if blank is not None:
+        rows[at][blank] = ""
+    return str(_write(tmp / name, "review,verdict\n" + "".join(f"{r['review']},{r['verdict']}\n" for r in rows)))
+
+
+def _own(tmp: Path, model=TEXT_MODEL, **data) -> str:
+    """A config on the user's reviews.csv (every cell filled unless `data` says otherwise)."""
+    mine = {"source": "csv", "columns": {"text": "review", "label": "verdict"}, "test_size": 4, "shift": "none", **data}
+    if "files" not in mine:
+        mine["files"] = _reviews(tmp)
+    return _config(tmp, model=model, data=mine)
+
+
+def _pairs(tmp: Path, blank_at: int) -> str:
+    """Premise / hypothesis pairs with a verdict; the hypothesis of row `blank_at` left empty."""
+    rows = [f"premise {i},{'' if i == blank_at else f'hypothesis {i}'},{'yes' if i % 2 else 'no'}\n" for i in range(12)]
+    return str(_write(tmp / "pairs.csv", "premise,hypothesis,verdict\n" + "".join(rows)))
+
+
+def _jsonl(tmp: Path, label) -> str:
+    """Reviews as JSON lines, the fourth with `label` as its verdict."""
+    rows = [{"review": f"review {i}", "verdict": label if i == 3 else "fresh"} for i in range(12)]
+    return str(_write(tmp / "reviews.jsonl", "".join(json.dumps(r) + "\n" for r in rows)))
+
+
+def _saved_minus_one(tmp: Path) -> str:
+    """A save_to_disk folder whose ClassLabel column holds -1 (no label) in row 3."""
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    labels = [i % 2 if i != 3 else -1 for i in range(12)]
+    features = Features({"review": Value("string"), "verdict": ClassLabel(names=["fresh", "rotten"])})
+    saved = Dataset.from_dict({"review": [f"review {i}" for i in range(12)], "verdict": labels}, features=features)
+    saved.save_to_disk(tmp / "saved")
+    return str(tmp / "saved")
+
+
+def _digits(tmp: Path, blank_at: int | None = None) -> str:
+    """Flat 4x4 grey digits as a CSV (pixels, digit); the pixels of row `blank_at` left empty."""
+    rows = ["" if i == blank_at else " ".join(["7"] * 16) for i in range(12)]
+    return str(_write(tmp / "digits.csv", "pixels,digit\n" + "".join(f"{p},{i % 2}\n" for i, p in enumerate(rows))))
+
+
+def _pngs(tmp: Path) -> str:
+    """A folder of PNG class folders (imagefolder): digits/zero, digits/one."""
+    from PIL import Image
+
+    for name in ("zero", "one"):
+        (tmp / "digits" / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("L", (4, 4), i).save(tmp / "digits" / name / f"{i}.png")
+    return str(tmp / "digits")
+
+
+def _folder(tmp: Path, files: dict[str, str | bytes]) -> str:
+    """A folder holding `files` (name -> content): what model.path may wrongly point at."""
+    folder = tmp / "model"
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(folder)
+
+
+def _hf_model(tmp: Path, files: dict[str, str | bytes]) -> list[str]:
+    """argv of a text run whose model.path is a folder holding `files`."""
+    return ["run", _config(tmp, model={**TEXT_MODEL, "path": _folder(tmp, files)}, data=TEXT_DATA)]
+
+
+def _wrong_checkpoint(tmp: Path) -> str:
+    """test_efficientnet's weights, given as those of another timm architecture (test_byobnet)."""
+    import timm
+    from safetensors.torch import save_file
+
+    weights = timm.create_model("test_efficientnet", pretrained=False).state_dict()
+    save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "weights.safetensors")
+    return _config(tmp, model={"name": "test_byobnet", "family": "timm", "path": str(tmp / "weights.safetensors")})
+
+
+CONFIG_JSON = json.dumps({"model_type": "bert"})
+TEXT_DATA = {"name": "rotten_tomatoes"}
+PAIR_COLUMNS = {"text": "premise", "text_pair": "hypothesis", "label": "verdict"}
+DIGITS = {"source": "csv", "test_size": 4, "columns": {"image": "pixels", "label": "digit"}, "shift": "none"}
+
+# (id, argv builder from tmp_path, text the error line must contain, or a tuple of them)
 CASES = [
     # --- the config file itself
     ("malformed-yaml", lambda t: ["run", str(_write(t / "bad.yaml", "optim:\n  lr: 0.1\n  momentum: [0.9,\n"))],
@@ -85,7 +185,8 @@ CASES = [
     ("section-not-a-mapping", lambda t: ["run", _config(t, optim=3)], "'optim'"),
     ("wrong-literal", lambda t: ["run", _config(t), "--set", "optim.name=adam"], "optim.name"),
     ("out-of-range", lambda t: ["run", _config(t), "--set", "optim.momentum=1.5"], "optim.momentum"),
-    ("length-groups-of-images", lambda t: ["run", _config(t), "--set", "optim.group_by_length=true"], "optim.group_by_length"),
+    ("length-groups-of-images", lambda t: ["run", _config(t), "--set", "optim.group_by_length=true"],
+     "optim.group_by_length"),
     ("zero-nodes", lambda t: ["run", _config(t), "--set", "nodes.count=0"], "nodes.count"),
     ("negative-cpus", lambda t: ["run", _config(t), "--set", "nodes.cpus=-1"], "nodes.cpus"),
     ("bad-placement", lambda t: ["run", _config(t), "--set", "nodes.placement=STRICT"], "nodes.placement"),
@@ -93,12 +194,100 @@ CASES = [
     ("greedy-soup-without-val", lambda t: ["run", _config(t), "--set", "lofi.soup=greedy"], "lofi.soup"),
     ("empty-aux-widths", lambda t: ["run", _config(t, strategies=["interlocking"], interlocking={"aux_widths": []})],
      "interlocking.aux_widths"),
+    # interlocking options the loaded model or data decide (test_efficientnet: 6 units; built without weights, no Ray)
+    ("interlocking-split-not-the-units", lambda t: ["run", _interlocking(t, split=[1, 1])], "interlocking.split"),
+    ("interlocking-split-wrong-length", lambda t: ["run", _interlocking(t, split=[2, 2, 2])], "interlocking.split"),
+    ("interlocking-more-stages-than-units", lambda t: ["run", _interlocking(t, stages=7)], "interlocking.stages"),
+    ("interlocking-measured-on-tiny-test-set", lambda t: ["run", _interlocking(t), "--set", "data.test_size=1"],
+     "interlocking.balance"),
+    ("interlocking-unsplittable-timm-model", lambda t: ["run", _interlocking(t), "--set", "model.name=resnetv2_50"],
+     "model.name"),
+    ("interlocking-lora-decoder", lambda t: ["run", _interlocking(t, **LORA_DECODER)], "model.lora"),
     ("spsa-bad-codec", lambda t: ["run", _config(t, strategies=["spsa"]), "--set", "spsa.codec=zip"], "spsa.codec"),
     # --- data and model
     ("bad-data-name", lambda t: ["run", _config(t), "--set", "data.name=cifar"], "data.name"),
     ("family-data-mismatch", lambda t: ["run", _config(t), "--set", "model.family=hf_classifier"], "model.family"),
     ("missing-model-path", lambda t: ["run", _config(t, **{"model.path": str(t / "weights")})], "model.path"),
     ("missing-data-path", lambda t: ["run", _config(t, **{"data.path": str(t / "digits.csv")})], "data.path"),
+    # --- empty cells: the file and the row, before anything trains
+    ("empty-label-cell", lambda t: ["run", _own(t, files=_reviews(t, blank="verdict"))],
+     ("'data.columns.label' = 'verdict'", "row 3 of data.files", "reviews.csv", "its cell is empty")),
+    ("empty-label-cell-with-classes",
+     lambda t: ["run", _own(t, files=_reviews(t, blank="verdict", at=9), classes=["fresh", "rotten"])],
+     ("'data.columns.label'", "row 9 of data.files")),
+    ("nan-label-cell", lambda t: ["run", _own(t, files=_reviews(t, blank="verdict", labels=("1", "0")))],
+     ("'data.columns.label'", "row 3 of data.files")),
+    ("null-label-json", lambda t: ["run", _own(t, source="json", files=_jsonl(t, None))],
+     ("'data.columns.label'", "reviews.jsonl")),
+    ("blank-label-json", lambda t: ["run", _own(t, source="json", files=_jsonl(t, "  "))],
+     ("'data.columns.label'", "row 3 of")),
+    ("classlabel-minus-one", lambda t: ["run", _own(t, source=_saved_minus_one(t), files=None)],
+     ("'data.columns.label'", "row 3 of data.files", "saved")),
+    ("empty-text-cell", lambda t: ["run", _own(t, files=_reviews(t, blank="review"))],
+     ("'data.columns.text' = 'review'", "row 3 of data.files")),
+    ("empty-text-pair-cell", lambda t: ["run", _own(t, files=_pairs(t, blank_at=5), columns=PAIR_COLUMNS)],
+     ("'data.columns.text_pair'", "row 5 of data.files")),
+    ("empty-image-cell", lambda t: ["run", _config(t, data={**DIGITS, "files": _digits(t, blank_at=6)})],
+     ("'data.columns.image' = 'pixels'", "row 6 of data.files", "digits.csv")),
+    ("empty-label-in-test-file",
+     lambda t: ["run", _own(t, files={"train": _reviews(t), "test": _reviews(t, "test.csv", blank="verdict", at=2)})],
+     ("'data.columns.label'", "row 2 of data.files", "test.csv")),
+    ("empty-label-in-shift-set",
+     lambda t: ["run", _own(t, shift={"amazon": {"files": _reviews(t, "amazon.csv", blank="verdict", at=1)}})],
+     ("'data.shift.amazon.columns.label'", "row 1 of data.shift.amazon.files", "amazon.csv")),
+    ("empty-text-in-shift-set",
+     lambda t: ["run", _own(t, shift={"amazon": {"files": _reviews(t, "amazon.csv", blank="review", at=0)}})],
+     ("'data.shift.amazon.columns.text'", "row 0 of data.shift.amazon.files")),
+    ("empty-label-in-node-file",
+     lambda t: ["run", _own(t, node_files=[_reviews(t, "n0.csv"), _reviews(t, "n1.csv", blank="verdict", at=2)])],
+     ("'data.columns.label'", "row 2 of data.node_files[1]", "n1.csv")),
+    ("empty-text-in-node-file",
+     lambda t: ["run", _own(t, node_files=[_reviews(t, "n0.csv", blank="review", at=4), _reviews(t, "n1.csv")])],
+     ("'data.columns.text'", "row 4 of data.node_files[0]")),
+    # --- your own data is named after its source, and the wrong role is named
+    ("text-column-as-image", lambda t: ["run", _own(t, columns={"image": "review", "label": "verdict"})],
+     ("data 'reviews' is image", "data.columns.image = 'review'")),
+    ("own-text-for-timm", lambda t: ["run", _own(t, model=GOOD["model"])],
+     ("data 'reviews' is labelled text", "data.columns.text")),
+    ("own-images-for-hf",
+     lambda t: ["run", _config(t, model=TEXT_MODEL, data={"source": "imagefolder", "files": _pngs(t)})],
+     ("data 'digits' is image", "data.columns.image")),
+    # --- storage: what pyarrow.fs cannot open, a file
+    ("storage-ftp", lambda t: ["run", _config(t, storage="ftp://host/x")], ("'storage'", "ftp://", "s3://")),
+    ("storage-https", lambda t: ["run", _config(t, storage="https://host/x")], "'storage'"),
+    ("storage-is-a-file", lambda t: ["run", _config(t, storage=_file(t))], ("'storage'", "is a file")),
+    ("storage-under-a-file", lambda t: ["run", _config(t, storage=_file(t) + "/state")],
+     ("'storage'", "which is a file")),
+    # --- model folders and files that hold no model
+    ("model-path-empty-folder", lambda t: _hf_model(t, {}), ("'model.path'", "lacks config.json")),
+    ("model-path-text-only", lambda t: _hf_model(t, {"notes.txt": "my model\n"}), ("'model.path'", "notes.txt")),
+    ("model-path-no-weights", lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "vocab.txt": "[PAD]\n"}),
+     ("'model.path'", "lacks weights")),
+    ("model-path-no-tokenizer", lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "model.safetensors": b""}),
+     ("'model.path'", "lacks a tokenizer")),
+    ("model-path-bad-config",
+     lambda t: _hf_model(t, {"config.json": "{bert", "vocab.txt": "a\n", "model.safetensors": b""}),
+     ("'model.path'", "config.json")),
+    ("model-path-bad-weights",
+     lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "vocab.txt": "a\n", "model.safetensors": "none"}),
+     ("'model.path'", "model.safetensors is not a safetensors file")),
+    ("model-path-file-for-hf", lambda t: ["run", _config(t, model={**TEXT_MODEL, "path": _file(t)}, data=TEXT_DATA)],
+     ("'model.path'", "is a folder")),
+    ("model-name-empty-folder",
+     lambda t: ["run", _config(t, model={"name": _folder(t, {}), "family": "hf_classifier"}, data=TEXT_DATA)],
+     ("'model.name'", "lacks config.json")),
+    ("timm-path-is-a-folder", lambda t: ["run", _config(t, **{"model.path": _folder(t, {}), "model.pretrained": True})],
+     ("'model.path'", "one file")),
+    ("timm-path-text-file", lambda t: ["run", _config(t, **{"model.path": _file(t), "model.pretrained": True})],
+     ("'model.path'", "not a torch checkpoint")),
+    ("timm-weights-of-another-arch", lambda t: ["run", _wrong_checkpoint(t)],
+     ("'model.path'", "do not fit timm architecture 'test_byobnet'")),
+    # --- a section's unknown key, inside an optional section
+    ("lora-unknown-key", lambda t: ["run", _config(t, **{"model.lora": {"rank": 8}})],
+     ("'model.lora.rank'", "alpha, dropout, r")),
+    ("shift-set-unknown-key", lambda t: ["run", _own(t, shift={"amazon": {"file": "amazon.csv"}})],
+     ("'data.shift.amazon.file'", "files")),
+    ("files-not-text", lambda t: ["run", _own(t, files=[3])], "'data.files[0]'"),
     # --- --set
     ("set-without-equals", lambda t: ["run", _config(t), "--set", "optim.lr"], "--set"),
     ("set-empty-key", lambda t: ["run", _config(t), "--set", "=0.1"], "--set"),
@@ -172,7 +361,8 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, no_ray, argv, 
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err
-    assert expected in lines[0], lines[0]
+    for text in expected if isinstance(expected, tuple) else (expected,):
+        assert text in lines[0], lines[0]
     assert not no_ray, "Ray was started on bad input"
 
 

@@ -13,21 +13,30 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.options["lofi"].average_every == 5 and cfg.options["lofi"].outer_optimizer == "nesterov"
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({"optim": {"lr": -1}}, "optim.lr"),
-    ({"optim": {"lr": "fast"}}, "optim.lr"),
-    ({"optim": {"name": "adam"}}, "optim.name"),
-    ({"optim": {"lrr": 0.1}}, "optim.lrr"),
-    ({"nodes": {"count": 0}}, "nodes.count"),
-    ({"nodes": {"gpus": -1}}, "nodes.gpus"),  # a GPU nowhere in the cluster: tests/test_actors.py (checked against the cluster, not this machine)
-    ({"strategies": ["lofi", "gossip"]}, "strategies[1]"),
-    ({"data": {"name": "cifar"}}, "data.name"),
-    ({"model": {"family": "hf_classifier"}}, "model.family"),
-    ({"lofi": {"soup": "greedy"}}, "lofi.soup"),
-    ({"lofi": {"soup": "greedy"}, "data": {"val_size": 50, "eval_on_nodes": True}}, "lofi.soup"),  # val rows stay on the nodes
-    ({"lofi": {"average_every": 0}}, "lofi.average_every"),
-    ({"model": {"path": "/no/such/weights"}}, "model.path"),
-])
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"optim": {"lr": -1}}, "optim.lr"),
+        ({"optim": {"lr": "fast"}}, "optim.lr"),
+        ({"optim": {"name": "adam"}}, "optim.name"),
+        ({"optim": {"lrr": 0.1}}, "optim.lrr"),
+        ({"nodes": {"count": 0}}, "nodes.count"),
+        (
+            {"nodes": {"gpus": -1}},
+            "nodes.gpus",
+        ),  # a GPU nowhere in the cluster: tests/test_actors.py (checked against the cluster, not this machine)
+        ({"strategies": ["lofi", "gossip"]}, "strategies[1]"),
+        ({"data": {"name": "cifar"}}, "data.name"),
+        ({"model": {"family": "hf_classifier"}}, "model.family"),
+        ({"lofi": {"soup": "greedy"}}, "lofi.soup"),
+        (
+            {"lofi": {"soup": "greedy"}, "data": {"val_size": 50, "eval_on_nodes": True}},
+            "lofi.soup",
+        ),  # val rows stay on the nodes
+        ({"lofi": {"average_every": 0}}, "lofi.average_every"),
+        ({"model": {"path": "/no/such/weights"}}, "model.path"),
+    ],
+)
 def test_bad_fields_name_the_field(raw, field):
     with pytest.raises(ConfigError) as err:
         from_dict(raw)
@@ -58,13 +67,16 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
     assert cfg.optim.lr == 3e-5 and cfg.options["spsa"].eps == 1e-3
 
 
-@pytest.mark.parametrize("strategy, field, warned", [
-    ("ddp", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # Ray Train checkpoints and restarts
-    ("interlocking", {"checkpoint_every": 10}, "checkpoint_every=10 does not apply"),
-    ("spsa", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
-    ("lofi", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # lo-fi checkpoints and restarts
-    ("spsa", {"checkpoint_every": 10}, None),  # SPSA joiners start from its checkpoints
-])
+@pytest.mark.parametrize(
+    "strategy, field, warned",
+    [
+        ("ddp", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # Ray Train checkpoints and restarts
+        ("interlocking", {"checkpoint_every": 10}, "checkpoint_every=10 does not apply"),
+        ("spsa", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
+        ("lofi", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # lo-fi checkpoints and restarts
+        ("spsa", {"checkpoint_every": 10}, None),  # SPSA joiners start from its checkpoints
+    ],
+)
 def test_options_a_strategy_does_not_offer_are_said(caplog, strategy, field, warned):
     model = {"name": "test_resnet", "family": "timm", "pretrained": False}
     with caplog.at_level("WARNING", logger="raylowcomm"):
@@ -74,7 +86,9 @@ def test_options_a_strategy_does_not_offer_are_said(caplog, strategy, field, war
         assert any(warned in m and strategy in m for m in messages), messages
     else:
         assert not messages
-    assert cfg.checkpoint_steps == field.get("checkpoint_every", 50) and cfg.restarts == field.get("nodes", {}).get("max_restarts", 2)
+    assert cfg.checkpoint_steps == field.get("checkpoint_every", 50) and cfg.restarts == field.get("nodes", {}).get(
+        "max_restarts", 2
+    )
 
 
 def test_null_for_an_optional_section_means_none_not_its_defaults():

@@ -1,7 +1,6 @@
 import torch
 
-from raylowcomm.data import epoch_permutation, shard_indices
-from raylowcomm.training import batch_at
+from raylowcomm.common.batches import batch_at, epoch_permutation, shard_indices
 
 
 def test_shards_are_disjoint_and_complete():
@@ -60,7 +59,8 @@ def test_length_grouped_batches_cover_the_epoch_cut_padding_and_line_up_across_n
     both_real = real + sum(int(b["attention_mask"].sum()) for b in other)
     assert both_real / ddp_padded > 0.8
     # rows without padding (images, packed text) keep the plain order
-    assert torch.equal(batch_at({"x": torch.arange(40)}, 3, 8, 1, 5)["x"], batch_at({"x": torch.arange(40)}, 3, 8, 1)["x"])
+    rows = {"x": torch.arange(40)}
+    assert torch.equal(batch_at(rows, 3, 8, 1, 5)["x"], batch_at(rows, 3, 8, 1)["x"])
 
 
 def test_split_rule_parts_are_disjoint_and_too_few_examples_name_the_field():
@@ -72,7 +72,8 @@ def test_split_rule_parts_are_disjoint_and_too_few_examples_name_the_field():
     parts = SplitRule(shuffle_seed=5, test_size=10, val_size=5, train_size=20).parts(50)
     assert [len(parts[k]) for k in ("test", "val", "train")] == [10, 5, 20]
     assert len(set(torch.cat(list(parts.values())).tolist())) == 35
-    assert torch.equal(parts["train"], SplitRule(5, 10, 5, None).parts(50)["train"][:20]), "train_size cuts the same order"
+    whole = SplitRule(5, 10, 5, None).parts(50)["train"]
+    assert torch.equal(parts["train"], whole[:20]), "train_size cuts the same order"
     with pytest.raises(ConfigError) as err:
         SplitRule(5, 10, 5, 40).parts(50)
     assert err.value.field_name == "data.train_size"
@@ -95,9 +96,39 @@ def test_pixels_stay_uint8_and_stack_across_formats():
     assert torch.equal(pixels([flat], 32), torch.arange(16, dtype=torch.uint8).view(1, 4, 4))
     grey, colour = Image.new("L", (6, 6), 200), Image.new("RGB", (9, 9), (10, 20, 30))
     mixed = pixels([grey, colour], 8)
-    assert mixed.dtype == torch.uint8 and mixed.shape == (2, 3, 8, 8), "a colour image makes every image RGB; sizes differ: resized"
+    assert mixed.dtype == torch.uint8 and mixed.shape == (2, 3, 8, 8), \
+        "a colour image makes every image RGB; sizes differ: resized"
     assert mixed[0].unique().tolist() == [200] and mixed[1, :, 0, 0].tolist() == [10, 20, 30]
     assert pixels([np.zeros((5, 5, 1), np.uint8)], 8).shape == (1, 5, 5)
+
+
+def test_empty_cells_are_found_in_the_arrow_data_and_refused_by_every_reader():
+    """None (a CSV, JSON or Parquet null), NaN, a blank label and a ClassLabel's -1 are empty; an
+    empty string is text (a blank line of a text file), a 0 label is a label."""
+    import pytest
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    from raylowcomm.data.rows import Encoder, UnreadableValue, _texts, first_empty, pixels
+
+    features = Features({"text": Value("string"), "score": Value("float64"), "word": Value("string"),
+                         "id": Value("int64"), "class": ClassLabel(names=["a", "b"])})
+    ds = Dataset.from_dict({"text": ["a", "", None], "score": [0.0, 1.0, float("nan")], "word": ["x", " ", "y"],
+                            "id": [0, 1, 2], "class": [1, 0, -1]}, features=features)
+    assert first_empty(ds, "text", label=False) == 2 and first_empty(ds, "text", label=True) == 1
+    assert first_empty(ds, "score", label=True) == 2
+    assert first_empty(ds, "word", label=False) is None and first_empty(ds, "word", label=True) == 1
+    assert first_empty(ds, "id", label=True) is None and first_empty(ds, "class", label=True) == 2
+    assert first_empty(ds.select([1, 0]), "text", label=True) == 0, "rows as the split numbers them"
+    encoder = Encoder("text_classification", ("a", "b"))
+    for read, values, role in [(_texts, ["a", None], "text"), (_texts, ["a", float("nan")], "text"),
+                               (lambda v: pixels(v, 4), [" ".join(["1"] * 16), None], "image"),
+                               (lambda v: encoder.labels(v, None, "data.classes"), ["a", " "], "label")]:
+        with pytest.raises(UnreadableValue) as err:
+            read(values)
+        assert (err.value.role, err.value.position, err.value.reason) == (role, 1, "its cell is empty")
+    assert encoder.labels([1, 0], ds.features["class"], "x").tolist() == [1, 0]
+    with pytest.raises(UnreadableValue):
+        encoder.labels([1, -1], ds.features["class"], "x")
 
 
 def test_shift_size_scores_a_fixed_sample_of_each_shift_set():
@@ -105,7 +136,8 @@ def test_shift_size_scores_a_fixed_sample_of_each_shift_set():
     from raylowcomm.strategies import from_dict
 
     def shift(size):
-        cfg = from_dict({"model": {"family": "timm"}, "data": {"name": "mnist", "train_size": 64, "test_size": 32, "shift_size": size}})
+        data = {"name": "mnist", "train_size": 64, "test_size": 32, "shift_size": size}
+        cfg = from_dict({"model": {"family": "timm"}, "data": data})
         return prepare_data(cfg).eval_sets["shift/uci_digits"]
 
     full, a, b = shift(None), shift(100), shift(100)

@@ -13,8 +13,9 @@ import torch
 from PIL import Image
 
 from raylowcomm import assets
+from raylowcomm.common.batches import num_examples, take
 from raylowcomm.config import ConfigError, RunConfig, build_dataclass, validate
-from raylowcomm.data import describe_data, num_examples, prepare_data, take
+from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.models import image_preprocessing
 from raylowcomm.tasks import make_task
 
@@ -22,7 +23,8 @@ LABELS = ["pos", "neg", "meh"]
 
 
 def config(**data) -> RunConfig:
-    raw = {"model": {"family": data.pop("family", "hf_classifier")}, "nodes": {"count": data.pop("nodes", 2)}, "data": data}
+    raw = {"model": {"family": data.pop("family", "hf_classifier")}, "nodes": {"count": data.pop("nodes", 2)},
+           "data": data}
     cfg = build_dataclass(RunConfig, raw, "")
     validate(cfg)
     return cfg
@@ -76,19 +78,22 @@ def assert_labels_follow_rows(split, tokenizer, classes):
     assert pairs and all(text.endswith(label) for text, label in pairs), pairs[:3]
 
 
-@pytest.mark.parametrize("suffix,source", [(".csv", "csv"), (".jsonl", "json"), (".parquet", "parquet"), (".csv", "folder")])
+@pytest.mark.parametrize("suffix,source", [(".csv", "csv"), (".jsonl", "json"), (".parquet", "parquet"),
+                                           (".csv", "folder")])
 def test_labelled_text_from_each_file_kind(tmp_path, tokenizer, suffix, source):
     (tmp_path / "folder").mkdir()
     path = write(tmp_path / "folder" / f"reviews{suffix}", reviews(60))
     where = {"source": str(tmp_path / "folder")} if source == "folder" else {"source": source, "files": str(path)}
-    cfg = config(name="mine", **where, columns={"text": "review", "label": "stars"}, test_size=12, val_size=6, shift="none")
+    cfg = config(name="mine", **where, columns={"text": "review", "label": "stars"}, test_size=12, val_size=6,
+                 shift="none")
     prepared = prepare_data(cfg, tokenizer)
     assert prepared.classes == ["meh", "neg", "pos"], "string labels: sorted distinct names"
     train = prepared.train.load_all()
     assert [num_examples(prepared.eval_sets[k]) for k in ("test", "val")] + [num_examples(train)] == [12, 6, 42]
     for split in (prepared.eval_sets["test"], prepared.eval_sets["val"], train):
         assert_labels_follow_rows(split, tokenizer, prepared.classes)
-    texts = {t for s in (prepared.eval_sets["test"], prepared.eval_sets["val"], train) for t, _ in decoded(s, tokenizer, prepared.classes)}
+    texts = {t for s in (prepared.eval_sets["test"], prepared.eval_sets["val"], train)
+             for t, _ in decoded(s, tokenizer, prepared.classes)}
     assert texts == {r["review"] for r in reviews(60)}, "every row lands in exactly one split"
 
 
@@ -108,8 +113,9 @@ def test_language_modelling_on_a_text_file_and_a_text_column(tmp_path, causal_to
     write(tmp_path / "poem.csv", [{"body": line} for line in lines])
     by_file = prepare_data(config(name="poem", source="text", files=str(tmp_path / "poem.txt"), family="hf_causal_lm",
                                   max_length=16, test_size=10, shift="none"), causal_tokenizer)
-    by_column = prepare_data(config(name="poem", source="csv", files=str(tmp_path / "poem.csv"), columns={"text": "body"},
-                                    family="hf_causal_lm", max_length=16, test_size=10, shift="none"), causal_tokenizer)
+    by_column = prepare_data(config(name="poem", source="csv", files=str(tmp_path / "poem.csv"),
+                                    columns={"text": "body"}, family="hf_causal_lm", max_length=16, test_size=10,
+                                    shift="none"), causal_tokenizer)
     assert by_file.task.name == "causal_lm" and by_file.classes is None
     for prepared in (by_file, by_column):
         blocks = torch.cat([prepared.eval_sets["test"]["input_ids"], prepared.train.load_all()["input_ids"]])
@@ -139,12 +145,14 @@ def digit_images(root, grey: bool = True, sizes=(8,)):
 
 def test_imagefolder_of_real_digits_keeps_pixels_and_class_names(tmp_path):
     written = digit_images(tmp_path / "digits")
-    cfg = config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5, shift="none")
+    cfg = config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5,
+                 shift="none")
     prepared = prepare_data(cfg, None, {"input_size": (3, 224, 224), "mean": (0.5,) * 3, "std": (0.5,) * 3})
     assert prepared.classes == ["one", "two", "zero"], "ClassLabel names, in the dataset's order"
     test = prepared.eval_sets["test"]
     assert num_examples(test) == 12, "the folder's own test/ split is the test set"
-    assert test["pixels"].dtype == torch.uint8 and test["pixels"].shape[1:] == (8, 8), "grey digits cross the network as uint8"
+    assert test["pixels"].dtype == torch.uint8 and test["pixels"].shape[1:] == (8, 8), \
+        "grey digits cross the network as uint8"
     expected = {(name, arr.tobytes()) for i, (name, arr) in written.items() if i % 5 == 0}
     got = {(prepared.classes[int(y)], x.numpy().tobytes()) for x, y in zip(test["pixels"], test["labels"])}
     assert got == expected
@@ -163,7 +171,8 @@ def test_colour_images_of_mixed_sizes_become_normalised_rgb(tmp_path):
     assert x.shape[1:] == (3, 20, 20)
     channel_means = x.mean((0, 2, 3))
     raw = test["pixels"].float().div(255).mean((0, 2, 3))
-    assert torch.allclose(channel_means, (raw - torch.tensor(imagenet["mean"])) / torch.tensor(imagenet["std"]), atol=1e-4)
+    normalised = (raw - torch.tensor(imagenet["mean"])) / torch.tensor(imagenet["std"])
+    assert torch.allclose(channel_means, normalised, atol=1e-4)
 
 
 def test_save_to_disk_folder_with_classlabel_and_test_split(tmp_path, tokenizer):
@@ -184,7 +193,8 @@ def test_save_to_disk_folder_with_classlabel_and_test_split(tmp_path, tokenizer)
 
 
 def shifted(tmp_path, labels, name="other.csv"):
-    rows = [{"words": f"elsewhere {i} says {labels[i % len(labels)]}", "verdict": labels[i % len(labels)]} for i in range(12)]
+    rows = [{"words": f"elsewhere {i} says {labels[i % len(labels)]}", "verdict": labels[i % len(labels)]}
+            for i in range(12)]
     return write(tmp_path / name, rows)
 
 
@@ -193,14 +203,16 @@ def node_config(tmp_path, **extra):
         rows = [r for r in reviews(n, lo) if k == 0 or r["stars"] != "meh"]  # node 1 never sees "meh"
         write(tmp_path / f"node_{k}.csv", rows)
     write(tmp_path / "eval.csv", reviews(15, 100))
-    data = {"name": "mine", "source": "csv", "files": str(tmp_path / "eval.csv"), "node_files": str(tmp_path / "node_{node}.csv"),
+    data = {"name": "mine", "source": "csv", "files": str(tmp_path / "eval.csv"),
+            "node_files": str(tmp_path / "node_{node}.csv"),
             "columns": {"text": "review", "label": "stars"}, "test_size": 9, "val_size": 3, **extra}
     return config(**data)
 
 
 def test_labels_map_by_name_on_every_node_and_in_every_shift_set(tmp_path, tokenizer):
-    shift = {"flipped": {"files": str(shifted(tmp_path, ["neg", "pos"])), "columns": {"text": "words", "label": "verdict"}},
-             "subset": {"files": str(shifted(tmp_path, ["meh"], "meh.csv")), "columns": {"text": "words", "label": "verdict"}}}
+    columns = {"text": "words", "label": "verdict"}
+    shift = {"flipped": {"files": str(shifted(tmp_path, ["neg", "pos"])), "columns": columns},
+             "subset": {"files": str(shifted(tmp_path, ["meh"], "meh.csv")), "columns": columns}}
     prepared = prepare_data(node_config(tmp_path, shift=shift), tokenizer)
     classes = prepared.classes
     assert classes == ["meh", "neg", "pos"]
@@ -211,7 +223,8 @@ def test_labels_map_by_name_on_every_node_and_in_every_shift_set(tmp_path, token
     for k in range(2):
         shard = prepared.train.load(k, 2)
         assert_labels_follow_rows(shard, tokenizer, classes)
-        assert classes.index("pos") in shard["labels"].tolist(), "'pos' has one index on both nodes, whatever each node holds"
+        assert classes.index("pos") in shard["labels"].tolist(), \
+            "'pos' has one index on both nodes, whatever each node holds"
 
 
 def test_a_shift_label_that_is_not_a_training_class_is_named(tmp_path, tokenizer):
@@ -220,7 +233,8 @@ def test_a_shift_label_that_is_not_a_training_class_is_named(tmp_path, tokenizer
     with pytest.raises(ConfigError) as err:
         describe_data(node_config(tmp_path, shift=shift))
     assert err.value.field_name == "data.shift.stars"
-    assert "five stars" in str(err.value) and "zero stars" in str(err.value) and "'pos'" not in str(err.value).split("invalid")[0]
+    assert "five stars" in str(err.value) and "zero stars" in str(err.value)
+    assert "'pos'" not in str(err.value).split("invalid")[0]
 
 
 @pytest.mark.parametrize("change,field", [
@@ -229,7 +243,8 @@ def test_a_shift_label_that_is_not_a_training_class_is_named(tmp_path, tokenizer
     ({"files": "no/such/file.csv"}, "data.files"),
     ({"files": {"train": "reviews.csv", "test": "missing_*.csv"}}, "data.files"),
     ({"source": "./no_such_folder", "files": None}, "data.source"),
-    ({"shift": {"other": {"files": "other.csv", "columns": {"text": "words", "label": "verdct"}}}}, "data.shift.other.columns.label"),
+    ({"shift": {"other": {"files": "other.csv", "columns": {"text": "words", "label": "verdct"}}}},
+     "data.shift.other.columns.label"),
     ({"shift": {"other": {"files": "gone.csv"}}}, "data.shift.other.files"),
     ({"columns": {"txt": "review"}}, "data.columns.txt"),
     ({"split": "validation"}, "data.split"),
@@ -275,8 +290,8 @@ def test_an_unreadable_value_names_its_column_and_row(tmp_path, tokenizer):
 
     digit_images(tmp_path / "digits")
     (tmp_path / "digits" / "train" / "one" / "1.png").write_bytes(b"not a png")
-    err = failure(config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5,
-                         shift="none"), grey)
+    err = failure(config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm",
+                         test_size=5, shift="none"), grey)
     assert err.field_name == "data.columns.image" and "is unreadable as an image" in str(err), str(err)
 
     write(tmp_path / "counted.csv", [{"review": len(r["review"]), "stars": r["stars"]} for r in reviews(30)])
@@ -284,15 +299,39 @@ def test_an_unreadable_value_names_its_column_and_row(tmp_path, tokenizer):
                          columns={"text": "review", "label": "stars"}))
     assert err.field_name == "data.columns.text" and "int" in str(err) and "is not text" in str(err), str(err)
 
-    shifts = {"odd": {"source": "json", "files": str(write(tmp_path / "odd.jsonl", [{"words": i, "verdict": "pos"} for i in range(4)])),
-                      "columns": {"text": "words", "label": "verdict"}}}
+    odd = write(tmp_path / "odd.jsonl", [{"words": i, "verdict": "pos"} for i in range(4)])
+    shifts = {"odd": {"source": "json", "files": str(odd), "columns": {"text": "words", "label": "verdict"}}}
     err = failure(node_config(tmp_path, shift=shifts))
     assert err.field_name == "data.shift.odd.columns.text" and "row 0 of data.shift.odd.files" in str(err), str(err)
 
     cfg = node_config(tmp_path)
-    write(tmp_path / "node_1.csv", [{"review": i, "stars": "pos"} for i in range(8)])  # written after the driver's checks
+    # written after the driver's checks
+    write(tmp_path / "node_1.csv", [{"review": i, "stars": "pos"} for i in range(8)])
     err = failure(cfg, node=1)
     assert err.field_name == "data.columns.text" and "row 0 of data.node_files[1]" in str(err), str(err)
+
+
+def test_an_empty_cell_only_a_node_can_read_is_named_with_its_file_and_row(tmp_path, tokenizer):
+    """Node files the driver cannot read: the node meets the empty cell itself and raises the error
+    naming the column, its file and the row (the strategy's one-line error), for its training rows
+    and its held-out rows alike; an empty label never becomes a class."""
+    from raylowcomm.data import SplitRule
+
+    cfg = config(name="remote", source="csv", node_files=str(tmp_path / "far_{node}.csv"), node_files_on_driver=False,
+                 eval_on_nodes=True, columns={"text": "review", "label": "stars"}, classes=LABELS, test_size=4,
+                 shift="none")
+    train = pickle.loads(pickle.dumps(prepare_data(cfg, tokenizer).train))
+    parts = SplitRule(cfg.data.shuffle_seed, 4, 0, None).parts(20)
+    trained, held = int(parts["train"][5]), int(parts["test"][1])
+    rows = reviews(20)
+    rows[trained]["stars"], rows[held]["review"] = "", ""
+    write(tmp_path / "far_1.csv", rows)
+    for load, role, row in ((train.load, "label", trained), (train.load_holdout, "text", held)):
+        with pytest.raises(ConfigError) as err:
+            load(1, 2)
+        assert err.value.field_name == f"data.columns.{role}", str(err.value)
+        assert f"row {row} of data.node_files[1] ({tmp_path / 'far_1.csv'})" in str(err.value)
+        assert "its cell is empty" in str(err.value)
 
 
 def test_node_files_load_on_the_node_only_and_the_recipe_holds_no_rows(tmp_path, tokenizer):
@@ -305,14 +344,16 @@ def test_node_files_load_on_the_node_only_and_the_recipe_holds_no_rows(tmp_path,
         node_texts = [t for t, _ in decoded(prepared.train.load(k, 2), tokenizer, prepared.classes)]
         own = [r["review"] for r in reviews(30 if k == 0 else 24, lo) if k == 0 or r["stars"] != "meh"]
         assert node_texts == own, f"node {k} trains on its own file, all of it, in order"
-    assert {t for t, _ in decoded(prepared.eval_sets["test"], tokenizer, prepared.classes)} <= {r["review"] for r in reviews(15, 100)}
+    tested = {t for t, _ in decoded(prepared.eval_sets["test"], tokenizer, prepared.classes)}
+    assert tested <= {r["review"] for r in reviews(15, 100)}
 
 
 def test_the_driver_never_opens_node_files_it_is_told_are_remote(tmp_path, tokenizer):
     """Node files that do not exist on the driver: prepare works from the config alone; a node
     (here: later, once its file exists) loads and holds out its own rows."""
     cfg = config(name="remote", source="csv", node_files=str(tmp_path / "far_{node}.csv"), node_files_on_driver=False,
-                 eval_on_nodes=True, columns={"text": "review", "label": "stars"}, classes=LABELS, test_size=4, shift="none")
+                 eval_on_nodes=True, columns={"text": "review", "label": "stars"}, classes=LABELS, test_size=4,
+                 shift="none")
     prepared = prepare_data(cfg, tokenizer)
     assert prepared.eval_sets == {} and prepared.classes == LABELS
     blob = pickle.dumps(prepared.train)
@@ -321,7 +362,8 @@ def test_the_driver_never_opens_node_files_it_is_told_are_remote(tmp_path, token
     held, own = train.load_holdout(1, 2), train.load(1, 2)
     assert num_examples(held) == 4 and num_examples(own) == 16
     texts = [t for s in (held, own) for t, _ in decoded(s, tokenizer, LABELS)]
-    assert sorted(texts) == sorted(r["review"] for r in reviews(20, 500)), "held-out and training rows split the node's file"
+    assert sorted(texts) == sorted(r["review"] for r in reviews(20, 500)), \
+        "held-out and training rows split the node's file"
     assert_labels_follow_rows(own, tokenizer, LABELS)
 
 
@@ -335,8 +377,9 @@ def test_the_driver_needs_classes_when_it_can_read_no_labels(tmp_path):
 
 def test_shared_source_shards_are_disjoint_and_make_the_train_split(tmp_path, tokenizer):
     write(tmp_path / "reviews.csv", reviews(101))
-    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"), columns={"text": "review", "label": "stars"},
-                 test_size=10, val_size=5, shift="none", eval_on_nodes=False)
+    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"),
+                 columns={"text": "review", "label": "stars"}, test_size=10, val_size=5, shift="none",
+                 eval_on_nodes=False)
     prepared = prepare_data(cfg, tokenizer)
     everything = decoded(prepared.train.load_all(), tokenizer, prepared.classes)
     for count in (1, 3, 4):
@@ -349,8 +392,8 @@ def test_shared_source_shards_are_disjoint_and_make_the_train_split(tmp_path, to
 
 def test_eval_on_nodes_with_a_shared_source_shards_the_test_rows(tmp_path, tokenizer):
     write(tmp_path / "reviews.csv", reviews(60))
-    base = {"name": "mine", "source": "csv", "files": str(tmp_path / "reviews.csv"), "columns": {"text": "review", "label": "stars"},
-            "test_size": 9, "shift": "none"}
+    base = {"name": "mine", "source": "csv", "files": str(tmp_path / "reviews.csv"),
+            "columns": {"text": "review", "label": "stars"}, "test_size": 9, "shift": "none"}
     central = prepare_data(config(**base), tokenizer)
     on_nodes = prepare_data(config(**base, eval_on_nodes=True), tokenizer)
     assert "test" not in on_nodes.eval_sets
@@ -362,8 +405,8 @@ def test_eval_on_nodes_with_a_shared_source_shards_the_test_rows(tmp_path, token
 def test_shards_load_inside_ray_workers(ray_session, tmp_path, tokenizer):
     """The recipe crosses to another process and reads the same rows there."""
     write(tmp_path / "reviews.csv", reviews(40))
-    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"), columns={"text": "review", "label": "stars"},
-                 test_size=8, shift="none")
+    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"),
+                 columns={"text": "review", "label": "stars"}, test_size=8, shift="none")
     prepared = prepare_data(cfg, tokenizer)
     load = ray_session.remote(lambda train, k: train.load(k, 2))
     remote = ray_session.get([load.remote(prepared.train, k) for k in range(2)])
@@ -403,7 +446,8 @@ OLD = {  # recorded from raylowcomm/data.py's load_datasets + RunContext.shards 
 def test_presets_give_the_old_eval_sets_and_shards(tokenizer, preset, data, family):
     prepared = prepare_data(config(name=preset, family=family, **data), tokenizer if family != "timm" else None)
     old = OLD[preset]
-    assert {k: fingerprint(v) for k, v in prepared.eval_sets.items()} == {k: v for k, v in old.items() if k not in ("train", "shards")}
+    assert {k: fingerprint(v) for k, v in prepared.eval_sets.items()} == \
+        {k: v for k, v in old.items() if k not in ("train", "shards")}
     assert fingerprint(prepared.train.load_all()) == old["train"]
     assert [fingerprint(prepared.train.load(k, 2)) for k in range(2)] == old["shards"]
 
@@ -425,8 +469,10 @@ def test_mnist_reaches_the_model_exactly_as_before():
 def test_rotten_tomatoes_gets_the_amazon_reviews_shift(tokenizer, causal_tokenizer):
     prepared = prepare_data(config(name="rotten_tomatoes", test_size=50, train_size=100), tokenizer)
     amazon = prepared.eval_sets["shift/amazon_reviews"]
-    assert num_examples(amazon) == 2985 and int(amazon["labels"].sum()) == 1750, "1,750 positive (fresh) / 1,235 negative"
-    prompted = prepare_data(config(name="rotten_tomatoes", family="hf_causal_lm", test_size=50, train_size=100), causal_tokenizer)
+    assert num_examples(amazon) == 2985 and int(amazon["labels"].sum()) == 1750, \
+        "1,750 positive (fresh) / 1,235 negative"
+    prompted = prepare_data(config(name="rotten_tomatoes", family="hf_causal_lm", test_size=50, train_size=100),
+                            causal_tokenizer)
     row = prompted.eval_sets["test"]
     words = [causal_tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" terrible", " great")]
     assert row["choice_ids"][0].tolist() == words
@@ -437,10 +483,12 @@ def test_rotten_tomatoes_gets_the_amazon_reviews_shift(tokenizer, causal_tokeniz
 
 def test_a_user_prompt_and_label_words(tmp_path, causal_tokenizer):
     write(tmp_path / "reviews.csv", reviews(30))
-    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"), columns={"text": "review", "label": "stars"},
-                 family="hf_causal_lm", template=" Verdict:", label_words=[" so", " bad", " good"], test_size=6, shift="none")
+    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"),
+                 columns={"text": "review", "label": "stars"}, family="hf_causal_lm", template=" Verdict:",
+                 label_words=[" so", " bad", " good"], test_size=6, shift="none")
     prepared = prepare_data(cfg, causal_tokenizer)
-    assert prepared.task.name == "prompt_classification" and prepared.plan.num_classes is None, "the LM keeps its own head"
+    assert prepared.task.name == "prompt_classification" and prepared.plan.num_classes is None, \
+        "the LM keeps its own head"
     test = prepared.eval_sets["test"]
     last = int(test["attention_mask"][0].sum())
     assert causal_tokenizer.decode(test["input_ids"][0, :last]).endswith(" Verdict:")

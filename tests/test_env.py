@@ -24,14 +24,21 @@ def _clean_env() -> dict:
 
 
 def _python(code: str, env: dict, timeout: int = 300) -> str:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def test_import_changes_no_environment():
-    out = _python("""
+    out = _python(
+        """
         import os, sys
         before = dict(os.environ)
         import raylowcomm, raylowcomm.cli
@@ -50,7 +57,9 @@ def test_import_changes_no_environment():
         from raylowcomm.runner import run
         assert raylowcomm.run is run
         print("ok")
-    """, _clean_env())
+    """,
+        _clean_env(),
+    )
     assert out.strip().endswith("ok")
 
 
@@ -73,7 +82,8 @@ def test_local_ray_stays_on_loopback_whatever_was_imported_first():
     """RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is read at `import ray`; init_ray also sets the value Ray
     read, so a local node is on 127.0.0.1 even when ray was imported before, and actors get the
     hub-offline settings through the runtime_env."""
-    out = _python("""
+    out = _python(
+        """
         import os
         import ray  # before init_ray, as raylowcomm's own modules and many user programs do
         from raylowcomm.runtime import init_ray
@@ -86,7 +96,9 @@ def test_local_ray_stays_on_loopback_whatever_was_imported_first():
 
         print("task", *ray.get(actor_env.remote()))
         ray.shutdown()
-    """, {**_clean_env(), "RAY_AUTH_MODE": "disabled"})
+    """,
+        {**_clean_env(), "RAY_AUTH_MODE": "disabled"},
+    )
     assert "nodes ['127.0.0.1']" in out and "task 1 127.0.0.1" in out, out
 
 
@@ -97,7 +109,7 @@ def test_the_loaders_print_no_load_report_or_progress_bar_unless_verbose():
         import sys
         from raylowcomm.config import ModelConfig
         from raylowcomm.env import quiet_loaders, set_hub_defaults
-        from raylowcomm.models import load_pretrained
+        from raylowcomm.finetune import load_pretrained
         set_hub_defaults()
         if sys.argv[1] == "quiet":
             quiet_loaders(hf_model=True)
@@ -105,8 +117,14 @@ def test_the_loaders_print_no_load_report_or_progress_bar_unless_verbose():
     """
     printed = {}
     for mode in ("quiet", "verbose"):
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), mode], env=_clean_env(), capture_output=True,
-                              text=True, timeout=300, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), mode],
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
         assert proc.returncode == 0, proc.stderr
         printed[mode] = proc.stdout + proc.stderr
     assert "MISSING" in printed["verbose"] and "Loading weights" in printed["verbose"], "the check would not see them"
@@ -114,10 +132,13 @@ def test_the_loaders_print_no_load_report_or_progress_bar_unless_verbose():
 
 
 def test_quieting_the_loaders_for_a_timm_run_does_not_import_transformers():
-    out = _python("""
+    out = _python(
+        """
         import sys
         from raylowcomm.env import quiet_loaders
         quiet_loaders(hf_model=False)
         print("transformers imported:", "transformers" in sys.modules)
-    """, _clean_env())
+    """,
+        _clean_env(),
+    )
     assert "transformers imported: False" in out, out

@@ -3,7 +3,7 @@ import pickle
 import pytest
 import torch
 
-from raylowcomm.ledger import Ledger, payload_nbytes
+from raylowcomm.common.ledger import Ledger, payload_nbytes
 
 
 def test_known_payloads_are_counted_exactly():

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from raylowcomm import lora
-from raylowcomm.config import ConfigError, LoraConfig, ModelConfig, RunConfig, build_dataclass
-from raylowcomm.models import build_model, load_pretrained, state_dict_of
+from raylowcomm.config import ConfigError, LoraConfig, ModelConfig, RunConfig, build_dataclass, validate_lora
+from raylowcomm.finetune import build_model, load_pretrained
+from raylowcomm.models import state_dict_of
 from raylowcomm.tasks import PromptClassification
 
 A_SUFFIX, B_SUFFIX = ".lora_A.default.weight", ".lora_B.default.weight"
 SCALE = 16 / 8  # LoraConfig defaults: alpha / r
+MINILM = ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig())
 
 
 def nbytes(state):
@@ -32,14 +34,18 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def minilm():
-    model, spec, _ = load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig()), 2, seed=0)
+    model, spec, _ = load_pretrained(MINILM, 2, seed=0)
     return model.eval(), spec
 
 
 def batch(seed, n=4, length=12):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, 30000, (n, length), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (n,), generator=gen)}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.randint(0, 2, (n,), generator=gen),
+    }
 
 
 def logits(model, seed=99):
@@ -122,13 +128,19 @@ def plain_keys(spec):
 
 # --- frozen base, small payload, same start everywhere ------------------------------------------
 
+
 def test_base_frozen_adapters_and_head_trainable(minilm):
     model, _ = minilm
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(A_SUFFIX in n or B_SUFFIX in n or ".modules_to_save.default." in n for n in trainable)
-    assert {"base_model.model.classifier.modules_to_save.default.weight", "base_model.model.classifier.modules_to_save.default.bias"} <= trainable
+    assert {
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias",
+    } <= trainable
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    assert any(".base_layer." in n for n in frozen) and "base_model.model.bert.embeddings.word_embeddings.weight" in frozen
+    assert (
+        any(".base_layer." in n for n in frozen) and "base_model.model.bert.embeddings.word_embeddings.weight" in frozen
+    )
     assert len(lora.lora_layers(model)) == 12  # query and value (peft's BERT default) in 6 layers
     with model.disable_adapter():  # B = 0 at the start: the adapted model is exactly its base
         base_logits = logits(model)
@@ -140,13 +152,18 @@ def test_trainable_state_is_small_and_counts_what_ddp_reduces(minilm):
     sent, full = lora.trainable_state(model), state_dict_of(model)
     adapters = 12 * 8 * (384 + 384) * 4
     head = (384 * 2 + 2) * 4
-    print(f"\nMiniLM r=8: full state {nbytes(full):,} B, LoRA state {nbytes(sent):,} B ({nbytes(sent) / nbytes(full):.2%})")
+    print(
+        f"\nMiniLM r=8: full state {nbytes(full):,} B, LoRA state {nbytes(sent):,} B "
+        f"({nbytes(sent) / nbytes(full):.2%})"
+    )
     assert nbytes(sent) == lora.trainable_nbytes(model) == adapters + head
     assert nbytes(sent) <= 0.03 * nbytes(full)
     assert all(v.device.type == "cpu" and v.is_contiguous() for v in sent.values())
     node = copy.deepcopy(model).train()
     node(**batch(7)).loss.backward()  # only these gradients exist, so only these are all-reduced
-    assert sum(p.grad.numel() * p.grad.element_size() for p in node.parameters() if p.grad is not None) == adapters + head
+    assert (
+        sum(p.grad.numel() * p.grad.element_size() for p in node.parameters() if p.grad is not None) == adapters + head
+    )
     before = lora.trainable_state(node)
     name, param = next((n, p) for n, p in node.named_parameters() if p.requires_grad)
     with torch.no_grad():
@@ -156,11 +173,12 @@ def test_trainable_state_is_small_and_counts_what_ddp_reduces(minilm):
 
 def test_same_seed_same_start_and_actor_rebuild_is_exact(minilm, node_states):
     model, spec = minilm
-    again, _, _ = load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig()), 2, seed=0)
-    other, _, _ = load_pretrained(ModelConfig(name="all-MiniLM-L6-v2", family="hf_classifier", lora=LoraConfig()), 2, seed=1)
+    again, _, _ = load_pretrained(MINILM, 2, seed=0)
+    other, _, _ = load_pretrained(MINILM, 2, seed=1)
     ours, theirs = lora.trainable_state(model), lora.trainable_state(again)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # head and A drawn from the seed
-    assert not torch.equal(ours[lora.lora_layers(model)[0].a], lora.trainable_state(other)[lora.lora_layers(model)[0].a])
+    first_a = lora.lora_layers(model)[0].a
+    assert not torch.equal(ours[first_a], lora.trainable_state(other)[first_a])
     trained = with_state(model, node_states[0])
     rebuilt = build_model(spec)  # what an actor does with the spec and the shipped state dict
     rebuilt.load_state_dict(state_dict_of(trained))
@@ -168,10 +186,13 @@ def test_same_seed_same_start_and_actor_rebuild_is_exact(minilm, node_states):
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert any(".lora_B." in k and want[k].abs().sum() > 0 for k in want)  # adapters really trained
     assert torch.equal(logits(trained), logits(rebuilt))
-    assert {n for n, p in rebuilt.named_parameters() if p.requires_grad} == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n, p in rebuilt.named_parameters() if p.requires_grad} == {
+        n for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 # --- averaging ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("weights", [[1, 1], [1, 2, 3]])
 def test_average_delta_is_the_exact_average(minilm, node_states, weights):
@@ -188,8 +209,12 @@ def test_average_delta_is_the_exact_average(minilm, node_states, weights):
     untouched = "bert.encoder.layer.0.attention.self.key.weight"
     assert torch.equal(merged[untouched], base["base_model.model." + untouched])
     # the merged model computes what the nodes' averaged adapters compute unmerged
-    torch.testing.assert_close(logits(plain_model(spec, merged)), logits(stacked_adapter_model(spec, base, states, weights)),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        logits(plain_model(spec, merged)),
+        logits(stacked_adapter_model(spec, base, states, weights)),
+        atol=1e-5,
+        rtol=1e-4,
+    )
 
 
 def test_single_node_average_is_peft_merge(minilm, node_states):
@@ -213,7 +238,8 @@ def test_factor_average_differs_unless_the_factors_agree(minilm, node_states):
     head = "classifier.weight"
     torch.testing.assert_close(exact[head], fedavg[head])  # heads are averaged plainly either way
     same = [states[0]] * 3
-    agree_exact, agree_fedavg = lora.average_delta(base, same, layers), lora.average_delta(base, [lora.average_factors(same)], layers)
+    agree_exact = lora.average_delta(base, same, layers)
+    agree_fedavg = lora.average_delta(base, [lora.average_factors(same)], layers)
     for key in agree_exact:
         torch.testing.assert_close(agree_exact[key], agree_fedavg[key], atol=1e-6, rtol=1e-6)
 
@@ -228,6 +254,7 @@ def test_averaging_rejects_mismatched_inputs(minilm):
 
 
 # --- rounds ------------------------------------------------------------------------------------
+
 
 def test_merge_and_reset_restarts_from_the_exact_average(minilm, node_states):
     model, spec = minilm
@@ -253,6 +280,7 @@ def test_merge_and_reset_restarts_from_the_exact_average(minilm, node_states):
 
 # --- saving ------------------------------------------------------------------------------------
 
+
 def test_save_adapter_and_merged(minilm, node_states, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
@@ -262,38 +290,46 @@ def test_save_adapter_and_merged(minilm, node_states, tmp_path):
     adapter_dir = lora.save_lora(node, spec, tmp_path / "adapter", merge=False)
     assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in adapter_dir.iterdir()}
     assert (adapter_dir / "adapter_model.safetensors").stat().st_size < 0.03 * 90_000_000
-    reloaded = PeftModel.from_pretrained(plain_model(spec, lora.average_delta(state_dict_of(model), [lora.trainable_state(model)],
-                                                                             lora.lora_layers(model))), str(adapter_dir))
+    pretrained = lora.average_delta(state_dict_of(model), [lora.trainable_state(model)], lora.lora_layers(model))
+    reloaded = PeftModel.from_pretrained(plain_model(spec, pretrained), str(adapter_dir))
     torch.testing.assert_close(logits(reloaded), logits(node), atol=1e-6, rtol=1e-6)
     merged_dir = lora.save_lora(state_dict_of(node), spec, tmp_path / "merged", merge=True)
-    torch.testing.assert_close(logits(AutoModelForSequenceClassification.from_pretrained(str(merged_dir))), logits(node),
-                               atol=1e-5, rtol=1e-5)
-    average = lora.average_delta(state_dict_of(model), [lora.trainable_state(node), lora.trainable_state(model)], lora.lora_layers(model))
+    torch.testing.assert_close(
+        logits(AutoModelForSequenceClassification.from_pretrained(str(merged_dir))), logits(node), atol=1e-5, rtol=1e-5
+    )
+    average = lora.average_delta(
+        state_dict_of(model), [lora.trainable_state(node), lora.trainable_state(model)], lora.lora_layers(model)
+    )
     avg_dir = lora.save_lora(average, spec, tmp_path / "average", merge=True)
-    torch.testing.assert_close(logits(AutoModelForSequenceClassification.from_pretrained(str(avg_dir))), logits(plain_model(spec, average)))
+    torch.testing.assert_close(
+        logits(AutoModelForSequenceClassification.from_pretrained(str(avg_dir))), logits(plain_model(spec, average))
+    )
     with pytest.raises(ValueError, match="merge=True"):
         lora.save_lora(average, spec, tmp_path / "nope", merge=False)
 
 
 # --- config ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("field,value", [("r", 0), ("alpha", -1.0), ("dropout", 1.0), ("target_modules", [])])
 def test_validate_lora_names_the_field(field, value):
     cfg = RunConfig(model=ModelConfig(lora=dataclasses.replace(LoraConfig(), **{field: value})))
     with pytest.raises(ConfigError) as err:
-        lora.validate_lora(cfg)
+        validate_lora(cfg)
     assert err.value.field_name == f"model.lora.{field}"
 
 
 def test_config_reads_lora_from_yaml_mapping():
-    cfg = build_dataclass(ModelConfig, {"family": "hf_classifier", "lora": {"r": 4, "target_modules": ["query"]}, "merge": True}, "model")
+    cfg = build_dataclass(
+        ModelConfig, {"family": "hf_classifier", "lora": {"r": 4, "target_modules": ["query"]}, "merge": True}, "model"
+    )
     assert cfg.lora == LoraConfig(r=4, target_modules=["query"]) and cfg.merge
-    lora.validate_lora(RunConfig(model=cfg))
+    validate_lora(RunConfig(model=cfg))
     assert build_dataclass(ModelConfig, {"lora": {}}, "model").lora == LoraConfig()
     with pytest.raises(ConfigError, match="model.lora"):  # the union hides which key: see the report
         build_dataclass(ModelConfig, {"lora": {"rank": 4}}, "model")
     with pytest.raises(ConfigError) as err:
-        lora.validate_lora(RunConfig(model=ModelConfig(merge=True)))
+        validate_lora(RunConfig(model=ModelConfig(merge=True)))
     assert err.value.field_name == "model.merge"
 
 
@@ -306,13 +342,18 @@ def test_unknown_target_module_is_a_config_error(minilm):
 
 # --- other architectures -----------------------------------------------------------------------
 
+
 def test_smollm2_two_nodes_exact_and_small():
-    model, spec, _ = load_pretrained(ModelConfig(name="SmolLM2-135M", family="hf_causal_lm", lora=LoraConfig()), None, seed=0)
+    model, spec, _ = load_pretrained(
+        ModelConfig(name="SmolLM2-135M", family="hf_causal_lm", lora=LoraConfig()), None, seed=0
+    )
     base, layers = state_dict_of(model), lora.lora_layers(model)
     sent = lora.trainable_state(model)
     unique = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"\nSmolLM2-135M r=8: full state {nbytes(base):,} B ({unique:,} B without the tied copy), "
-          f"LoRA state {nbytes(sent):,} B ({nbytes(sent) / unique:.2%})")
+    print(
+        f"\nSmolLM2-135M r=8: full state {nbytes(base):,} B ({unique:,} B without the tied copy), "
+        f"LoRA state {nbytes(sent):,} B ({nbytes(sent) / unique:.2%})"
+    )
     assert nbytes(sent) == 30 * 8 * ((576 + 576) + (576 + 192)) * 4  # q_proj and v_proj (GQA: 192 outputs); no head
     assert nbytes(sent) <= 0.03 * unique
     states = [perturbed(sent, k) for k in range(2)]
@@ -325,19 +366,31 @@ def test_smollm2_two_nodes_exact_and_small():
     # what the plain model scores, and its loss trains the adapters only.
     plain, _, _ = load_pretrained(ModelConfig(name="SmolLM2-135M", family="hf_causal_lm"), None, seed=0)
     task, g = PromptClassification(), torch.Generator().manual_seed(0)
-    prompts = {"input_ids": torch.randint(1, 1000, (2, 8), generator=g), "attention_mask": torch.ones(2, 8, dtype=torch.long),
-               "choice_ids": torch.tensor([[7, 9], [7, 9]]), "labels": torch.tensor([0, 1])}
+    prompts = {
+        "input_ids": torch.randint(1, 1000, (2, 8), generator=g),
+        "attention_mask": torch.ones(2, 8, dtype=torch.long),
+        "choice_ids": torch.tensor([[7, 9], [7, 9]]),
+        "labels": torch.tensor([0, 1]),
+    }
     torch.testing.assert_close(task.forward(model, prompts), task.forward(plain, prompts), rtol=1e-5, atol=1e-5)
     task.loss(model, prompts).backward()
     grads = {k for k, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
-    assert grads and grads <= {k for k, p in model.named_parameters() if p.requires_grad} and all("lora_" in k for k in grads)
+    assert (
+        grads
+        and grads <= {k for k, p in model.named_parameters() if p.requires_grad}
+        and all("lora_" in k for k in grads)
+    )
 
 
 def test_timm_convolutions_merge_like_peft():
-    model, spec, _ = load_pretrained(ModelConfig(name="efficientnet_lite0", family="timm", lora=LoraConfig()), 10, seed=0)
+    model, spec, _ = load_pretrained(
+        ModelConfig(name="efficientnet_lite0", family="timm", lora=LoraConfig()), 10, seed=0
+    )
     layers = lora.lora_layers(model)
     assert any(len(layer.shape) == 4 and layer.shape[2:] == (3, 3) for layer in layers)  # a 3×3 conv (conv_stem)
-    assert {n for n, p in model.named_parameters() if p.requires_grad} >= {"base_model.model.classifier.modules_to_save.default.weight"}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} >= {
+        "base_model.model.classifier.modules_to_save.default.weight"
+    }
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

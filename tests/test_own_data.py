@@ -25,9 +25,10 @@ import yaml
 from PIL import Image
 
 from raylowcomm import assets, runner
+from raylowcomm.common.batches import num_examples
+from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError
-from raylowcomm.data import SourceSpec, TrainSource, num_examples, prepare_data
-from raylowcomm.ledger import payload_nbytes
+from raylowcomm.data import SourceSpec, TrainSource, prepare_data
 from raylowcomm.strategies import from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,8 @@ def reviews(start: int, n: int, marker: str = "") -> list[dict]:
     """Rotten Tomatoes rows as a user's CSV: columns review / verdict, labels fresh / rotten; each
     text starts with its label (and `marker`), so a decoded example shows the label it was given."""
     rows = read_asset("rotten_tomatoes")[start : start + n]
-    return [{"review": f"{marker}{VERDICTS[r['label']]} says: {r['text']}", "verdict": VERDICTS[r["label"]]} for r in rows]
+    return [{"review": f"{marker}{VERDICTS[r['label']]} says: {r['text']}", "verdict": VERDICTS[r["label"]]}
+            for r in rows]
 
 
 def snippets(n: int) -> list[dict]:
@@ -165,9 +167,11 @@ def test_string_labels_map_by_name_on_every_node_and_in_every_shift_set(ray_sess
     assert shift[0]["opinion"] == "rotten" and {r["opinion"] for r in shift} == {"fresh", "rotten"}
     cfg = from_dict({"model": TEXT_MODEL, "strategies": ["lofi"], "data": {
         "name": "mine", "source": "csv", "files": str(write_csv(tmp_path / "eval.csv", evalrows)),
-        "node_files": [str(write_csv(tmp_path / "a" / "mine.csv", node0)), str(write_csv(tmp_path / "b" / "mine.csv", node1))],
+        "node_files": [str(write_csv(tmp_path / "a" / "mine.csv", node0)),
+                       str(write_csv(tmp_path / "b" / "mine.csv", node1))],
         "columns": {"text": "review", "label": "verdict"}, "classes": classes, "test_size": 10, "max_length": 24,
-        "shift": {"amazon": {"files": str(write_csv(tmp_path / "shift.csv", shift)), "columns": {"text": "snippet", "label": "opinion"}}}}})
+        "shift": {"amazon": {"files": str(write_csv(tmp_path / "shift.csv", shift)),
+                             "columns": {"text": "snippet", "label": "opinion"}}}}})
     prepared = prepare_data(cfg, tokenizer)
     assert prepared.classes == (classes or ["fresh", "rotten"])
     for name in ("test", "shift/amazon"):
@@ -197,7 +201,12 @@ def _bad_input(tmp_path: Path, case: str) -> dict:
         data["files"] = str(tmp_path / "no_such_reviews.csv")
     elif case == "missing_node_file":
         data["node_files"] = [str(tmp_path / "node_0.csv"), str(tmp_path / "node_1.csv")]
-    return {"model": TEXT_MODEL, "data": data, "strategies": ["lofi", "spsa"], "out_dir": str(tmp_path / "out"), **SMALL}
+    elif case == "empty_label":  # once an extra class "None", trained on
+        rows = reviews(0, 40)
+        rows[5]["verdict"] = ""
+        write_csv(tmp_path / "reviews.csv", rows)
+    return {"model": TEXT_MODEL, "data": data, "strategies": ["lofi", "spsa"], "out_dir": str(tmp_path / "out"),
+            **SMALL}
 
 
 @pytest.mark.parametrize("case,field", [
@@ -205,6 +214,7 @@ def _bad_input(tmp_path: Path, case: str) -> dict:
     ("label_column", "data.columns.label"),
     ("missing_file", "data.files"),
     ("missing_node_file", "data.node_files[1]"),
+    ("empty_label", "data.columns.label"),
 ])
 def test_bad_data_stops_the_cli_with_one_line_before_ray_starts(tmp_path, case, field):
     config = tmp_path / "cfg.yaml"
@@ -236,8 +246,8 @@ def test_a_config_error_raised_on_a_node_reaches_the_driver_intact():
 
 def test_interlocking_and_node_files_refuse_what_they_cannot_split():
     """Why the text runs below leave interlocking out, said as errors naming the field."""
-    base = {"data": {"name": "mine", "source": "csv", "files": "x.csv", "columns": {"text": "review", "label": "verdict"}},
-            "strategies": ["interlocking"]}
+    base = {"data": {"name": "mine", "source": "csv", "files": "x.csv",
+                     "columns": {"text": "review", "label": "verdict"}}, "strategies": ["interlocking"]}
     with pytest.raises(ConfigError) as err:
         from_dict({**base, "model": TEXT_MODEL})
     assert err.value.field_name == "model.family"
@@ -246,7 +256,8 @@ def test_interlocking_and_node_files_refuse_what_they_cannot_split():
     assert err.value.field_name == "data.name", "a causal LM interlocks on plain text only, not labelled reviews"
     with pytest.raises(ConfigError) as err:
         from_dict({**base, "model": IMAGE_MODEL, "data": {"name": "mine", "source": "imagefolder", "files": "x",
-                                                          "node_files": "n_{node}", "columns": {"image": "image", "label": "label"}}})
+                                                          "node_files": "n_{node}",
+                                                          "columns": {"image": "image", "label": "label"}}})
     assert err.value.field_name == "data.node_files"
 
 
@@ -259,7 +270,8 @@ def test_a_user_csv_with_string_labels_runs_every_text_strategy(ray_session, tmp
     raw = {"model": TEXT_MODEL, "strategies": ["lofi", "spsa", "ddp"], **SMALL, "data": {
         "name": "my_reviews", "source": "csv", "files": str(write_csv(tmp_path / "reviews.csv", reviews(0, 56))),
         "columns": {"text": "review", "label": "verdict"}, "test_size": 16, "max_length": 32,
-        "shift": {"amazon": {"files": str(write_csv(tmp_path / "amazon.csv", snippets(24))), "columns": {"text": "snippet", "label": "opinion"}}}}}
+        "shift": {"amazon": {"files": str(write_csv(tmp_path / "amazon.csv", snippets(24))),
+                             "columns": {"text": "snippet", "label": "opinion"}}}}}
     records, ctx = run_config(raw, tmp_path / "out", monkeypatch)
     assert [r["strategy"] for r in records] == ["lofi", "spsa", "ddp"]
     assert ctx.data.classes == ["fresh", "rotten"] and ctx.spec.num_classes == 2
@@ -330,12 +342,15 @@ def test_node_local_files_never_reach_the_driver(ray_session, tmp_path, monkeypa
         ctx.data.train.load(0, 2)  # the guard was in place all along
 
     recipe = pickle.dumps(ctx.data.train)
-    assert not any(r["review"][:60].encode() in recipe for rows in node_rows for r in rows), "a training text in the recipe"
-    bare = pickle.dumps(dataclasses.replace(ctx.data.train, encoder=dataclasses.replace(ctx.data.train.encoder, tokenizer=None)))
+    assert not any(r["review"][:60].encode() in recipe for rows in node_rows for r in rows), \
+        "a training text in the recipe"
+    without_tokenizer = dataclasses.replace(ctx.data.train.encoder, tokenizer=None)
+    bare = pickle.dumps(dataclasses.replace(ctx.data.train, encoder=without_tokenizer))
     assert len(bare) < 2048, f"the recipe without its tokenizer is {len(bare)} B"
     texts = [t for t, _ in decoded(ctx.data.eval_sets["test"], tokenizer, ctx.data.classes)]
     assert len(texts) == 30 and not any("nodeonly" in t for t in texts), "a training row in the driver's eval set"
-    setup_kinds = {"setup/initial_weights", "setup/eval_sets", "setup/data_recipe", "setup/control", "setup/shard_sizes"}
+    setup_kinds = {"setup/initial_weights", "setup/eval_sets", "setup/data_recipe", "setup/control",
+                   "setup/shard_sizes"}
     for record in records:
         assert_ran(record, shift=False)
         kinds = record["comm"]["by_kind"]

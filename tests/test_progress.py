@@ -23,7 +23,9 @@ def test_workers_steps_reach_the_driver_while_they_train(ray_session, tmp_path, 
     steps = rec["details"].get("steps_per_node") or rec["details"]["steps_per_worker"]
     assert details["progress_posts"] == 2 * steps, "one post per worker per step, each counted"
     assert details["progress_bytes"] > 0
-    assert not any("progress" in kind for kind in rec["comm"]["by_kind"]), "monitoring stays out of the strategy's ledger"
+    assert not any("progress" in kind for kind in rec["comm"]["by_kind"]), (
+        "monitoring stays out of the strategy's ledger"
+    )
     live_steps = [m["step"] for m in seen]
     assert any(s < steps for s in live_steps), "the view moved before training ended"
     assert live_steps == sorted(live_steps) and all(m["steps"] == steps for m in seen)

@@ -12,22 +12,43 @@ from raylowcomm.cli import main
 
 
 def point(step: int, wall_s: float, bytes_sent: int, acc: float) -> dict:
-    return {"step": step, "wall_s": wall_s, "samples": 32 * step, "bytes": bytes_sent, "id_accuracy": acc, "shift_accuracy": acc / 2}
+    return {
+        "step": step,
+        "wall_s": wall_s,
+        "samples": 32 * step,
+        "bytes": bytes_sent,
+        "id_accuracy": acc,
+        "shift_accuracy": acc / 2,
+    }
 
 
 def record(name: str, curve: list[dict], total_bytes: int, note: str | None = None) -> dict:
     last = curve[-1]
-    return {"strategy": name, "metrics": {"id_accuracy": last["id_accuracy"], "shift_accuracy": last["shift_accuracy"], "id_loss": 1.0},
-            "comm": {"total_bytes": total_bytes, "by_phase": {"setup": 0, "train": total_bytes, "final": 0}, "by_kind": {}},
-            "train_s": last["wall_s"], "wall_s": last["wall_s"] + 5, "samples_seen": last["samples"],
-            "details": {"curve_note": note} if note else {}, "curve": curve}
+    return {
+        "strategy": name,
+        "metrics": {"id_accuracy": last["id_accuracy"], "shift_accuracy": last["shift_accuracy"], "id_loss": 1.0},
+        "comm": {"total_bytes": total_bytes, "by_phase": {"setup": 0, "train": total_bytes, "final": 0}, "by_kind": {}},
+        "train_s": last["wall_s"],
+        "wall_s": last["wall_s"] + 5,
+        "samples_seen": last["samples"],
+        "details": {"curve_note": note} if note else {},
+        "curve": curve,
+    }
 
 
 # DDP reaches 0.855 (95% of 0.9) between 0.8 at 20 s / 200 MB and 0.9 at 30 s / 300 MB: 25.5 s, 255 MB.
-DDP = record("ddp", [point(10, 10, 100_000_000, 0.5), point(20, 20, 200_000_000, 0.8), point(30, 30, 300_000_000, 0.9)], 300_000_000)
+DDP = record(
+    "ddp",
+    [point(10, 10, 100_000_000, 0.5), point(20, 20, 200_000_000, 0.8), point(30, 30, 300_000_000, 0.9)],
+    300_000_000,
+)
 # lo-fi crosses 0.855 between 0.6 at 6 s and 0.86 at 12 s: 6 + 6 * 0.255 / 0.26 s.
-LOFI = record("lofi", [point(10, 6, 10_000_000, 0.6), point(20, 12, 10_000_000, 0.86), point(30, 18, 20_000_000, 0.88)], 20_000_000,
-              note="averaged snapshots; each point adds 1.2 s, the measured time to collect one model over the link")
+LOFI = record(
+    "lofi",
+    [point(10, 6, 10_000_000, 0.6), point(20, 12, 10_000_000, 0.86), point(30, 18, 20_000_000, 0.88)],
+    20_000_000,
+    note="averaged snapshots; each point adds 1.2 s, the measured time to collect one model over the link",
+)
 SPSA_FAILED = {"strategy": "spsa", "error": "RuntimeError: node 1 died", "wall_s": 3.0}
 SPSA_SLOW = record("spsa", [point(10, 5, 1_000, 0.3), point(20, 10, 2_000, 0.4)], 2_000)
 LOFI_TTT = 6 + 6 * 0.255 / 0.26
@@ -39,9 +60,16 @@ def make_bench(root: Path, runs: dict[str, list[dict]], benchmarks: dict[str, ob
     for label, records in runs.items():
         (root / label).mkdir()
         (root / label / "results.json").write_text(json.dumps(records))
-        entries.append({"label": label, "rate": label, "dir": label, "collect_note": f"collecting one model took 1.2 s at {label}"})
-    cfg = {"model": {"name": "efficientnet_lite0"}, "data": {"name": "mnist", "train_size": 2000}, "nodes": {"count": 2},
-           "strategies": ["ddp", "lofi", "spsa"], "eval_every": 10}
+        entries.append(
+            {"label": label, "rate": label, "dir": label, "collect_note": f"collecting one model took 1.2 s at {label}"}
+        )
+    cfg = {
+        "model": {"name": "efficientnet_lite0"},
+        "data": {"name": "mnist", "train_size": 2000},
+        "nodes": {"count": 2},
+        "strategies": ["ddp", "lofi", "spsa"],
+        "eval_every": 10,
+    }
     (root / "bench.json").write_text(json.dumps({"mode": "wan", "config": cfg, "runs": entries}))
     for name, data in (benchmarks or {}).items():
         (root / "benchmarks").mkdir(exist_ok=True)
@@ -52,10 +80,17 @@ def make_bench(root: Path, runs: dict[str, list[dict]], benchmarks: dict[str, ob
 @pytest.fixture
 def bench(tmp_path: Path) -> Path:
     faster_ddp = record("ddp", [dict(p, wall_s=p["wall_s"] / 2) for p in DDP["curve"]], 300_000_000)
-    lofi_scaling = {"steps_per_actor": 30, "rows": [{"strategy": "lofi", "nodes": 2, "samples_per_s": 210.5,
-                                                     "by_phase": {"setup": 1, "train": 0, "final": 2}}]}
-    return make_bench(tmp_path / "bench", {"100mbit": [DDP, LOFI, SPSA_FAILED], "1gbit": [faster_ddp, LOFI, SPSA_SLOW]},
-                      {"lofi_scaling": lofi_scaling})
+    lofi_scaling = {
+        "steps_per_actor": 30,
+        "rows": [
+            {"strategy": "lofi", "nodes": 2, "samples_per_s": 210.5, "by_phase": {"setup": 1, "train": 0, "final": 2}}
+        ],
+    }
+    return make_bench(
+        tmp_path / "bench",
+        {"100mbit": [DDP, LOFI, SPSA_FAILED], "1gbit": [faster_ddp, LOFI, SPSA_SLOW]},
+        {"lofi_scaling": lofi_scaling},
+    )
 
 
 def test_crossing_interpolates_linearly_between_points():
@@ -79,14 +114,29 @@ def test_summary_ratios_to_ddp():
     assert rows["lofi"]["bytes_vs_ddp"] == pytest.approx(20 / 300)
     assert rows["spsa"]["error"].startswith("RuntimeError")
     slow = report.summarize_run([DDP, SPSA_SLOW], "id_accuracy")["rows"][1]
-    assert slow["time_to_target_s"] is None and slow["speedup_vs_ddp"] is None and slow["bytes_vs_ddp"] == pytest.approx(2_000 / 300e6)
+    assert (
+        slow["time_to_target_s"] is None
+        and slow["speedup_vs_ddp"] is None
+        and slow["bytes_vs_ddp"] == pytest.approx(2_000 / 300e6)
+    )
 
 
 def test_loss_target_is_ddp_final_over_fraction():
     def lm(name: str, losses: list[float]) -> dict:
-        curve = [{"step": i, "wall_s": 10.0 * (i + 1), "samples": i, "bytes": 100 * (i + 1), "id_loss": v} for i, v in enumerate(losses)]
-        return {"strategy": name, "metrics": {"id_loss": losses[-1], "id_perplexity": 9.0}, "comm": {"total_bytes": 100 * len(losses)},
-                "train_s": 1.0, "wall_s": 1.0, "samples_seen": 1, "curve": curve}
+        curve = [
+            {"step": i, "wall_s": 10.0 * (i + 1), "samples": i, "bytes": 100 * (i + 1), "id_loss": v}
+            for i, v in enumerate(losses)
+        ]
+        return {
+            "strategy": name,
+            "metrics": {"id_loss": losses[-1], "id_perplexity": 9.0},
+            "comm": {"total_bytes": 100 * len(losses)},
+            "train_s": 1.0,
+            "wall_s": 1.0,
+            "samples_seen": 1,
+            "curve": curve,
+        }
+
     records = [lm("ddp", [3.0, 2.0, 1.9]), lm("spsa", [3.0, 2.5, 1.0])]
     assert report.primary_metric(records) == "id_loss"
     s = report.summarize_run(records, "id_loss")

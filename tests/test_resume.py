@@ -22,17 +22,26 @@ CONFIG = {
     "data": {"name": "mnist", "train_size": 512, "test_size": 100, "image_size": 16},
     "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 4},
     "nodes": {"count": 2, "cpus": 1},
-    "strategies": ["lofi", "spsa"], "checkpoint_every": 8, "log_every": 1000,
+    "strategies": ["lofi", "spsa"],
+    "checkpoint_every": 8,
+    "log_every": 1000,
     "lofi": {"bn_recalibrate": False, "average_every": 24},
     "spsa": {"steps": 100, "lr": 1e-4},
 }
 
 
-
 def _cli(*args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each run starts its own local Ray, as a user's would
-    return subprocess.Popen([sys.executable, "-m", "raylowcomm.cli", "run", *args], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"
+    }  # each run starts its own local Ray, as a user's would
+    return subprocess.Popen(
+        [sys.executable, "-m", "raylowcomm.cli", "run", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def checkpoint_step(path: Path) -> int:
@@ -70,13 +79,21 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
 
     # killed in lo-fi's second averaging round, after a checkpoint past the first average
     first = _cli(str(config), "--out", str(out))
-    _kill_when(first, lambda: min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32)
+    _kill_when(
+        first,
+        lambda: min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32,
+    )
     assert not (out / "results.json").exists()
 
     # resumed: lo-fi finishes from its checkpoints; killed again in SPSA past a checkpoint
     second = _cli(str(config), "--resume", str(out))
-    _kill_when(second, lambda: (state / "spsa" / "driver.json").exists()
-               and json.loads((state / "spsa" / "driver.json").read_text())["step"] >= 16)
+    _kill_when(
+        second,
+        lambda: (
+            (state / "spsa" / "driver.json").exists()
+            and json.loads((state / "spsa" / "driver.json").read_text())["step"] >= 16
+        ),
+    )
     lofi = json.loads((out / "results.json").read_text())
     assert [r["strategy"] for r in lofi] == ["lofi"] and "error" not in lofi[0]
     restored = [t["restored_from"] for n in lofi[0]["nodes"] for t in n["train"] if t["restored_from"] is not None]
@@ -88,9 +105,14 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
     assert records[0] == lofi[0], "the finished strategy was rerun"
     assert "[spsa] resuming at step" in log
     for name in ("lofi", "spsa"):
-        clean, resumed = load_file(str(tmp_path / "clean" / "state" / name / "model.safetensors")), load_file(str(state / name / "model.safetensors"))
+        clean, resumed = (
+            load_file(str(tmp_path / "clean" / "state" / name / "model.safetensors")),
+            load_file(str(state / name / "model.safetensors")),
+        )
         assert clean.keys() == resumed.keys()
-        assert all(torch.equal(clean[k], resumed[k]) for k in clean), f"{name}: resumed weights differ from the uninterrupted run's"
+        assert all(torch.equal(clean[k], resumed[k]) for k in clean), (
+            f"{name}: resumed weights differ from the uninterrupted run's"
+        )
 
 
 def test_resuming_with_another_config_names_what_changed(tmp_path):
@@ -114,13 +136,21 @@ def test_a_kept_strategy_after_the_last_one_run_stays_in_the_results(ray_session
     from raylowcomm.runner import run
     from raylowcomm.strategies import from_dict
 
-    cfg = from_dict({**CONFIG, "optim": {**CONFIG["optim"], "epochs": 1}, "spsa": {"steps": 4, "lr": 1e-4},
-                     "lofi": {"bn_recalibrate": False}})
+    cfg = from_dict(
+        {
+            **CONFIG,
+            "optim": {**CONFIG["optim"], "epochs": 1},
+            "spsa": {"steps": 4, "lr": 1e-4},
+            "lofi": {"bn_recalibrate": False},
+        }
+    )
     first = run(cfg, tmp_path, bar=False)
     failed = [{"strategy": "lofi", "error": "RuntimeError: the node died", "wall_s": 1.0}, first[1]]
     (tmp_path / "results.json").write_text(json.dumps(failed))
     again = run(cfg, tmp_path, bar=False, resume=True)
     written = json.loads((tmp_path / "results.json").read_text())
     assert [r["strategy"] for r in written] == ["lofi", "spsa"] and "error" not in written[0]
-    assert written[1] == json.loads(json.dumps(first[1], default=str)) and written == json.loads(json.dumps(again, default=str))
+    assert written[1] == json.loads(json.dumps(first[1], default=str)) and written == json.loads(
+        json.dumps(again, default=str)
+    )
     assert written[0]["metrics"] == first[0]["metrics"], "the rerun lo-fi is the first run's"

@@ -7,7 +7,9 @@ from ray.train import WorkerGroupError
 from raylowcomm.config import ConfigError
 from raylowcomm.runner import failure_message, format_table
 
-BAD_ROW = ConfigError("data.columns.text", "review", "row 0 of data.node_files[1] is unreadable as text (int '0' is not text)")
+BAD_ROW = ConfigError(
+    "data.columns.text", "review", "row 0 of data.node_files[1] is unreadable as text (int '0' is not text)"
+)
 
 
 @ray.remote(num_cpus=0)
@@ -45,8 +47,14 @@ def test_the_record_names_the_actors_own_exception_in_one_line(ray_session):
 
 def test_the_table_names_its_metric_only_when_a_strategy_scored():
     failed = {"strategy": "lofi", "error": f"ConfigError: {BAD_ROW}", "wall_s": 10.8}
-    scored = {"strategy": "ddp", "metrics": {"id_accuracy": 0.75}, "comm": {"by_phase": {"setup": 1, "train": 2, "final": 3}, "total_bytes": 6},
-              "wall_s": 30.0, "samples_per_s": 40.0, "peak_rss_bytes": 10**9}
+    scored = {
+        "strategy": "ddp",
+        "metrics": {"id_accuracy": 0.75},
+        "comm": {"by_phase": {"setup": 1, "train": 2, "final": 3}, "total_bytes": 6},
+        "wall_s": 30.0,
+        "samples_per_s": 40.0,
+        "peak_rss_bytes": 10**9,
+    }
     lines = format_table([failed]).splitlines()
     assert not any(line.startswith("(id/shift") for line in lines), lines
     assert lines[-1].startswith("lofi") and "FAILED: ConfigError" in lines[-1]

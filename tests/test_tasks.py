@@ -8,8 +8,17 @@ from raylowcomm.tasks import TextClassification, trim_padding
 
 def test_trimmed_padding_gives_the_full_width_logits():
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                     intermediate_size=64, max_position_embeddings=64, num_labels=2)).eval()
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+        )
+    ).eval()
     lengths = [5, 9, 3, 7]
     ids = torch.zeros(4, 32, dtype=torch.long)
     mask = torch.zeros(4, 32, dtype=torch.long)
@@ -25,12 +34,25 @@ def test_trimmed_padding_gives_the_full_width_logits():
 
 def test_text_is_scored_shortest_first_with_the_same_metrics():
     torch.manual_seed(1)
-    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                                     intermediate_size=64, max_position_embeddings=64, num_labels=2)).eval()
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=2,
+        )
+    ).eval()
     n, width = 40, 24
     lengths = torch.randint(2, width, (n,))
     mask = (torch.arange(width) < lengths[:, None]).long()
-    split = {"input_ids": torch.randint(1, 100, (n, width)) * mask, "attention_mask": mask, "labels": torch.randint(0, 2, (n,))}
+    split = {
+        "input_ids": torch.randint(1, 100, (n, width)) * mask,
+        "attention_mask": mask,
+        "labels": torch.randint(0, 2, (n,)),
+    }
     task = TextClassification()
     with torch.no_grad():
         logits = model(input_ids=split["input_ids"], attention_mask=mask).logits
@@ -43,10 +65,24 @@ def test_text_is_scored_shortest_first_with_the_same_metrics():
 def test_metric_names_per_set_and_the_mean_over_shift_sets():
     from raylowcomm.tasks import metric_names
 
-    named = metric_names({"test": {"accuracy": 0.9}, "val": {"accuracy": 0.8},
-                          "shift/a": {"accuracy": 0.5, "loss": 1.0}, "shift/b": {"accuracy": 0.25, "loss": 3.0}})
-    assert named == {"id_accuracy": 0.9, "val_accuracy": 0.8, "shift/a_accuracy": 0.5, "shift/a_loss": 1.0,
-                     "shift/b_accuracy": 0.25, "shift/b_loss": 3.0, "shift_accuracy": 0.375, "shift_loss": 2.0}
+    named = metric_names(
+        {
+            "test": {"accuracy": 0.9},
+            "val": {"accuracy": 0.8},
+            "shift/a": {"accuracy": 0.5, "loss": 1.0},
+            "shift/b": {"accuracy": 0.25, "loss": 3.0},
+        }
+    )
+    assert named == {
+        "id_accuracy": 0.9,
+        "val_accuracy": 0.8,
+        "shift/a_accuracy": 0.5,
+        "shift/a_loss": 1.0,
+        "shift/b_accuracy": 0.25,
+        "shift/b_loss": 3.0,
+        "shift_accuracy": 0.375,
+        "shift_loss": 2.0,
+    }
     one = metric_names({"test": {"loss": 2.0}, "shift/uci_digits": {"loss": 0.7}})
     assert one["shift_loss"] == one["shift/uci_digits_loss"] == 0.7
 
@@ -65,16 +101,29 @@ def test_images_are_normalised_with_the_models_mean_and_std():
     x = make_task(TaskSpec("image_classification", 5, mean, std)).inputs({"pixels": colour})
     expected = (colour.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
     assert x.shape == (2, 3, 5, 5)
-    torch.testing.assert_close(x, torch.nn.functional.interpolate(expected, size=(5, 5), mode="bilinear", align_corners=False))
+    torch.testing.assert_close(
+        x, torch.nn.functional.interpolate(expected, size=(5, 5), mode="bilinear", align_corners=False)
+    )
 
 
 def test_text_pairs_are_scored_with_their_token_types():
     torch.manual_seed(2)
-    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                                     intermediate_size=64, max_position_embeddings=64, num_labels=3)).eval()
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=3,
+        )
+    ).eval()
     ids = torch.randint(1, 100, (3, 10))
     mask = torch.tensor([[1] * 6 + [0] * 4, [1] * 8 + [0] * 2, [1] * 5 + [0] * 5])
-    types = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]])
+    types = torch.tensor(
+        [[0, 0, 0, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0, 0, 0]]
+    )
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
         got = TextClassification().forward(model, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})

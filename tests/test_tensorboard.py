@@ -13,16 +13,52 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 CURVE = [
-    {"step": 10, "wall_s": 4.25, "samples": 640, "bytes": 1_000_000, "id_accuracy": 0.5, "id_loss": 1.7, "shift_accuracy": 0.25},
-    {"step": 20, "wall_s": 8.5, "samples": 1280, "bytes": 2_000_123, "id_accuracy": 0.75, "id_loss": 0.9, "shift_accuracy": 0.3},
-    {"step": 30, "wall_s": 12.125, "samples": 1920, "bytes": 3_456_789, "id_accuracy": 0.8125, "id_loss": 0.61, "shift_accuracy": 0.33},
+    {
+        "step": 10,
+        "wall_s": 4.25,
+        "samples": 640,
+        "bytes": 1_000_000,
+        "id_accuracy": 0.5,
+        "id_loss": 1.7,
+        "shift_accuracy": 0.25,
+    },
+    {
+        "step": 20,
+        "wall_s": 8.5,
+        "samples": 1280,
+        "bytes": 2_000_123,
+        "id_accuracy": 0.75,
+        "id_loss": 0.9,
+        "shift_accuracy": 0.3,
+    },
+    {
+        "step": 30,
+        "wall_s": 12.125,
+        "samples": 1920,
+        "bytes": 3_456_789,
+        "id_accuracy": 0.8125,
+        "id_loss": 0.61,
+        "shift_accuracy": 0.33,
+    },
 ]
 RECORD = {
     "strategy": "lofi",
     "metrics": {"id_accuracy": 0.8125, "id_loss": 0.61, "shift_accuracy": 0.33},
-    "comm": {"total_bytes": 3_456_789, "by_phase": {"setup": 1_000_000, "train": 0, "final": 2_456_789}, "by_kind": {}, "messages": 7},
-    "wall_s": 20.5, "train_s": 12.125, "samples_seen": 1920, "samples_per_s": 158.3, "peak_rss_bytes": 10**9,
-    "nodes": [{"node": 0}], "details": {"note": "x"}, "weights": None, "curve": CURVE,
+    "comm": {
+        "total_bytes": 3_456_789,
+        "by_phase": {"setup": 1_000_000, "train": 0, "final": 2_456_789},
+        "by_kind": {},
+        "messages": 7,
+    },
+    "wall_s": 20.5,
+    "train_s": 12.125,
+    "samples_seen": 1920,
+    "samples_per_s": 158.3,
+    "peak_rss_bytes": 10**9,
+    "nodes": [{"node": 0}],
+    "details": {"note": "x"},
+    "weights": None,
+    "curve": CURVE,
 }
 LOSSES = {1: 2.5, 10: 1.25, 20: 0.75, 30: 0.5}
 
@@ -71,14 +107,22 @@ def test_record_and_progress_round_trip(tmp_path: Path):
     for (_, got), p in zip(scalars(acc, "comm/bytes_sent"), CURVE):
         assert got == pytest.approx(p["bytes"], rel=2**-23)
 
-    final = {"total_bytes": 3_456_789, "bytes_setup": 1_000_000, "bytes_train": 0, "bytes_final": 2_456_789,
-             "train_s": 12.125, "wall_s": 20.5, **RECORD["metrics"]}
+    final = {
+        "total_bytes": 3_456_789,
+        "bytes_setup": 1_000_000,
+        "bytes_train": 0,
+        "bytes_final": 2_456_789,
+        "train_s": 12.125,
+        "wall_s": 20.5,
+        **RECORD["metrics"],
+    }
     for key, value in final.items():
         assert scalars(acc, f"final/{key}") == expect([(30, value)]), key
     assert sorted(acc.Tags()["scalars"]) == sorted(
         ["train/loss", "train/samples_seen", "comm/bytes_sent", "comm_vs_time/bytes_sent"]
         + [f"{fam}/{m}" for fam in ("eval", "eval_vs_time") for m in ("id_accuracy", "id_loss", "shift_accuracy")]
-        + [f"final/{k}" for k in final])
+        + [f"final/{k}" for k in final]
+    )
 
     # the curve points carry walltime t0 + wall_s: the Relative axis keeps their spacing
     times = [e.wall_time for e in acc.Scalars("eval/id_accuracy")]
@@ -93,7 +137,14 @@ def test_live_eval_is_not_written_twice(tmp_path: Path):
     # as SPSA does: every evaluation but the final one is also reported live
     with TensorBoardLog(tmp_path) as tb:
         for p in CURVE[:-1]:
-            tb.progress("spsa", {"step": p["step"], "train_loss": 0.7, **{m: p[m] for m in ("id_accuracy", "id_loss", "shift_accuracy")}})
+            tb.progress(
+                "spsa",
+                {
+                    "step": p["step"],
+                    "train_loss": 0.7,
+                    **{m: p[m] for m in ("id_accuracy", "id_loss", "shift_accuracy")},
+                },
+            )
         tb.record(dict(RECORD, strategy="spsa"))
     acc = load(tmp_path / "tensorboard" / "spsa")
     for m in ("id_accuracy", "id_loss", "shift_accuracy"):
@@ -111,7 +162,14 @@ def test_error_record_writes_nothing(tmp_path: Path):
 
 def test_record_without_curve(tmp_path: Path):
     with TensorBoardLog(tmp_path) as tb:
-        tb.record({"strategy": "ddp", "metrics": {"id_accuracy": 0.9, "note": "text"}, "comm": {"total_bytes": 5}, "curve": []})
+        tb.record(
+            {
+                "strategy": "ddp",
+                "metrics": {"id_accuracy": 0.9, "note": "text"},
+                "comm": {"total_bytes": 5},
+                "curve": [],
+            }
+        )
     acc = load(tmp_path / "tensorboard" / "ddp")
     assert scalars(acc, "final/id_accuracy") == expect([(0, 0.9)])
     assert scalars(acc, "final/total_bytes") == [(0, 5.0)]

@@ -16,36 +16,49 @@ BASE = {
     "data": {"name": "mnist", "train_size": 256, "test_size": 100, "image_size": 16},
     "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
     "nodes": {"count": 2, "cpus": 1},
-    "strategies": ["lofi"], "log_every": 1000, "checkpoint_every": 1000,
+    "strategies": ["lofi"],
+    "log_every": 1000,
+    "checkpoint_every": 1000,
     "lofi": {"bn_recalibrate": False},
 }
 
 
 def write_sweep(tmp_path: Path, **changes) -> Path:
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
-    sweep = {"base": "base.yaml", "space": {"optim.lr": {"grid": [0.001, 0.1]}}, "metric": "id_accuracy", "mode": "max",
-             "storage_path": str(tmp_path / "store"), **changes}
+    sweep = {
+        "base": "base.yaml",
+        "space": {"optim.lr": {"grid": [0.001, 0.1]}},
+        "metric": "id_accuracy",
+        "mode": "max",
+        "storage_path": str(tmp_path / "store"),
+        **changes,
+    }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     return path
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"spaces": {}}, "'spaces'"),
-    ({"space": {"optim.lrr": {"grid": [0.1]}}}, "optim.lrr"),
-    ({"space": {"optim.lr": {"grid": [0.1, -1]}}}, "space.optim.lr value -1"),
-    ({"space": {"optim.momentum": {"uniform": [0.5, 1.5]}}}, "space.optim.momentum value 1.5"),
-    ({"space": {"optim.lr": {"loguniform": [0, 1]}}}, "bounds must be > 0"),
-    ({"space": {"optim.lr": {"normal": [0, 1]}}}, "one of grid, choice, uniform, loguniform"),
-    ({"space": {"interlocking.n": {"grid": [1, 2]}}}, "which this sweep does not run"),
-    ({"space": {}}, "'space' is empty"),
-    ({"base": "missing.yaml"}, "no such file"),
-    ({"mode": "maximum"}, "'mode'"),
-    ({"set": {"strategies": ["lofi", "ddp"]}}, "e.g. lofi/id_accuracy"),
-    ({"set": {"nodes.placement": "STRICT"}}, "nodes.placement"),
-    ({"set": {"strategies": ["lofi", "ddp"]}, "metric": "lofi/id_accuracy", "columns": ["shift_accuracy"]},
-     "columns[0] = 'shift_accuracy'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"spaces": {}}, "'spaces'"),
+        ({"space": {"optim.lrr": {"grid": [0.1]}}}, "optim.lrr"),
+        ({"space": {"optim.lr": {"grid": [0.1, -1]}}}, "space.optim.lr value -1"),
+        ({"space": {"optim.momentum": {"uniform": [0.5, 1.5]}}}, "space.optim.momentum value 1.5"),
+        ({"space": {"optim.lr": {"loguniform": [0, 1]}}}, "bounds must be > 0"),
+        ({"space": {"optim.lr": {"normal": [0, 1]}}}, "one of grid, choice, uniform, loguniform"),
+        ({"space": {"interlocking.n": {"grid": [1, 2]}}}, "which this sweep does not run"),
+        ({"space": {}}, "'space' is empty"),
+        ({"base": "missing.yaml"}, "no such file"),
+        ({"mode": "maximum"}, "'mode'"),
+        ({"set": {"strategies": ["lofi", "ddp"]}}, "e.g. lofi/id_accuracy"),
+        ({"set": {"nodes.placement": "STRICT"}}, "nodes.placement"),
+        (
+            {"set": {"strategies": ["lofi", "ddp"]}, "metric": "lofi/id_accuracy", "columns": ["shift_accuracy"]},
+            "columns[0] = 'shift_accuracy'",
+        ),
+    ],
+)
 def test_bad_sweep_files_fail_before_ray(tmp_path, changes, message):
     with pytest.raises(SweepError) as err:
         load_sweep(write_sweep(tmp_path, **changes))
@@ -59,12 +72,25 @@ def test_shipped_sweeps_validate(path):
 
 
 def test_the_table_shows_the_listed_columns_beside_the_metric(tmp_path):
-    spec = load_sweep(write_sweep(tmp_path, set={"strategies": ["lofi", "ddp"]}, metric="lofi/id_accuracy",
-                                  columns=["ddp/id_accuracy"])).spec
-    trial = {"values": {"optim.lr": 0.1}, "metric": 0.75, "columns": {"ddp/id_accuracy": 0.8125}, "status": "done",
-             "error": None, "iterations": 3}
+    spec = load_sweep(
+        write_sweep(
+            tmp_path, set={"strategies": ["lofi", "ddp"]}, metric="lofi/id_accuracy", columns=["ddp/id_accuracy"]
+        )
+    ).spec
+    trial = {
+        "values": {"optim.lr": 0.1},
+        "metric": 0.75,
+        "columns": {"ddp/id_accuracy": 0.8125},
+        "status": "done",
+        "error": None,
+        "iterations": 3,
+    }
     header, row = format_trials(spec, [trial]).split()[:4], format_trials(spec, [trial]).splitlines()[2].split()
-    assert header == ["optim.lr", "lofi/id_accuracy", "ddp/id_accuracy", "status"] and row[:3] == ["0.1", "0.7500", "0.8125"]
+    assert header == ["optim.lr", "lofi/id_accuracy", "ddp/id_accuracy", "status"] and row[:3] == [
+        "0.1",
+        "0.7500",
+        "0.8125",
+    ]
 
 
 def test_trial_reserves_one_bundle_per_actor():
@@ -78,7 +104,9 @@ def test_trial_reserves_one_bundle_per_actor():
 
 @pytest.mark.slow
 def test_two_trial_sweep_keeps_actors_in_each_trials_reservation(ray_session, tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, name="two", asha={"metric": "train_loss", "mode": "min", "grace_period": 5}))
+    sweep = load_sweep(
+        write_sweep(tmp_path, name="two", asha={"metric": "train_loss", "mode": "min", "grace_period": 5})
+    )
     summary = run_sweep(sweep)
 
     trials = summary["trials"]

@@ -30,15 +30,6 @@ def payload_nbytes(obj) -> int:
     return len(pickle.dumps(obj, protocol=5))
 
 
-def wire_nbytes(obj) -> int:
-    """Size Ray's serialiser gives an object (data + metadata): what ray.put stores or a task's
-    inline argument or reply carries."""
-    import ray
-
-    ser = ray._private.worker.global_worker.get_serialization_context().serialize(obj)
-    return ser.total_bytes + len(ser.metadata or b"")
-
-
 @dataclass
 class Ledger:
     """Totals per phase and per kind of payload (`what`), plus a message count."""
@@ -60,7 +51,7 @@ class Ledger:
     def send(self, phase: str, what: str, obj, copies: int = 1) -> int:
         return self.record(phase, what, payload_nbytes(obj), copies)
 
-    def merge(self, other: "Ledger") -> None:
+    def merge(self, other: Ledger) -> None:
         for phase, n in other.bytes_by_phase.items():
             self.bytes_by_phase[phase] += n
         for kind, n in other.bytes_by_kind.items():
@@ -72,7 +63,7 @@ class Ledger:
         return sum(self.bytes_by_phase.values())
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Ledger":
+    def from_dict(cls, d: dict) -> Ledger:
         """The ledger `to_dict` wrote (a resumed run continues its counts)."""
         return cls(dict(d["by_phase"]), defaultdict(int, d["by_kind"]), d["messages"])
 

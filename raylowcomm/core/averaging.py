@@ -5,7 +5,7 @@ Plain torch: nothing here knows about Ray, so the arithmetic is tested on its ow
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -93,7 +93,11 @@ def greedy_soup(
 
 
 def batchnorm_layers(model: nn.Module) -> dict[str, nn.modules.batchnorm._BatchNorm]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats}
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    }
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from typing import Literal
 @dataclass
 class LeaveEvent:
     node: int
+    """The id of the node that leaves (a joined node's id is nodes.count + i)."""
     step: int
     """The node takes no part in this step or later ones."""
     how: Literal["remove", "kill"] = "remove"
@@ -42,13 +43,19 @@ def check_schedule(count: int, leave: list[LeaveEvent], join: list[JoinEvent], s
             if steps is not None and ev.step >= steps:
                 raise ScheduleError(f"{kind}[{i}].step", ev.step, f"the run has {steps} steps (0..{steps - 1})")
     if any(b.step < a.step for a, b in zip(join, join[1:])):
-        raise ScheduleError("join", [e.step for e in join], "list joins in step order (they get node ids in that order)")
+        raise ScheduleError(
+            "join", [e.step for e in join], "list joins in step order (they get node ids in that order)"
+        )
     alive, next_id = set(range(count)), count
     for step in sorted({e.step for e in leave} | {e.step for e in join}):
         for i, ev in enumerate(leave):
             if ev.step == step:
                 if ev.node not in alive:
-                    raise ScheduleError(f"leave[{i}].node", ev.node, f"no such node is running at step {step} (running: {sorted(alive)})")
+                    raise ScheduleError(
+                        f"leave[{i}].node",
+                        ev.node,
+                        f"no such node is running at step {step} (running: {sorted(alive)})",
+                    )
                 alive.discard(ev.node)
                 if not alive:
                     raise ScheduleError(f"leave[{i}]", {"node": ev.node, "step": step}, "would leave no node running")

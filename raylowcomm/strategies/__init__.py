@@ -1,6 +1,6 @@
 """Strategy registry: a new strategy is one module plus one line here. The registry also turns
 a raw config mapping into a `RunConfig` with every strategy's own options, since only it knows
-which sections belong to strategies (config.py knows none of them)."""
+which sections belong to strategies (the config package knows none of them)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def from_dict(raw: dict) -> RunConfig:
     raw = dict(raw or {})
     strategy_sections = {name: raw.pop(name) for name in list(raw) if name in STRATEGIES}
     if "options" in raw:
-        raise ConfigError("options", raw["options"], f"write each strategy's options under its own name: {', '.join(STRATEGIES)}")
+        raise ConfigError(
+            "options", raw["options"], f"write each strategy's options under its own name: {', '.join(STRATEGIES)}"
+        )
     cfg = build_dataclass(RunConfig, raw, "")
     if not cfg.strategies:
         raise ConfigError("strategies", cfg.strategies, f"name at least one strategy to run: {', '.join(STRATEGIES)}")
@@ -30,7 +32,9 @@ def from_dict(raw: dict) -> RunConfig:
             raise ConfigError(f"strategies[{i}]", name, f"expected one of {', '.join(STRATEGIES)}")
     if len(set(cfg.strategies)) != len(cfg.strategies):
         raise ConfigError("strategies", cfg.strategies, "each strategy may appear once")
-    cfg.options = {name: build_dataclass(STRATEGIES[name].Config, strategy_sections.get(name), name) for name in STRATEGIES}
+    cfg.options = {
+        name: build_dataclass(STRATEGIES[name].Config, strategy_sections.get(name), name) for name in STRATEGIES
+    }
     validate(cfg)
     for name in cfg.strategies:
         STRATEGIES[name].validate(cfg)

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from torch import nn
 
+from raylowcomm.common.batches import Split
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import RunConfig
-from raylowcomm.data import PreparedData, Split
-from raylowcomm.ledger import Ledger
-from raylowcomm.models import ModelSpec, state_dict_of
+from raylowcomm.data import PreparedData
+from raylowcomm.finetune import FineTune, fine_tune_for
+from raylowcomm.models import ModelSpec
 from raylowcomm.progress import NoLiveProgress
 from raylowcomm.storage import Storage
-from raylowcomm.training import TrainClock, dedupe_shared
-
+from raylowcomm.training import dedupe_shared
 
 logger = logging.getLogger("raylowcomm")
 
@@ -47,6 +51,8 @@ class RunContext:
     """Where workers post their step and loss while they train (a progress.LiveProgress in a run,
     so the driver's view moves between calls): strategies hand `live.poster(k)` to worker k and
     call `live.expect(workers, steps)`; elsewhere (a sweep, tests) it gives no poster."""
+    fine_tune: FineTune = field(init=False)
+    """What trains (every weight, or adapters), made once from `spec`: strategies ask it, not the model."""
 
     def eval_sets(self, val: bool = True) -> dict[str, Split]:
         """The sets the driver holds: test, shift/<name>, and (unless `val` is False) val."""
@@ -55,16 +61,12 @@ class RunContext:
     def __post_init__(self) -> None:
         if self.storage is None:
             self.storage = Storage(self.out_dir / "state")
+        self.fine_tune = fine_tune_for(self.spec)
 
     def fresh_state(self, name: str) -> None:
         """A new run of strategy `name` starts from nothing; a resumed one keeps what storage holds."""
         if not self.resume:
             self.storage.delete(name)
-
-    def strategy_dir(self, name: str) -> Path:
-        path = self.out_dir / name
-        path.mkdir(parents=True, exist_ok=True)
-        return path
 
 
 @dataclass
@@ -113,17 +115,45 @@ def eval_points(cfg: RunConfig, steps: int) -> list[int]:
     return list(range(cfg.eval_every, steps, cfg.eval_every)) if cfg.eval_every else []
 
 
-class Strategy(Protocol):
+class Strategy(ABC):
+    """What the runner, a Tune trial and the cluster check call on every strategy. A subclass sets
+    `name` and `Config` (its YAML section's dataclass) and implements `run`; the rest has defaults
+    that fit a strategy starting `nodes.count` node actors."""
+
     name: ClassVar[str]
     Config: ClassVar[type]
-    count_field: ClassVar[str]
-    """The option that sets how many actors it starts (optional; default nodes.count)."""
+    count_field: ClassVar[str] = "nodes.count"
+    """The option that sets how many actors it starts: the field a too-big run is told to lower."""
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
         """Raise ConfigError for option combinations this strategy cannot run."""
 
-    def run(self, ctx: RunContext) -> RunRecord: ...
+    @staticmethod
+    def check(ctx: RunContext) -> None:
+        """Raise ConfigError for options the loaded model or data cannot take (e.g. a split into
+        more stages than the model has blocks): `prepare` calls it before Ray or any actor starts."""
+
+    @staticmethod
+    def bundles(cfg: RunConfig) -> list[dict[str, float]]:
+        """The actors it starts, one bundle each, so a caller (a Tune trial) can reserve them up front."""
+        return [node_bundle(cfg)] * cfg.nodes.count
+
+    @staticmethod
+    def external_bundles(cfg: RunConfig) -> list[dict[str, float]]:
+        """Resources it reserves itself, outside its caller's reservation (Ray Train's own placement
+        group for DDP); a sweep limits its concurrency so these fit too."""
+        return []
+
+    @staticmethod
+    def table_rows(record: dict, metric: str) -> list[list[str]]:
+        """Rows of its own under its line of the run's table (e.g. a score without a step the
+        strategy takes), as [label, id, shift]."""
+        return []
+
+    @abstractmethod
+    def run(self, ctx: RunContext) -> RunRecord:
+        """Train and score on `ctx`, releasing every actor it started, and return the record."""
 
 
 def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, checkpoints: str | None = None) -> None:
@@ -140,34 +170,22 @@ def node_bundle(cfg: RunConfig) -> dict[str, float]:
     return {"CPU": cfg.nodes.cpus, **({"GPU": cfg.nodes.gpus} if cfg.nodes.gpus else {}), **cfg.nodes.resources}
 
 
-def actor_bundles(strategy, cfg: RunConfig) -> list[dict[str, float]]:
-    """The actors a strategy starts, one bundle each, so a caller (a Tune trial) can reserve them
-    up front: the strategy's own `bundles(cfg)` where it has one, else `nodes.count` node bundles."""
-    own = getattr(strategy, "bundles", None)
-    return own(cfg) if own is not None else [node_bundle(cfg)] * cfg.nodes.count
-
-
-def external_bundles(strategy, cfg: RunConfig) -> list[dict[str, float]]:
-    """Resources a strategy reserves itself, outside its caller's reservation (Ray Train's own
-    placement group for DDP); a sweep limits its concurrency so these fit too."""
-    own = getattr(strategy, "external_bundles", None)
-    return own(cfg) if own is not None else []
-
-
-def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int, samples: int,
-                  train_s: float, infos: list[dict], weights: dict, curve: list[dict] | None = None, nodes: list[dict] | None = None,
-                  details: dict | None = None, curve_wall_s: float | None = None) -> RunRecord:
+def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int,
+                  samples: int, train_s: float, infos: list[dict], weights: dict, curve: list[dict] | None = None,
+                  nodes: list[dict] | None = None, details: dict | None = None,
+                  curve_wall_s: float | None = None) -> RunRecord:
     """The end every strategy shares, once everything it needed has come back: the curve's last
     point is the final metrics with every byte sent (collecting the result included) at the
     training time (`curve_wall_s` where collecting counts too), the weights are saved as
-    safetensors, and peak memory is the largest of any actor's."""
-    curve = [*(curve or []), curve_point(step, train_s if curve_wall_s is None else curve_wall_s, samples, ledger.total_bytes, metrics)]
+    safetensors (and in the fine-tune's own forms: a LoRA adapter, OUT/<strategy>/adapter), and
+    peak memory is the largest of any actor's."""
+    wall_s = train_s if curve_wall_s is None else curve_wall_s
+    curve = [*(curve or []), curve_point(step, wall_s, samples, ledger.total_bytes, metrics)]
     details = details or {}
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name
     saving = time.perf_counter()
-    if ctx.spec.lora is not None:
-        details.update(save_adapters(name, ctx, weights))
+    details.update(ctx.fine_tune.save_result(weights, ctx.model, ctx.out_dir / name, ctx.cfg.model.merge))
     rel = f"{name}/model.safetensors"
     ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
     details.setdefault("phases_s", {})["save"] = round(time.perf_counter() - saving, 3)
@@ -175,18 +193,3 @@ def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock,
     return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),
                      nodes or [], details, weights_path, curve)
 
-
-def save_adapters(name: str, ctx: RunContext, weights: dict) -> dict:
-    """A LoRA result as peft writes it, in OUT/<strategy>/: the adapter (save_pretrained) where the
-    result is adapters on the pretrained base (SPSA, DDP), and with model.merge the merged model
-    (always the form of lo-fi's average, which is no longer one rank-r adapter)."""
-    from raylowcomm.lora import save_lora
-
-    adapters = any(".lora_" in k for k in weights)
-    full = {**state_dict_of(ctx.model), **weights} if adapters else weights
-    out = {}
-    if adapters:
-        out["adapter_dir"] = str(save_lora(full, ctx.spec, ctx.strategy_dir(name) / "adapter", merge=False))
-    if ctx.cfg.model.merge:
-        out["merged_dir"] = str(save_lora(full, ctx.spec, ctx.strategy_dir(name) / "merged", merge=True))
-    return out

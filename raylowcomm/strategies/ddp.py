@@ -32,25 +32,56 @@ import torch
 from torch import nn
 
 from raylowcomm.actors import Node, process_info
+from raylowcomm.catalog import TaskSpec
+from raylowcomm.common.batches import group_seed, num_examples
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.common.seeding import node_seed
+from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.data import num_examples
-from raylowcomm.ledger import Ledger
-from raylowcomm.models import state_dict_of
-from raylowcomm.seeding import node_seed
+from raylowcomm.data import TrainSource
+from raylowcomm.models import ModelSpec, state_dict_of
+from raylowcomm.progress import ProgressPoster
 from raylowcomm.storage import Storage
+from raylowcomm.strategies.base import (
+    RunContext,
+    RunRecord,
+    Strategy,
+    curve_point,
+    eval_points,
+    finish_record,
+    node_bundle,
+)
 from raylowcomm.tasks import mean_metrics
-from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle
-from raylowcomm.training import Stopwatch, TrainClock, group_seed, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
+from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE, RANK_FILE, ATTEMPTS, DATA_ERROR = "state.safetensors", "rank{}.safetensors", "ddp/attempts.json", "ddp/data_error.json"
+STATE_FILE, RANK_FILE = "state.safetensors", "rank{}.safetensors"
+ATTEMPTS, DATA_ERROR = "ddp/attempts.json", "ddp/data_error.json"
 
 
 @dataclass
 class DdpConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl when nodes.gpus > 0, else gloo."""
+
+
+@dataclass
+class DdpLoop:
+    """What every Ray Train worker is given: recipes and object references, no data. It travels as
+    train_loop_config {"loop": DdpLoop} (Ray Train's own record of that config wants a dict)."""
+
+    cfg: RunConfig
+    spec: ModelSpec
+    task: TaskSpec
+    weights: ray.ObjectRef
+    """The initial weights, fetched by each worker."""
+    steps: int | None
+    """None (data.node_files): the ranks agree on the smallest shard's."""
+    storage: Storage
+    data: TrainSource
+    eval_sets: ray.ObjectRef
+    progress: ProgressPoster | None
 
 
 def counting_allreduce_hook(counter: dict):
@@ -93,7 +124,8 @@ class Tally:
         return loss
 
     def at(self, clock: TrainClock) -> dict:
-        return {**self.counts, "train_s": self.counts["train_s"] + clock.elapsed(), "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
+        return {**self.counts, "train_s": self.counts["train_s"] + clock.elapsed(),
+                "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
 
 
 def _restore(rank: int, node: Node, optimizer) -> tuple[int, list, Tally]:
@@ -122,7 +154,7 @@ def _report(metrics: dict, step: int, rank: int, node: Node, optimizer, tally: d
     with tempfile.TemporaryDirectory() as tmp:
         if rank == 0:
             save_checkpoint(Storage(tmp), STATE_FILE, node.model, optimizer, step, extra={"curve": curve},
-                            trainable_only=hasattr(node.model, "peft_config"))  # LoRA: the frozen base never changes
+                            trainable_only=node.fine_tune.trainable_only())  # LoRA: the frozen base never changes
         params = {k for k, _ in node.model.named_parameters()}
         buffers = {k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items() if k not in params}
         Storage(tmp).save_tensors(RANK_FILE.format(rank), buffers, tally)
@@ -147,7 +179,7 @@ def all_gather_nbytes(payloads: list, world: int) -> int:
     return world * (world - 1) * (8 + max(len(pickle.dumps(p)) for p in payloads))
 
 
-def _read_shard(config: dict, node: Node, rank: int, world: int) -> tuple[object, int | None, tuple | None, int]:
+def _read_shard(loop: DdpLoop, node: Node, rank: int, world: int) -> tuple[object, int | None, tuple | None, int]:
     """Read this rank's shard (and held-out rows) on its host, then agree with the others on the
     steps (with data.node_files the smallest shard's) and on whether every rank could read its data.
     A rank that cannot (a ConfigError: a file missing on its host, an unreadable row) would fail
@@ -158,91 +190,117 @@ def _read_shard(config: dict, node: Node, rank: int, world: int) -> tuple[object
 
     shard = None
     try:
-        shard = config["data"].load(rank, world)  # read here, on the worker's host: no training row crosses
-        node.hold_out(config["data"], world)
+        shard = loop.data.load(rank, world)  # read here, on the worker's host: no training row crosses
+        node.hold_out(loop.data, world)
         mine = (num_examples(shard), None)
     except ConfigError as err:
         mine = (None, (err.field_name, err.value, err.allowed))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     refused = next((error for _, error in everyone if error is not None), None)
-    steps = config["steps"] or (None if refused else total_steps(config["cfg"].optim, min(n for n, _ in everyone)))
+    steps = loop.steps or (None if refused else total_steps(loop.cfg.optim, min(n for n, _ in everyone)))
     return shard, steps, refused, all_gather_nbytes(everyone, world)
 
 
 def _train_worker(config: dict) -> None:
-    """One Ray Train worker: a `Node` (model, task, device) whose gradients DDP all-reduces; rank 0
-    scores the curve at a barrier and the final model, where the model lives."""
-    import torch.distributed as dist
+    """One Ray Train worker (`config`: {"loop": DdpLoop}): a `Node` (model, task, device) whose
+    gradients DDP all-reduces; rank 0 scores the curve at a barrier and the final model, where the
+    model lives."""
     from ray import train
     from ray.train.torch import prepare_model
 
+    loop: DdpLoop = config["loop"]
     entered, watch = time.time(), Stopwatch()
-    cfg: RunConfig = config["cfg"]
-    rank, world, every = train.get_context().get_world_rank(), train.get_context().get_world_size(), cfg.checkpoint_steps
+    rank, world = train.get_context().get_world_rank(), train.get_context().get_world_size()
     with watch("worker_start"):
-        node = Node(rank, cfg, config["spec"], config["task"], ray.get(config["weights"]))
+        node = Node(rank, loop.cfg, loop.spec, loop.task, ray.get(loop.weights))
         node.label = "ddp rank"
-        shard, steps, refused, shard_sizes_bytes = _read_shard(config, node, rank, world)
+        shard, steps, refused, shard_sizes_bytes = _read_shard(loop, node, rank, world)
         if refused is not None:  # left in storage for the driver, not raised: Ray Train would retry it
             if rank == 0:
-                config["storage"].write_json(DATA_ERROR, refused)
+                loop.storage.write_json(DATA_ERROR, refused)
             return
-        optimizer = make_optimizer(cfg.optim, node.model)
-        start, curve, tally = _restore(rank, node, optimizer)
+        optimizer = make_optimizer(loop.cfg.optim, node.model)
+        restored = _restore(rank, node, optimizer)
         # Each rank keeps its own BN statistics, as a lo-fi node does: only gradients cross.
         wrapped = prepare_model(TaskLoss(node.model, node.task), parallel_strategy_kwargs={"broadcast_buffers": False})
+    worker = _Rank(loop, node, world, optimizer, steps, restored, watch)
     if hasattr(wrapped, "register_comm_hook"):  # a single worker is not wrapped: nothing to all-reduce
-        wrapped.register_comm_hook(None, counting_allreduce_hook(tally.counts))
-    points, clock = set(eval_points(cfg, steps)), TrainClock()
-    if rank == 0:
-        _note_attempt(config["storage"], start, tally.counts, start, new=True)
+        wrapped.register_comm_hook(None, counting_allreduce_hook(worker.tally.counts))
+    worker.train(wrapped, shard)
+    worker.finish(num_examples(shard), entered, shard_sizes_bytes)
 
-    def on_step(step: int) -> None:
-        if step == steps or (step not in points and step % every):
+
+class _Rank:
+    """One started rank: its training with the curve and checkpoints at barriers, its final report."""
+
+    def __init__(self, loop: DdpLoop, node: Node, world: int, optimizer, steps: int, restored: tuple[int, list, Tally],
+                 watch: Stopwatch):
+        self.loop, self.node, self.rank, self.world, self.optimizer = loop, node, node.rank, world, optimizer
+        self.steps, (self.start, self.curve, self.tally), self.watch = steps, restored, watch
+        self.points, self.clock = set(eval_points(loop.cfg, steps)), TrainClock()
+        if self.rank == 0:
+            _note_attempt(loop.storage, self.start, self.tally.counts, self.start, new=True)
+
+    def train(self, wrapped: nn.Module, shard) -> None:
+        cfg, progress = self.loop.cfg, self.loop.progress
+        if progress is not None:
+            progress.worker, progress.steps = self.rank, self.steps
+        hooks = StepHooks(on_step=self.on_step, log=self.node.log if self.rank == 0 else None, log_every=cfg.log_every,
+                          progress=progress, clock=self.clock)
+        train_steps(wrapped, self.tally, self.optimizer, shard, self.start, self.steps, cfg.optim.batch_size,
+                    node_seed(cfg.seed, self.rank), hooks, precision=cfg.optim.precision, device=self.node.device,
+                    group_seed=group_seed(cfg))
+
+    def on_step(self, step: int) -> None:
+        """At a curve step or a checkpoint step before the last, the ranks meet (out of the training
+        time): rank 0 scores its replica for the curve, and every rank reports."""
+        import torch.distributed as dist
+
+        every = self.loop.cfg.checkpoint_steps
+        if step == self.steps or (step not in self.points and step % every):
             return
         dist.barrier()
-        with clock.paused(), watch("curve_and_checkpoints"):
-            now, metrics = tally.at(clock), {"step": step}
-            if rank == 0:
+        with self.clock.paused(), self.watch("curve_and_checkpoints"):
+            now, metrics = self.tally.at(self.clock), {"step": step}
+            if self.rank == 0:
                 metrics.update(train_s=now["train_s"], allreduce_bytes=now["allreduce_bytes"])
-                if step in points:
-                    curve.append({**metrics, **node.evaluate([config["eval_sets"]])})
-                _note_attempt(config["storage"], start, now, step)
-            _report(metrics, step, rank, node, optimizer, None if step % every else now, curve)
+                if step in self.points:
+                    self.curve.append({**metrics, **self.node.evaluate([self.loop.eval_sets])})
+                _note_attempt(self.loop.storage, self.start, now, step)
+            _report(metrics, step, self.rank, self.node, self.optimizer, None if step % every else now, self.curve)
 
-    progress = config["progress"]
-    if progress is not None:
-        progress.worker, progress.steps = rank, steps
-    train_steps(wrapped, tally, optimizer, shard, start, steps, cfg.optim.batch_size, node_seed(cfg.seed, rank),
-                log=node.log if rank == 0 else None, log_every=cfg.log_every, on_step=on_step, clock=clock,
-                precision=cfg.optim.precision, device=node.device, progress=progress, group_seed=group_seed(cfg))
-    done = tally.at(clock)
-    with watch("evaluate"):
-        if cfg.data.eval_on_nodes:  # every rank scores the (same) model on its own held-out rows
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, node.evaluate([config["eval_sets"]]))
-            final = {"final": mean_metrics(per_rank), "final_per_rank": per_rank}
-        else:
-            final = {"final": node.evaluate([config["eval_sets"]])} if rank == 0 else {}
-    mine = {"rank": rank, "examples": num_examples(shard), "allreduce_bytes": done["allreduce_bytes"], "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size,
-            "train_s": done["train_s"], "resumed_from": start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None,
-            "entered_at": entered, "phases_s": watch.parts, "final_report_at": time.time()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    metrics = {"workers": everyone, "gather_bytes": all_gather_nbytes(everyone, world), "shard_sizes_bytes": shard_sizes_bytes,
-               "curve": curve, "steps": steps, **final}
-    if rank == 0:
-        _note_attempt(config["storage"], start, done, steps)
-    _report(metrics, steps, rank, node, optimizer, done, curve)
+    def finish(self, examples: int, entered: float, shard_sizes_bytes: int) -> None:
+        """Score the final model, gather every rank's numbers, and report them with the last checkpoint."""
+        import torch.distributed as dist
+
+        cfg, world, steps, done = self.loop.cfg, self.world, self.steps, self.tally.at(self.clock)
+        with self.watch("evaluate"):
+            if cfg.data.eval_on_nodes:  # every rank scores the (same) model on its own held-out rows
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, self.node.evaluate([self.loop.eval_sets]))
+                final = {"final": mean_metrics(per_rank), "final_per_rank": per_rank}
+            else:
+                final = {"final": self.node.evaluate([self.loop.eval_sets])} if self.rank == 0 else {}
+        mine = {"rank": self.rank, "examples": examples, "allreduce_bytes": done["allreduce_bytes"],
+                "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size, "train_s": done["train_s"],
+                "resumed_from": self.start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None,
+                "entered_at": entered, "phases_s": self.watch.parts, "final_report_at": time.time()}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        metrics = {"workers": everyone, "gather_bytes": all_gather_nbytes(everyone, world),
+                   "shard_sizes_bytes": shard_sizes_bytes, "curve": self.curve, "steps": steps, **final}
+        if self.rank == 0:
+            _note_attempt(self.loop.storage, self.start, done, steps)
+        _report(metrics, steps, self.rank, self.node, self.optimizer, done, self.curve)
 
 
 def _release_leaked_placement_groups(before: set[str], bundles: list[dict]) -> None:
     """When a Train run fails while it starts (e.g. gloo cannot connect), Ray Train 2.60 can leave
     its workers' placement group reserved, and the strategies after it would wait forever for
     those CPUs. Remove the groups with exactly our bundles that appeared during the failed fit."""
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
     from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     want = [{k: float(v) for k, v in b.items()} for b in bundles]
     for pg_id, info in ray.util.placement_group_table().items():
@@ -273,10 +331,11 @@ def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
     returned. Start and end compare wall clocks of the driver's and the workers' hosts."""
     rank0 = workers[0]
     return {"train_run_start": round(min(w["entered_at"] for w in workers) - fit_at, 3), **rank0["phases_s"],
-            "train": round(max(w["train_s"] for w in workers), 3), "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
+            "train": round(max(w["train_s"] for w in workers), 3),
+            "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
 
 
-class Ddp:
+class Ddp(Strategy):
     name: ClassVar[str] = "ddp"
     Config: ClassVar[type] = DdpConfig
 
@@ -295,14 +354,15 @@ class Ddp:
     def external_bundles(cfg: RunConfig) -> list[dict]:
         return [node_bundle(cfg)] * cfg.nodes.count
 
-    def _trainer(self, ctx: RunContext, backend: str, loop_config: dict):
+    def _trainer(self, ctx: RunContext, backend: str, loop: DdpLoop):
         """A Train run with a stable name in storage, so a resumed run finds its checkpoints."""
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
+        from ray.train import RunConfig as TrainRunConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         cfg = ctx.cfg
         return TorchTrainer(
-            _train_worker, train_loop_config=loop_config,
+            _train_worker, train_loop_config={"loop": loop},
             scaling_config=ScalingConfig(num_workers=cfg.nodes.count, use_gpu=cfg.nodes.gpus > 0,
                                          resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement),
             torch_config=TorchConfig(backend=backend),
@@ -326,9 +386,9 @@ class Ddp:
         logger.info("[ddp] %d workers x %s steps, %s", n, steps or "(their shards')", backend)
         ctx.live.expect(n, steps)
         earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
-        trainer = self._trainer(ctx, backend, {
-            "cfg": cfg, "spec": ctx.spec, "task": ctx.data.task, "weights": ray.put(initial), "steps": steps, "storage": ctx.storage,
-            "data": ctx.data.train, "eval_sets": ray.put(eval_sets), "progress": ctx.live.poster()})
+        trainer = self._trainer(ctx, backend, DdpLoop(
+            cfg=cfg, spec=ctx.spec, task=ctx.data.task, weights=ray.put(initial), steps=steps, storage=ctx.storage,
+            data=ctx.data.train, eval_sets=ray.put(eval_sets), progress=ctx.live.poster()))
         ctx.storage.delete(DATA_ERROR)  # a resumed run's earlier refusal
         before, fit_at = set(ray.util.placement_group_table()), time.time()
         try:
@@ -344,11 +404,13 @@ class Ddp:
         details["phases_s"] = _phases(result.metrics["workers"], fit_at, time.time())
         return self._finish(ctx, ledger, clock, result, backend, details)
 
-    def _finish(self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str, details: dict) -> RunRecord:
+    def _finish(self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str,
+                details: dict) -> RunRecord:
         cfg, n, steps = ctx.cfg, ctx.cfg.nodes.count, result.metrics["steps"]
         workers, setup_bytes = result.metrics["workers"], ledger.bytes_by_phase["setup"]
         ctx.report({"step": steps, "steps": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
-        curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n, setup_bytes + n * p["allreduce_bytes"],
+        curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n,
+                             setup_bytes + n * p["allreduce_bytes"],
                              {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")})
                  for p in result.metrics["curve"]]
         for w in workers:
@@ -361,8 +423,8 @@ class Ddp:
         details["phases_s"]["collect"] = round(time.perf_counter() - collecting, 3)
         state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         ledger.send("final", "model_checkpoint", state)  # under LoRA rank 0 checkpoints the adapters and head only
-        details = {"steps_per_worker": steps, "backend": backend, "allreduce_buckets_per_rank": [w["buckets"] for w in workers],
-                   **details, "train_run": result.path}
+        details = {"steps_per_worker": steps, "backend": backend,
+                   "allreduce_buckets_per_rank": [w["buckets"] for w in workers], **details, "train_run": result.path}
         return finish_record(self.name, ctx, ledger, clock, metrics=result.metrics["final"], step=steps,
                              samples=sum(w["samples"] for w in workers), train_s=max(w["train_s"] for w in workers),
                              infos=workers, weights=state, curve=curve, nodes=workers, details=details)

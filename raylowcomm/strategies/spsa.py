@@ -3,7 +3,7 @@ sends one byte per perturbation per step; no weights or gradients ever move. Eac
 measures g = (L(θ+εz) − L(θ−εz)) / 2ε on its own batch for `samples` seeds of (run seed, step,
 node, sample) and returns g as a byte inline in its reply (an ObjectRef would cost ~250 B); the
 driver relays every node the others' codes inline in `apply`, and each node replays all updates
-in (node, sample) order with the DECODED values (`zo.Replica`): replicas stay bit-identical,
+in (node, sample) order with the DECODED values (`Replica`): replicas stay bit-identical,
 checked every `verify_every` steps. Nodes leave, die and join at step boundaries (core/membership)
 from the latest checkpoint plus the replay log; one shard per slot, `nodes.count + len(join)`.
 Bytes: `train/projected_grads` (N·samples·codec B a step), `train/projected_grads_relay` (to the
@@ -22,17 +22,31 @@ from typing import ClassVar, Literal
 import ray
 
 from raylowcomm.actors import Node, NodeGroup, check_replicas
+from raylowcomm.common.batches import batch_at, group_seed, num_examples
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.common.seeding import node_seed
+from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.core import zo
 from raylowcomm.core.membership import JoinEvent, LeaveEvent, ScheduleError, check_schedule
-from raylowcomm.data import TrainSource, num_examples
-from raylowcomm.ledger import Ledger, wire_nbytes
+from raylowcomm.core.zo.codec import Codec, codec_for
+from raylowcomm.core.zo.perturb import trainable_parameters
+from raylowcomm.core.zo.replay import Replica
+from raylowcomm.data import TrainSource
 from raylowcomm.models import state_dict_of
-from raylowcomm.seeding import node_seed
+from raylowcomm.runtime import wire_nbytes
 from raylowcomm.storage import Storage
-from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
+from raylowcomm.strategies.base import (
+    RunContext,
+    RunRecord,
+    Strategy,
+    curve_point,
+    eval_points,
+    finish_record,
+    node_bundle,
+    warn_unused,
+)
 from raylowcomm.tasks import mean_metrics
-from raylowcomm.training import TrainClock, autocast, batch_at, group_seed, load_checkpoint, save_checkpoint, total_steps
+from raylowcomm.training import autocast, load_checkpoint, save_checkpoint, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -41,37 +55,51 @@ LOSS_BYTES = struct.calcsize(LOSS_FORMAT)
 CHECKPOINT, REPLAY_LOG, DRIVER_STATE = "spsa/checkpoint.safetensors", "spsa/replay_log.bin", "spsa/driver.json"
 """In storage: θ at the last checkpoint step, the log a joiner replays from it, and the driver's
 counts at that checkpoint (what `--resume` continues from)."""
+DRIVER_COUNTS = ("samples", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size")
+"""The driver's counts (SpsaRun attributes) kept in DRIVER_STATE beside the step, nodes, ledger and records."""
 
 
 @dataclass
 class SpsaConfig:
-    """Plain SGD on the zeroth-order estimate: uses optim.batch_size (per node) and weight_decay, not name or momentum."""
+    """Plain SGD on the zeroth-order estimate: uses optim.batch_size (per node) and weight_decay, not name or
+    momentum."""
 
     codec: Literal["log", "linear", "float32"] = "log"
     """log/linear: one byte per projected gradient; float32: four, for comparison."""
     g_min: float = 1e-3
+    """log codec: the smallest nonzero |g| it codes (|g| < g_min/2 codes as 0)."""
     g_max: float = 1e3
-    """log codec: smallest nonzero |g| and largest |g| (larger values clip)."""
+    """log codec: the largest |g| it codes (larger values clip)."""
     scale: float = 1 / 16
     """linear codec: grid step."""
     perturbation: Literal["rademacher", "gaussian"] = "rademacher"
+    """rademacher: z = +-1 from random bits (about 10x cheaper to draw); gaussian: z ~ N(0, 1), as MeZO."""
     eps: float = 1e-3
-    samples: int = 1  # perturbations (bytes) per node per step, all on the node's same batch
-    lr: float | None = None  # None: optim.lr; zeroth-order steps usually want a smaller lr than backprop
-    steps: int | None = None  # None: as many steps as the other strategies (optim.epochs / max_steps)
-    include: list[str] | None = None  # regexes of the parameters to tune (None: all)
-    verify_every: int = 10  # compare the replicas' exact parameter hashes every this many steps (and at the end)
+    """epsilon: each node scores its batch at theta + eps*z and theta - eps*z."""
+    samples: int = 1
+    """Perturbations (bytes) per node per step, all on the node's same batch."""
+    lr: float | None = None
+    """SPSA's learning rate; None: optim.lr (zeroth-order steps usually want a smaller lr than backprop)."""
+    steps: int | None = None
+    """Steps to take; None: as many as the other strategies (optim.epochs / max_steps)."""
+    include: list[str] | None = None
+    """Regexes of the parameters to tune (None: all)."""
+    verify_every: int = 10
+    """Compare the replicas' exact parameter hashes every this many steps (and at the end)."""
     leave: list[LeaveEvent] = field(default_factory=list)
+    """Nodes that leave the run, [{node, step, how}] (an actor that dies leaves too)."""
     join: list[JoinEvent] = field(default_factory=list)
+    """Nodes that join, [{step}]: from the latest checkpoint plus the replay log since it, no peer copy.
+    The training set has one shard per node slot (nodes.count + len(join))."""
 
-    def make_codec(self) -> zo.Codec:
+    def make_codec(self) -> Codec:
         params = {"log": {"g_min": self.g_min, "g_max": self.g_max}, "linear": {"scale": self.scale}, "float32": {}}
-        return zo.codec_for(self.codec, **params[self.codec])
+        return codec_for(self.codec, **params[self.codec])
 
 
 @ray.remote
 class SpsaNode(Node):
-    """One replica (`zo.Replica`) on its shard: it publishes its step's bytes and replays everyone's."""
+    """One replica (`Replica`) on its shard: it publishes its step's bytes and replays everyone's."""
 
     label = "spsa node"
 
@@ -82,7 +110,7 @@ class SpsaNode(Node):
         self.hold_out(data, slots)
         o = cfg.options["spsa"]
         self.seed, self.losses = node_seed(cfg.seed, node), []
-        self.replica = zo.Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
+        self.replica = Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   kind=o.perturbation, include=o.include, step=until or 0)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
@@ -99,7 +127,8 @@ class SpsaNode(Node):
         count, so no step number needs to travel."""
         t0, step = time.perf_counter(), self.replica.step
         with autocast(self.cfg.optim.precision, self.device):  # the losses only: replicas apply fp32 updates
-            payload, pairs = self.replica.compute(self.task.loss, batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed, group_seed(self.cfg)))
+            batch = batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed, group_seed(self.cfg))
+            payload, pairs = self.replica.compute(self.task.loss, batch)
         self.losses.append(sum(lp + lm for lp, lm in pairs) / (2 * len(pairs)))
         self.times["compute_s"] += time.perf_counter() - t0
         every = self.cfg.log_every
@@ -121,7 +150,7 @@ class SpsaNode(Node):
     def save(self) -> int:
         """Checkpoint θ at the start of the node's step into storage; returns its size."""
         return save_checkpoint(self.storage, CHECKPOINT, self.model, None, self.replica.step, extra={"node": self.rank},
-                               trainable_only=hasattr(self.model, "peft_config"))  # LoRA: the adapters SPSA tunes
+                               trainable_only=self.fine_tune.trainable_only())  # LoRA: the adapters SPSA tunes
 
     def examples(self) -> int:
         return num_examples(self.shard)
@@ -133,7 +162,7 @@ class SpsaNode(Node):
                 **{f"replica_{k}": round(v, 3) for k, v in self.replica.times.items()}}  # perturb, forwards, replay
 
 
-class Spsa:
+class Spsa(Strategy):
     name: ClassVar[str] = "spsa"
     Config: ClassVar[type] = SpsaConfig
 
@@ -170,7 +199,7 @@ class Spsa:
         steps = opts.steps or (total_steps(cfg.optim, min(sizes)) if sizes else None)
         self.validate(cfg, steps)
         if opts.include:
-            zo.trainable_parameters(ctx.model, opts.include)  # fails here, not in an actor, if nothing matches
+            trainable_parameters(ctx.model, opts.include)  # fails here, not in an actor, if nothing matches
         with NodeGroup(SpsaNode, cfg, Ledger()) as group:
             return SpsaRun(ctx, group, steps).run()
 
@@ -193,7 +222,7 @@ class SpsaRun:
         if self.ctx.resume and self.storage.exists(DRIVER_STATE):
             state = self.storage.read_json(DRIVER_STATE)
             self.ledger.merge(Ledger.from_dict(state["ledger"]))
-            for key in ("samples", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size"):
+            for key in DRIVER_COUNTS:
                 setattr(self, key, state[key])
             self.records = {int(k): v for k, v in state["records"].items()}
             self.resumed_train_s = state["train_s"]
@@ -212,30 +241,33 @@ class SpsaRun:
 
     def start_node(self, k: int, phase: str, until: int | None) -> None:
         """Node `k`: the initial weights, or (`until`) the checkpoint and log in storage, on top of
-        the initial weights under LoRA, whose checkpoint holds only what SPSA tunes. It reads its
+        the initial weights where the checkpoint holds only what SPSA tunes (LoRA). It reads its
         own shard (of `slots`) where it runs: only the recipe crosses."""
-        if until is None or self.ctx.spec.lora is not None:
+        initial = until is None or self.ctx.fine_tune.trainable_only()
+        if initial:
             if self.weights_ref is None:
                 self.weights_ref = ray.put(state_dict_of(self.ctx.model))
             self.ledger.send(phase, "initial_weights", self.ctx.model.state_dict())
         recipe = self.group.put(self.ctx.data.train, phase, "data_recipe")
         self.group.start(k, k, self.ctx.spec, self.ctx.data.task, recipe, self.slots, self.cfg, self.storage,
-                         weights=self.weights_ref if until is None or self.ctx.spec.lora is not None else None, until=until)
+                         weights=self.weights_ref if initial else None, until=until)
 
     def checkpoint(self, step: int) -> None:
         """θ at `step` (from the lowest running node) and the driver's counts, into storage."""
         self.ckpt_step, self.ckpt_size = step, ray.get(self.group[min(self.group.keys())].save.remote())
         self.storage.write_json(DRIVER_STATE, {
-            "step": step, "running": self.group.keys(), "ledger": self.ledger.to_dict(), "train_s": self.train_clock.elapsed(),
-            "records": self.records, **{k: getattr(self, k) for k in ("samples", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size")}})
+            "step": step, "running": self.group.keys(), "ledger": self.ledger.to_dict(),
+            "train_s": self.train_clock.elapsed(), "records": self.records,
+            **{k: getattr(self, k) for k in DRIVER_COUNTS}})
 
     def run(self) -> RunRecord:
         cfg = self.cfg
         start = self.start_nodes()
         if start == 0:
             self.step0 = self.evaluate(0)
-        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s), verify every %d", len(self.group), self.steps,
-                    self.opts.samples, self.codec.nbytes, self.opts.codec, self.opts.perturbation, self.opts.verify_every)
+        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s), verify every %d",
+                    len(self.group), self.steps, self.opts.samples, self.codec.nbytes, self.opts.codec,
+                    self.opts.perturbation, self.opts.verify_every)
         self.train_clock = TrainClock()
         self.train_clock.start -= self.resumed_train_s
         if start == 0:
@@ -252,7 +284,8 @@ class SpsaRun:
             if step + 1 in points:
                 with self.train_clock.paused():
                     metrics = self.evaluate(step + 1)
-                self.curve.append(curve_point(step + 1, self.train_clock.elapsed(), self.samples, self.ledger.total_bytes, metrics))
+                self.curve.append(curve_point(step + 1, self.train_clock.elapsed(), self.samples,
+                                              self.ledger.total_bytes, metrics))
                 progress.update(metrics)
             self.ctx.report(progress)
         return self.finish(self.step0)
@@ -273,7 +306,8 @@ class SpsaRun:
         for i, ev in enumerate(self.opts.join):
             if ev.step == step:
                 k, group = self.cfg.nodes.count + i, self.group
-                log_size = ray.get(group[min(group.keys())].save_log.remote(self.ckpt_step))  # a node writes it, the joiner reads it
+                # a node writes it, the joiner reads it
+                log_size = ray.get(group[min(group.keys())].save_log.remote(self.ckpt_step))
                 self.ledger.record("train", "join_log", log_size)
                 self.ledger.record("train", "join_checkpoint", self.ckpt_size)
                 self.start_node(k, "train", step)
@@ -306,7 +340,8 @@ class SpsaRun:
                            ("wall", time.perf_counter() - t0)):
             self.per_step[key].append(value)
         losses = [struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()]
-        return {"step": step + 1, "steps": self.steps, "bytes": ledger.total_bytes, "train_loss": sum(losses) / len(pubs)}
+        return {"step": step + 1, "steps": self.steps, "bytes": ledger.total_bytes,
+                "train_loss": sum(losses) / len(pubs)}
 
     def verify(self, step: int) -> None:
         digest = check_replicas(self.group.actors, step, self.ledger)
@@ -334,18 +369,22 @@ class SpsaRun:
         hashes = dict(zip(group.keys(), ray.get([group[k].hash.remote() for k in group.keys()])))
         self.infos.update(zip(group.keys(), group.call("info", phase="final", what="node_info")))
         state = group.fetch.get([group[min(group.keys())].weights.remote()], "final", "model_weights")[0]
-        nodes = [{**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)} for k in sorted(self.records)]
+        nodes = [{**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)}
+                 for k in sorted(self.records)]
         infos = list(self.infos.values())
         compute, replay = (max((i[key] for i in infos), default=0.0) for key in ("compute_s", "replay_s"))
         total = {key: sum(values) for key, values in self.per_step.items()}
         details = {
             "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
-            "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "lr": opts.lr or self.cfg.optim.lr,
-            "eps": opts.eps, "shard_slots": self.slots, "verified": self.verified, "grad_bytes": total["payload"],
-            "grad_wire_bytes": total["wire"], "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
+            "perturbation": opts.perturbation, "samples_per_node_step": opts.samples,
+            "lr": opts.lr or self.cfg.optim.lr, "eps": opts.eps, "shard_slots": self.slots, "verified": self.verified,
+            "grad_bytes": total["payload"], "grad_wire_bytes": total["wire"],
+            "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
             "payload_bytes_per_step": total["payload"] / steps, "wire_bytes_per_step": total["wire"] / steps,
             "control_wire_bytes_per_step": total["control"] / steps, "mean_step_s": total["wall"] / steps,
-            "curve_eval_s": self.train_clock.paused_s, "mean_compute_s": compute / steps, "mean_replay_s": replay / steps,
+            "curve_eval_s": self.train_clock.paused_s, "mean_compute_s": compute / steps,
+            "mean_replay_s": replay / steps,
             "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps)}
-        return finish_record(Spsa.name, self.ctx, self.ledger, self.clock, metrics=metrics, step=steps, samples=self.samples,
-                             train_s=train_s, infos=infos, weights=state, curve=self.curve, nodes=nodes, details=details)
+        return finish_record(Spsa.name, self.ctx, self.ledger, self.clock, metrics=metrics, step=steps,
+                             samples=self.samples, train_s=train_s, infos=infos, weights=state, curve=self.curve,
+                             nodes=nodes, details=details)

@@ -3,8 +3,14 @@ import torch
 from torch import nn
 
 from raylowcomm import assets
-from raylowcomm.core.averaging import (OuterNesterov, StreamingAverage, average_state_dicts, combine_bn_statistics,
-                                       greedy_soup, measure_bn_statistics)
+from raylowcomm.core.averaging import (
+    OuterNesterov,
+    StreamingAverage,
+    average_state_dicts,
+    combine_bn_statistics,
+    greedy_soup,
+    measure_bn_statistics,
+)
 
 
 def _real_states(k=3):
@@ -13,8 +19,13 @@ def _real_states(k=3):
 
     base = load_file(str(assets.require("efficientnet_lite0")))
     gen = torch.Generator().manual_seed(0)
-    return [{n: v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone() for n, v in base.items()}
-            for _ in range(k)]
+    return [
+        {
+            n: v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone()
+            for n, v in base.items()
+        }
+        for _ in range(k)
+    ]
 
 
 def test_uniform_average_is_exact_on_real_state_dicts():

@@ -9,21 +9,21 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raylowcomm.core.interlock import (
+from raylowcomm.core.interlock.heads import causal_lm_loss, decoder_aux_heads, resnet_aux_heads
+from raylowcomm.core.interlock.routing import (
     InterlockStage,
-    balanced_sizes,
     build_stages,
-    causal_lm_loss,
-    decoder_aux_heads,
     reference_gradients,
-    resnet_aux_heads,
     run_interlocked_batch,
+    update_heads,
+    upstream_heads,
+)
+from raylowcomm.core.interlock.splitting import (
+    balanced_sizes,
     split_hf_decoder,
     split_timm_cnn,
     split_timm_resnet,
     timm_cnn_units,
-    update_heads,
-    upstream_heads,
 )
 
 NUM_CLASSES = 5
@@ -375,7 +375,7 @@ def test_balanced_sizes_count_the_aux_head_each_stage_carries():
 
 
 def test_measured_costs_time_every_unit_and_boundary_head_and_a_fixed_split_is_kept():
-    from raylowcomm.core.interlock import StageCosts, measure_balance
+    from raylowcomm.core.interlock.splitting import StageCosts, measure_balance
 
     model = tiny_resnet()
     units = timm_cnn_units(model)

@@ -10,8 +10,8 @@ import torch
 from ray.train import TrainingFailedError
 from safetensors.torch import load_file
 
+from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError
-from raylowcomm.ledger import payload_nbytes
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.storage import Storage
@@ -35,10 +35,14 @@ def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
     curve, setup = rec["curve"], rec["comm"]["by_phase"]["setup"]
     assert [p["step"] for p in curve] == [10, 20, 30, steps]
     assert [p["bytes"] for p in curve[:-1]] == [setup + s * 2 * grad_bytes for s in (10, 20, 30)]
-    assert curve[-1]["bytes"] == rec["comm"]["total_bytes"] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
+    assert (
+        curve[-1]["bytes"] == rec["comm"]["total_bytes"] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
+    )
     assert all(a["wall_s"] < b["wall_s"] for a, b in zip(curve, curve[1:])) and curve[-1]["wall_s"] == rec["train_s"]
     assert rec["comm"]["by_kind"]["setup/initial_weights"] == 2 * payload_nbytes(state_dict_of(ctx.model))
-    assert rec["comm"]["by_kind"]["setup/shard_sizes"] == all_gather_nbytes([(w["examples"], None) for w in rec["nodes"]], 2)
+    assert rec["comm"]["by_kind"]["setup/shard_sizes"] == all_gather_nbytes(
+        [(w["examples"], None) for w in rec["nodes"]], 2
+    )
     assert rec["samples_seen"] == 2 * steps * cfg.optim.batch_size
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()
     assert len(rec["nodes"]) == 2
@@ -57,14 +61,27 @@ def test_a_rank_that_cannot_read_its_data_stops_every_rank_without_a_restart(ray
     to stop, and the driver raises the rank's own error after one attempt, with restarts left."""
     write(tmp_path / "far_0.csv", reviews(24))
     write(tmp_path / "eval.csv", reviews(8, 100))
-    cfg = from_dict({
-        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"},
-        "data": {"name": "mine", "source": "csv", "files": str(tmp_path / "eval.csv"), "node_files": str(tmp_path / "far_{node}.csv"),
-                 "node_files_on_driver": False, "columns": {"text": "review", "label": "stars"}, "classes": LABELS,
-                 "test_size": 8, "max_length": 16, "shift": "none"},
-        "optim": {"name": "sgd", "lr": 0.01, "batch_size": 4, "epochs": 1}, "nodes": {"count": 2, "cpus": 1, "max_restarts": 2},
-        "strategies": ["ddp"], "log_every": 1000,
-    })
+    cfg = from_dict(
+        {
+            "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"},
+            "data": {
+                "name": "mine",
+                "source": "csv",
+                "files": str(tmp_path / "eval.csv"),
+                "node_files": str(tmp_path / "far_{node}.csv"),
+                "node_files_on_driver": False,
+                "columns": {"text": "review", "label": "stars"},
+                "classes": LABELS,
+                "test_size": 8,
+                "max_length": 16,
+                "shift": "none",
+            },
+            "optim": {"name": "sgd", "lr": 0.01, "batch_size": 4, "epochs": 1},
+            "nodes": {"count": 2, "cpus": 1, "max_restarts": 2},
+            "strategies": ["ddp"],
+            "log_every": 1000,
+        }
+    )
     ctx, before = prepare(cfg, tmp_path / "out"), train_worker_actors()
     with pytest.raises(ConfigError) as err:
         Ddp().run(ctx)
@@ -77,12 +94,17 @@ def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_se
     from raylowcomm.lora import trainable_nbytes
     from raylowcomm.strategies import from_dict
 
-    cfg = from_dict({
-        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
-        "data": {"name": "rotten_tomatoes", "train_size": 64, "test_size": 16, "max_length": 24, "shift": "none"},
-        "optim": {"name": "adamw", "lr": 1e-3, "batch_size": 8, "epochs": 1}, "nodes": {"count": 2, "cpus": 1},
-        "strategies": ["ddp"], "log_every": 1000, "checkpoint_every": 100,
-    })
+    cfg = from_dict(
+        {
+            "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
+            "data": {"name": "rotten_tomatoes", "train_size": 64, "test_size": 16, "max_length": 24, "shift": "none"},
+            "optim": {"name": "adamw", "lr": 1e-3, "batch_size": 8, "epochs": 1},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": ["ddp"],
+            "log_every": 1000,
+            "checkpoint_every": 100,
+        }
+    )
     ctx = prepare(cfg, tmp_path)
     rec = Ddp().run(ctx).to_dict()
     steps, adapters = rec["details"]["steps_per_worker"], trainable_nbytes(ctx.model)
@@ -91,10 +113,14 @@ def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_se
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == 2 * steps * adapters
     assert rec["comm"]["by_kind"]["final/model_checkpoint"] == adapters
     assert (tmp_path / "ddp" / "adapter" / "adapter_model.safetensors").exists()
-    checkpoints = sorted(p for p in (tmp_path / "state" / "ddp" / "ray_train" / "ddp").glob("checkpoint_*") if p.is_dir())
+    checkpoints = sorted(
+        p for p in (tmp_path / "state" / "ddp" / "ray_train" / "ddp").glob("checkpoint_*") if p.is_dir()
+    )
     tensors, _ = Storage(checkpoints[-1]).load_tensors("state.safetensors")
     trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
-    assert {k[len("model."):] for k in tensors if k.startswith("model.")} == trained, "the frozen base is not checkpointed"
+    assert {k[len("model.") :] for k in tensors if k.startswith("model.")} == trained, (
+        "the frozen base is not checkpointed"
+    )
 
 
 def _kill_after_first_checkpoint(storage: Path, rank: int, killed: dict, stop: threading.Event) -> None:
@@ -115,7 +141,9 @@ def _kill_after_first_checkpoint(storage: Path, rank: int, killed: dict, stop: t
 
 def _run_while_killing(ctx, rank: int = 1):
     killed, stop = {}, threading.Event()
-    thread = threading.Thread(target=_kill_after_first_checkpoint, args=(Path(ctx.storage.uri), rank, killed, stop), daemon=True)
+    thread = threading.Thread(
+        target=_kill_after_first_checkpoint, args=(Path(ctx.storage.uri), rank, killed, stop), daemon=True
+    )
     thread.start()
     try:
         return Ddp().run(ctx).to_dict(), killed
@@ -133,7 +161,9 @@ def _assert_same_run(rec, plain) -> None:
     assert rec["details"]["steps_per_worker"] == plain["details"]["steps_per_worker"]
     assert rec["samples_seen"] == plain["samples_seen"] and rec["metrics"] == plain["metrics"]
     drop = ("wall_s", "bytes")
-    assert [{k: v for k, v in p.items() if k not in drop} for p in rec["curve"]] == [{k: v for k, v in p.items() if k not in drop} for p in plain["curve"]]
+    assert [{k: v for k, v in p.items() if k not in drop} for p in rec["curve"]] == [
+        {k: v for k, v in p.items() if k not in drop} for p in plain["curve"]
+    ]
     assert [p["bytes"] for p in rec["curve"][:-1]] == [p["bytes"] for p in plain["curve"][:-1]]
     assert [n["mean_loss"] for n in rec["nodes"]] == [n["mean_loss"] for n in plain["nodes"]]
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == plain["comm"]["by_kind"]["train/gradient_allreduce"]
@@ -155,7 +185,9 @@ def uninterrupted(ray_session, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrupted(ray_session, uninterrupted, tmp_path):
+def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrupted(
+    ray_session, uninterrupted, tmp_path
+):
     rec, killed = _run_while_killing(prepare(_restart_config(2), tmp_path))
     assert killed, "no checkpoint of rank 1 appeared"
     details = rec["details"]
@@ -170,7 +202,10 @@ def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrup
     setup = rec["comm"]["by_phase"]["setup"]
     assert rec["comm"]["by_kind"]["train/restart_setup_again"] == setup
     assert extra == setup + rec["comm"]["by_kind"].get("train/gradient_allreduce_redone", 0)
-    assert rec["comm"]["by_kind"].get("train/gradient_allreduce_redone", 0) == 2 * details["allreduce_redone_bytes_per_rank_at_least"]
+    assert (
+        rec["comm"]["by_kind"].get("train/gradient_allreduce_redone", 0)
+        == 2 * details["allreduce_redone_bytes_per_rank_at_least"]
+    )
 
 
 @pytest.mark.slow

@@ -10,19 +10,22 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raylowcomm.config import ConfigError, OptimConfig
-from raylowcomm.strategies import from_dict
-from raylowcomm.core.interlock import reference_gradients, resnet_aux_heads, split_timm_resnet
+from raylowcomm.actors import DriverFetches
 from raylowcomm.catalog import TaskSpec
-from raylowcomm.data import PreparedData, num_examples
-from raylowcomm.ledger import Ledger
+from raylowcomm.common.batches import Source, batch_at, num_examples
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.config import ConfigError, OptimConfig
+from raylowcomm.core.interlock.heads import resnet_aux_heads
+from raylowcomm.core.interlock.routing import message_plan, reference_gradients
+from raylowcomm.core.interlock.splitting import split_timm_resnet
+from raylowcomm.data import PreparedData
 from raylowcomm.models import ModelSpec
 from raylowcomm.runner import prepare
+from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.base import RunContext
-from raylowcomm.actors import DriverFetches
-from raylowcomm.strategies.interlocking import Interlocking, Source, StageActor, message_plan, train_interlocked
+from raylowcomm.strategies.interlocking import Interlocking, train_interlocked
+from raylowcomm.strategies.interlocking.stage import StageActor
 from raylowcomm.tasks import CausalLM, ImageClassification
-from raylowcomm.training import batch_at
 from tests.core.test_interlock import NUM_CLASSES, tiny_resnet
 
 LR = 0.1
@@ -52,8 +55,10 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
     equal w - lr * (gradient of its n-way objective on the whole batch, one autograd graph)."""
     K, M = 3, 2
     g = torch.Generator().manual_seed(3)
-    split = {"pixels": torch.randint(0, 256, (8, 16, 16), dtype=torch.uint8, generator=g),
-             "labels": torch.randint(0, NUM_CLASSES, (8,), generator=g)}
+    split = {
+        "pixels": torch.randint(0, 256, (8, 16, 16), dtype=torch.uint8, generator=g),
+        "labels": torch.randint(0, NUM_CLASSES, (8,), generator=g),
+    }
     source = Source("image", split, {}, batch_size=8, seed=0, image_size=16)
     batch = batch_at(split, 0, 8, 0)
     x, y = ImageClassification(16).inputs(batch).double(), batch["labels"]
@@ -62,8 +67,22 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
     heads = [h.double().eval() for h in resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))]
     optim = OptimConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0)
     actors = three_actors
-    ray.get([a.load.remote(k, K, n, rule, (modules[k], heads[k] if k < K - 1 else None), "cross_entropy", optim, M,
-                           source if k == 0 else None) for k, a in enumerate(actors)])
+    ray.get(
+        [
+            a.load.remote(
+                k,
+                K,
+                n,
+                rule,
+                (modules[k], heads[k] if k < K - 1 else None),
+                "cross_entropy",
+                optim,
+                M,
+                source if k == 0 else None,
+            )
+            for k, a in enumerate(actors)
+        ]
+    )
     fetch = DriverFetches(Ledger())
     run = train_interlocked(actors, K, n, rule, M, steps=1, fetch=fetch)
     assert run["batches"] == 1 and fetch.tensors == 0, "the driver must only read small dicts"
@@ -78,7 +97,9 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
     for j in range(K - 1):
         params = dict(heads[j].named_parameters())
         for name, grad in want_heads[j].items():
-            assert torch.allclose(got[j][1][name], params[name].detach() - LR * grad, rtol=1e-9, atol=1e-12), f"head {j}"
+            assert torch.allclose(got[j][1][name], params[name].detach() - LR * grad, rtol=1e-9, atol=1e-12), (
+                f"head {j}"
+            )
     assert any(not torch.equal(got[0][0][name], p) for name, p in modules[0].named_parameters())
 
     if rule == "farthest" and n == K:  # end-to-end backprop of the unsplit model's loss
@@ -99,16 +120,18 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
 
 
 def tiny_cfg(**interlocking):
-    return from_dict({
-        "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
-        "data": {"name": "mnist", "train_size": 256, "test_size": 200, "image_size": 16},
-        # one evaluation chunk per set, so the driver's reads of the stages' evaluation reports
-        # stay a small share of these tiny activations (the byte assertions below)
-        "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1, "eval_batch_size": 256},
-        "nodes": {"cpus": 1},
-        "strategies": ["interlocking"],
-        "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8], "balance": "blocks", **interlocking},
-    })
+    return from_dict(
+        {
+            "model": {"name": "test_resnet", "family": "timm", "pretrained": False},
+            "data": {"name": "mnist", "train_size": 256, "test_size": 200, "image_size": 16},
+            # one evaluation chunk per set, so the driver's reads of the stages' evaluation reports
+            # stay a small share of these tiny activations (the byte assertions below)
+            "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1, "eval_batch_size": 256},
+            "nodes": {"cpus": 1},
+            "strategies": ["interlocking"],
+            "interlocking": {"stages": 2, "micro_batches": 2, "aux_widths": [8], "balance": "blocks", **interlocking},
+        }
+    )
 
 
 @pytest.mark.slow
@@ -169,14 +192,28 @@ class InMemory:
 @pytest.mark.slow
 def test_decoder_run_unties_embeddings(ray_session, tmp_path):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    cfg = from_dict({"model": {"family": "hf_causal_lm"}, "data": {"name": "hamlet", "max_length": 12},
-                     "optim": {"name": "adamw", "lr": 1e-2, "batch_size": 8, "epochs": 2}, "nodes": {"cpus": 1},
-                     "strategies": ["interlocking"],
-                     "interlocking": {"stages": 2, "n": 2, "rule": "sum", "micro_batches": 2}})
+    cfg = from_dict(
+        {
+            "model": {"family": "hf_causal_lm"},
+            "data": {"name": "hamlet", "max_length": 12},
+            "optim": {"name": "adamw", "lr": 1e-2, "batch_size": 8, "epochs": 2},
+            "nodes": {"cpus": 1},
+            "strategies": ["interlocking"],
+            "interlocking": {"stages": 2, "n": 2, "rule": "sum", "micro_batches": 2},
+        }
+    )
     g = torch.Generator().manual_seed(1)
     train, test = ({"input_ids": torch.randint(0, 64, (n, 12), generator=g)} for n in (64, 16))
     data = PreparedData({"test": test}, None, InMemory(train), TaskSpec("causal_lm"), None)
@@ -185,7 +222,9 @@ def test_decoder_run_unties_embeddings(ray_session, tmp_path):
     d = rec["details"]
     assert d["lm_head_untied"] and model.lm_head.weight is model.model.embed_tokens.weight  # ctx.model untouched
     assert {"id_loss", "id_perplexity"} <= rec["metrics"].keys()
-    assert rec["comm"]["by_kind"]["train/gradients"] == rec["comm"]["by_kind"]["train/activations"]  # sum, n=2: dL_1/dx_1
+    assert (
+        rec["comm"]["by_kind"]["train/gradients"] == rec["comm"]["by_kind"]["train/activations"]
+    )  # sum, n=2: dL_1/dx_1
     saved = load_file(rec["weights"])
     assert not torch.equal(saved["lm_head.weight"], saved["model.embed_tokens.weight"])
     untied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
@@ -202,10 +241,16 @@ def test_validation_names_the_field():
         tiny_cfg(micro_batches=3)
     assert err.value.field_name == "interlocking.micro_batches"
     with pytest.raises(ConfigError) as err:
-        from_dict({"model": {"name": "test_vit", "family": "timm", "pretrained": False},
-                   "strategies": ["interlocking"]})
+        from_dict(
+            {"model": {"name": "test_vit", "family": "timm", "pretrained": False}, "strategies": ["interlocking"]}
+        )
     assert err.value.field_name == "model.name"
     with pytest.raises(ConfigError) as err:
-        from_dict({"model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"}, "data": {"name": "rotten_tomatoes"},
-                   "strategies": ["interlocking"]})
+        from_dict(
+            {
+                "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"},
+                "data": {"name": "rotten_tomatoes"},
+                "strategies": ["interlocking"],
+            }
+        )
     assert err.value.field_name == "model.family"

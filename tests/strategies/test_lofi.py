@@ -7,24 +7,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raylowcomm.strategies import from_dict
+from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.core.averaging import average_state_dicts
-from raylowcomm.ledger import payload_nbytes
-from raylowcomm.models import build_model, state_dict_of
+from raylowcomm.finetune import build_model
+from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
+from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.lofi import Lofi
 from raylowcomm.tasks import make_task, score_sets
 
 
 def tiny_config(**lofi):
-    return from_dict({
-        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
-        "data": {"name": "mnist", "train_size": 512, "test_size": 200, "image_size": 16},
-        "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 2},
-        "nodes": {"count": 2, "cpus": 1},
-        "strategies": ["lofi"], "checkpoint_every": 4, "log_every": 1000,
-        "lofi": lofi,
-    })
+    return from_dict(
+        {
+            "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+            "data": {"name": "mnist", "train_size": 512, "test_size": 200, "image_size": 16},
+            "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 2},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": ["lofi"],
+            "checkpoint_every": 4,
+            "log_every": 1000,
+            "lofi": lofi,
+        }
+    )
 
 
 def run_lofi(cfg, out):
@@ -40,9 +45,13 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
     state_bytes = payload_nbytes(state_dict_of(ctx.model))
     assert rec["comm"]["by_kind"]["setup/initial_weights"] == 2 * state_bytes
     assert rec["comm"]["by_kind"]["final/node_weights"] == 2 * state_bytes
-    assert rec["comm"]["by_kind"]["setup/data_recipe"] == 2 * payload_nbytes(ctx.data.train)  # how to read it, not the rows
+    assert rec["comm"]["by_kind"]["setup/data_recipe"] == 2 * payload_nbytes(
+        ctx.data.train
+    )  # how to read it, not the rows
     assert not any("data_shard" in kind for kind in rec["comm"]["by_kind"]), "no training row crosses"
-    assert len(rec["nodes"]) == 2 and all("id_accuracy" in n["metrics"] and "shift_accuracy" in n["metrics"] for n in rec["nodes"])
+    assert len(rec["nodes"]) == 2 and all(
+        "id_accuracy" in n["metrics"] and "shift_accuracy" in n["metrics"] for n in rec["nodes"]
+    )
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()
     assert "average_without_bn_recalibration" in rec["details"]
     steps = rec["details"]["steps_per_node"]
@@ -111,8 +120,9 @@ def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     cfg.optim.epochs, cfg.eval_every = 6, 16
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
-    killer = threading.Thread(target=_kill_a_node_when_checkpointed,
-                              args=(tmp_path / "killed" / "state" / "lofi" / "checkpoints", killed))
+    killer = threading.Thread(
+        target=_kill_a_node_when_checkpointed, args=(tmp_path / "killed" / "state" / "lofi" / "checkpoints", killed)
+    )
     killer.start()
     _, rec = run_lofi(cfg, tmp_path / "killed")
     killer.join()
@@ -136,21 +146,33 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     base + mean_k scale·B_k·A_k (delta) or base + scale·mean(B)·mean(A) (factors)."""
     from raylowcomm.lora import AdapterAverage, lora_layers, trainable_nbytes
 
-    cfg = from_dict({
-        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
-        "data": {"name": "rotten_tomatoes", "train_size": 64, "test_size": 32, "max_length": 32, "shift": "none"},
-        "optim": {"name": "adamw", "lr": 1e-3, "batch_size": 8, "epochs": 1}, "nodes": {"count": 2, "cpus": 1},
-        "strategies": ["lofi"], "checkpoint_every": 4, "log_every": 1000, "lofi": {"lora_average": how},
-    })
+    cfg = from_dict(
+        {
+            "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
+            "data": {"name": "rotten_tomatoes", "train_size": 64, "test_size": 32, "max_length": 32, "shift": "none"},
+            "optim": {"name": "adamw", "lr": 1e-3, "batch_size": 8, "epochs": 1},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": ["lofi"],
+            "checkpoint_every": 4,
+            "log_every": 1000,
+            "lofi": {"lora_average": how},
+        }
+    )
     ctx, rec = run_lofi(cfg, tmp_path)
     kinds = rec["comm"]["by_kind"]
-    assert kinds["final/node_adapters"] == 2 * trainable_nbytes(ctx.model) < 0.03 * 2 * payload_nbytes(state_dict_of(ctx.model))
+    assert (
+        kinds["final/node_adapters"]
+        == 2 * trainable_nbytes(ctx.model)
+        < 0.03 * 2 * payload_nbytes(state_dict_of(ctx.model))
+    )
     assert "final/node_weights" not in kinds
     trainable = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
     nodes = []
     for k in range(2):
         saved = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}.safetensors"))
-        assert {name[len("model."):] for name in saved if name.startswith("model.")} == trainable, "no frozen base checkpointed"
+        assert {name[len("model.") :] for name in saved if name.startswith("model.")} == trainable, (
+            "no frozen base checkpointed"
+        )
         nodes.append({name: saved[f"model.{name}"] for name in trainable})
     assert any(not torch.equal(nodes[0][name], nodes[1][name]) for name in trainable), "the nodes trained apart"
     expected = AdapterAverage(state_dict_of(ctx.model), lora_layers(ctx.model), how)(nodes)
@@ -165,7 +187,9 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     plain = build_model(dataclasses.replace(ctx.spec, lora=None))
     plain.load_state_dict(got)
     scored = score_sets(make_task(ctx.data.task), plain, ctx.eval_sets(val=False), cfg.eval_rows)
-    assert scored["id_accuracy"] == rec["metrics"]["id_accuracy"] and scored["id_loss"] == pytest.approx(rec["metrics"]["id_loss"], rel=1e-6)
+    assert scored["id_accuracy"] == rec["metrics"]["id_accuracy"] and scored["id_loss"] == pytest.approx(
+        rec["metrics"]["id_loss"], rel=1e-6
+    )
 
 
 def test_eval_on_nodes_scores_the_average_on_each_nodes_own_held_out_rows(ray_session, tmp_path):

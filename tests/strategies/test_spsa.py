@@ -5,24 +5,31 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from raylowcomm.actors import ReplicaMismatch, check_replicas
+from raylowcomm.common.ledger import Ledger
 from raylowcomm.config import ConfigError
-from raylowcomm.strategies import from_dict
-from raylowcomm.core import zo
-from raylowcomm.ledger import Ledger
+from raylowcomm.core.zo.perturb import trainable_parameters
+from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
-from raylowcomm.actors import ReplicaMismatch, check_replicas
+from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.spsa import LeaveEvent, Spsa, SpsaNode
 
 
 def tiny_config(steps=20, count=2, eval_every=0, **spsa):
-    return from_dict({
-        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
-        "data": {"name": "mnist", "train_size": 320, "test_size": 100, "image_size": 16, "shift": "none"},
-        "optim": {"lr": 0.01, "batch_size": 16, "max_steps": steps, "epochs": 20},
-        "nodes": {"count": count, "cpus": 1}, "strategies": ["spsa"], "checkpoint_every": 4, "log_every": 1000,
-        "eval_every": eval_every, "spsa": spsa,
-    })
+    return from_dict(
+        {
+            "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+            "data": {"name": "mnist", "train_size": 320, "test_size": 100, "image_size": 16, "shift": "none"},
+            "optim": {"lr": 0.01, "batch_size": 16, "max_steps": steps, "epochs": 20},
+            "nodes": {"count": count, "cpus": 1},
+            "strategies": ["spsa"],
+            "checkpoint_every": 4,
+            "log_every": 1000,
+            "eval_every": eval_every,
+            "spsa": spsa,
+        }
+    )
 
 
 def final_hashes(rec):
@@ -31,25 +38,29 @@ def final_hashes(rec):
 
 # --- config, no Ray ------------------------------------------------------------------------------
 
+
 def test_membership_schedule_parses_into_dataclasses():
     cfg = tiny_config(leave=[{"node": 1, "step": 5, "how": "kill"}], join=[{"step": 8}])
     assert cfg.options["spsa"].leave == [LeaveEvent(node=1, step=5, how="kill")]
     assert cfg.options["spsa"].join[0].step == 8
 
 
-@pytest.mark.parametrize("spsa, field", [
-    ({"leave": [{"node": 2, "step": 3}]}, "spsa.leave[0].node"),  # no node 2 at step 3
-    ({"leave": [{"node": 0, "step": 3}, {"node": 1, "step": 3}]}, "spsa.leave[1]"),  # nobody left
-    ({"leave": [{"node": 1, "step": 3}, {"node": 1, "step": 6}]}, "spsa.leave[1].node"),  # left twice
-    ({"join": [{"step": 0}]}, "spsa.join[0].step"),
-    ({"leave": [{"node": 1, "step": 2, "how": "crash"}]}, "spsa.leave[0].how"),
-    ({"codec": "log", "g_min": 10.0, "g_max": 1.0}, "spsa.g_min"),
-    ({"codec": "linear", "scale": 0.0}, "spsa.scale"),
-    ({"eps": 0.0}, "spsa.eps"),
-    ({"samples": 0}, "spsa.samples"),
-    ({"verify_every": 0}, "spsa.verify_every"),
-    ({"include": ["("]}, "spsa.include[0]"),
-])
+@pytest.mark.parametrize(
+    "spsa, field",
+    [
+        ({"leave": [{"node": 2, "step": 3}]}, "spsa.leave[0].node"),  # no node 2 at step 3
+        ({"leave": [{"node": 0, "step": 3}, {"node": 1, "step": 3}]}, "spsa.leave[1]"),  # nobody left
+        ({"leave": [{"node": 1, "step": 3}, {"node": 1, "step": 6}]}, "spsa.leave[1].node"),  # left twice
+        ({"join": [{"step": 0}]}, "spsa.join[0].step"),
+        ({"leave": [{"node": 1, "step": 2, "how": "crash"}]}, "spsa.leave[0].how"),
+        ({"codec": "log", "g_min": 10.0, "g_max": 1.0}, "spsa.g_min"),
+        ({"codec": "linear", "scale": 0.0}, "spsa.scale"),
+        ({"eps": 0.0}, "spsa.eps"),
+        ({"samples": 0}, "spsa.samples"),
+        ({"verify_every": 0}, "spsa.verify_every"),
+        ({"include": ["("]}, "spsa.include[0]"),
+    ],
+)
 def test_bad_config_names_the_field(spsa, field):
     with pytest.raises(ConfigError) as err:
         tiny_config(**spsa)
@@ -69,14 +80,23 @@ def test_events_past_the_last_step_fail_before_any_actor(tmp_path):
 
 # --- the prompt task -----------------------------------------------------------------------------
 
+
 def test_prompt_classification_reads_the_last_real_token_whatever_the_padding():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from raylowcomm.tasks import PromptClassification
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    ).eval()
     rows = [[5, 6, 7, 8, 9], [11, 12, 13]]
     ids = torch.zeros(2, 8, dtype=torch.long)
     mask = torch.zeros(2, 8, dtype=torch.long)
@@ -95,6 +115,7 @@ def test_prompt_classification_reads_the_last_real_token_whatever_the_padding():
 
 
 # --- Ray -----------------------------------------------------------------------------------------
+
 
 def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session, tmp_path):
     steps, samples = 20, 2
@@ -116,14 +137,19 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     assert 0 < det["control_wire_bytes_per_step"] < 256, "step numbers and publisher lists, measured too"
     assert by_kind["train/train_loss"] == 2 * 4 * steps and by_kind["setup/initial_weights"] > 0
     train_kinds = {k for k in by_kind if k.startswith("train/")}
-    assert train_kinds == {"train/projected_grads", "train/projected_grads_relay", "train/train_loss", "train/control",
-                           "train/verify_hash"}, "no weights may move while training"
+    assert train_kinds == {
+        "train/projected_grads",
+        "train/projected_grads_relay",
+        "train/train_loss",
+        "train/control",
+        "train/verify_hash",
+    }, "no weights may move while training"
     assert "id_accuracy" in det["step0_metrics"] and "id_accuracy" in rec["metrics"]
     assert rec["samples_seen"] == 2 * steps * 16 and rec["peak_rss_bytes"] > 0
     # the saved weights are the replicas' weights
     model = ctx.model
     model.load_state_dict(load_file(rec["weights"]))
-    assert zo.parameter_hash(list(model.named_parameters())) == hashes[0]
+    assert parameter_hash(list(model.named_parameters())) == hashes[0]
 
 
 @pytest.mark.slow
@@ -131,11 +157,16 @@ def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
     """Node 1 crashes at 5, node 2 joins at 9 (checkpoint of step 8 + log), node 0 is removed at
     14, node 3 joins at 17 (checkpoint of 16 + log): each joiner's hash equals the running
     node's on arrival, and the survivors end bit-identical."""
-    cfg = tiny_config(steps=22, verify_every=3, codec="float32", perturbation="gaussian",
-                      leave=[{"node": 1, "step": 5, "how": "kill"}, {"node": 0, "step": 14}],
-                      join=[{"step": 9}, {"step": 17}])
+    cfg = tiny_config(
+        steps=22,
+        verify_every=3,
+        codec="float32",
+        perturbation="gaussian",
+        leave=[{"node": 1, "step": 5, "how": "kill"}, {"node": 0, "step": 14}],
+        join=[{"step": 9}, {"step": 17}],
+    )
     ctx = prepare(cfg, tmp_path)
-    initial = zo.parameter_hash(list(ctx.model.named_parameters()))
+    initial = parameter_hash(list(ctx.model.named_parameters()))
     rec = Spsa().run(ctx).to_dict()
     nodes = {n["node"]: n for n in rec["nodes"]}
     assert (nodes[1]["left_step"], nodes[1]["left_how"]) == (5, "died")
@@ -155,7 +186,7 @@ def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
     assert rec["samples_seen"] == sum(running) * 16 and rec["details"]["shard_slots"] == 4
     model = ctx.model
     model.load_state_dict(load_file(rec["weights"]))
-    assert zo.parameter_hash(list(model.named_parameters())) == hashes[2]
+    assert parameter_hash(list(model.named_parameters())) == hashes[2]
 
 
 def test_progress_every_step_and_a_learning_curve_every_eval_every_steps(ray_session, tmp_path):
@@ -186,7 +217,10 @@ def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp
     bad = {k: v.clone() for k, v in state.items()}
     name = next(k for k, v in bad.items() if v.is_floating_point())
     bad[name].view(-1)[0] = torch.nextafter(bad[name].view(-1)[0], torch.tensor(1e9))  # one ulp
-    nodes = {k: SpsaNode.remote(k, ctx.spec, ctx.data.task, ctx.data.train, 3, ctx.cfg, ctx.storage, weights=w) for k, w in ((0, state), (1, state), (2, bad))}
+    nodes = {
+        k: SpsaNode.remote(k, ctx.spec, ctx.data.task, ctx.data.train, 3, ctx.cfg, ctx.storage, weights=w)
+        for k, w in ((0, state), (1, state), (2, bad))
+    }
     with pytest.raises(ReplicaMismatch, match=r"after step 7: nodes \[0, 1\] hash \w+; nodes \[2\]"):
         check_replicas(nodes, 7, Ledger())
     del nodes[2]
@@ -200,12 +234,18 @@ def test_spsa_on_lora_adapters_keeps_replicas_identical_and_a_joiner_matches(ray
     of step 8 plus the log matches them; the frozen base never changes."""
     from raylowcomm.lora import trainable_nbytes
 
-    cfg = from_dict({
-        "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
-        "data": {"name": "rotten_tomatoes", "train_size": 96, "test_size": 16, "max_length": 24, "shift": "none"},
-        "optim": {"batch_size": 8, "lr": 1e-3}, "nodes": {"count": 2, "cpus": 1}, "strategies": ["spsa"],
-        "checkpoint_every": 4, "log_every": 1000, "spsa": {"steps": 20, "verify_every": 1, "join": [{"step": 10}]},
-    })
+    cfg = from_dict(
+        {
+            "model": {"name": "all-MiniLM-L6-v2", "family": "hf_classifier", "lora": {"r": 4, "alpha": 8}},
+            "data": {"name": "rotten_tomatoes", "train_size": 96, "test_size": 16, "max_length": 24, "shift": "none"},
+            "optim": {"batch_size": 8, "lr": 1e-3},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": ["spsa"],
+            "checkpoint_every": 4,
+            "log_every": 1000,
+            "spsa": {"steps": 20, "verify_every": 1, "join": [{"step": 10}]},
+        }
+    )
     ctx = prepare(cfg, tmp_path)
     initial = state_dict_of(ctx.model)
     rec = Spsa().run(ctx).to_dict()
@@ -216,7 +256,7 @@ def test_spsa_on_lora_adapters_keeps_replicas_identical_and_a_joiner_matches(ray
     assert joiner["joined_from_checkpoint_step"] == 8 and joiner["final_hash"] == rec["nodes"][0]["final_hash"]
     assert rec["comm"]["by_kind"]["train/join_checkpoint"] < 1.1 * trainable_nbytes(ctx.model)
     trainable = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
-    assert {name for name, _ in zo.trainable_parameters(ctx.model)} == trainable, "SPSA perturbs adapters and head only"
+    assert {name for name, _ in trainable_parameters(ctx.model)} == trainable, "SPSA perturbs adapters and head only"
     final = load_file(rec["weights"])  # the adapters and head: the base is the pretrained model's
     assert final.keys() == trainable and any(not torch.equal(final[k], initial[k]) for k in trainable)
     assert (tmp_path / "spsa" / "adapter" / "adapter_model.safetensors").exists()

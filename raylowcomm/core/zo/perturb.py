@@ -1,34 +1,17 @@
-"""Zeroth-order fine-tuning with shared randomness: SPSA (MeZO) whose updates are replayed
-from (seed, one byte) on every node (Just One Byte).
-
-A node never sends weights or gradients: it sends one projected gradient g per perturbation,
-quantised to a byte. The perturbation z is regenerated from a seed that every node derives
-from (run seed, step, node, sample), so every node applies the same update θ ← θ − lr·g·z and
-the replicas stay bit-identical. Plain torch: nothing here knows about Ray.
-
-Bit-identity rests on three rules kept throughout this module:
-  * z comes from a CPU `torch.Generator` seeded once per seed, parameters in a fixed order,
-    drawn in fixed-size chunks (`CHUNK`), so the stream does not depend on the device;
-  * θ is parked while θ ± εz is measured and comes back by a storage swap, never arithmetically;
-  * every node, including the one that measured g, applies the DECODED g, in (node, sample)
-    order, with the same sequence of tensor ops.
-"""
+"""Seeded perturbations z and the SPSA measurement and update: z drawn from a CPU generator in
+fixed chunks, θ parked by a storage swap, updates applied in one fixed order, so every node gets
+the same bits (the rules in `raylowcomm.core.zo`)."""
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
-import hashlib
 import itertools
-import math
 import re
-import struct
 import sys
 import time
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -42,24 +25,6 @@ KINDS = ("rademacher", "gaussian")
 # Elements drawn per generator call. Part of the random stream's definition (Gaussian draws
 # depend on it), so it must be the same on every node; it also caps the temporary memory.
 CHUNK = 1 << 18
-
-_MASK63 = (1 << 63) - 1
-
-
-class SeedSchedule:
-    """Seeds that every node computes identically, without talking.
-
-    blake2b of the little-endian packed (run seed, step, node, sample): unlike Python's
-    `hash()`, it is the same in every process and on every machine.
-    """
-
-    def __init__(self, run_seed: int) -> None:
-        self.run_seed = int(run_seed)
-
-    def seed(self, step: int, node: int, sample: int = 0) -> int:
-        packed = struct.pack("<4q", self.run_seed, step, node, sample)
-        digest = hashlib.blake2b(packed, digest_size=8, person=b"raylowcomm-zo").digest()
-        return int.from_bytes(digest, "little") & _MASK63
 
 
 def trainable_parameters(
@@ -98,7 +63,7 @@ def decay_mask(params: NamedParams) -> list[bool]:
 # Perturbations
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sign_words() -> torch.Tensor:
     """Entry b holds the 8 signs of byte b as int8 (+1 where bit i is set, −1 elsewhere) packed
     in one int64: unpacking gathers one 8-byte word per byte, 40% faster than 8-float rows."""
@@ -215,7 +180,7 @@ def apply_step_(
 
 
 @contextlib.contextmanager
-def _timed(times: dict[str, float] | None, key: str) -> Iterator[None]:
+def timed(times: dict[str, float] | None, key: str) -> Iterator[None]:
     """Adds the block's wall time to times[key], where `times` is given."""
     t0 = time.perf_counter()
     try:
@@ -287,13 +252,13 @@ def spsa_losses(
         with _parked(tensors, spare) as theta, torch.inference_mode():
             pairs = []
             for seed in seeds:
-                with _timed(times, "perturb_s"):
+                with timed(times, "perturb_s"):
                     _perturbed_(tensors, theta, seed, eps, kind)
-                with _timed(times, "forward_plus_s"):
+                with timed(times, "forward_plus_s"):
                     plus = float(loss_fn(model, batch))
-                with _timed(times, "perturb_s"):
+                with timed(times, "perturb_s"):
                     _mirrored_(tensors, theta)
-                with _timed(times, "forward_minus_s"):
+                with timed(times, "forward_minus_s"):
                     pairs.append((plus, float(loss_fn(model, batch))))
             return pairs
     finally:
@@ -325,302 +290,3 @@ def spsa_projected_grad(
 ) -> float:
     """One-sample SPSA estimate of ∇L·z(seed); see `spsa_projected_grads`."""
     return spsa_projected_grads(model, params, loss_fn, batch, [seed], eps, kind)[0]
-
-
-def step_seeds(schedule: SeedSchedule, step: int, node: int, num_samples: int) -> list[int]:
-    """The seeds of a node's samples 0..num_samples−1 at a step."""
-    return [schedule.seed(step, node, s) for s in range(num_samples)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Codecs: what crosses the network per sample
-
-
-class Codec:
-    """g ↔ an unsigned code of `nbytes` bytes. Decoding is the same on every node; the
-    sender must apply decode(encode(g)), like everyone else."""
-
-    nbytes: int
-    _fmt: str
-
-    def encode(self, g: float) -> int:
-        raise NotImplementedError
-
-    def decode(self, code: int) -> float:
-        raise NotImplementedError
-
-    def _check(self, g: float) -> float:
-        g = float(g)
-        if not math.isfinite(g):
-            raise ValueError(f"projected gradient is not finite: {g}")
-        return g
-
-    def pack(self, codes: Sequence[int]) -> bytes:
-        return struct.pack(f"<{len(codes)}{self._fmt}", *codes)
-
-    def unpack(self, data: bytes) -> list[int]:
-        return list(struct.unpack(f"<{len(data) // self.nbytes}{self._fmt}", data))
-
-    def to_bytes(self, gs: Sequence[float]) -> bytes:
-        return self.pack([self.encode(g) for g in gs])
-
-    def from_bytes(self, data: bytes) -> list[float]:
-        return [self.decode(c) for c in self.unpack(data)]
-
-
-def _nth_root(x: float, n: int) -> float:
-    """x^(1/n) for x > 1 by bisection with only correctly rounded ops (×, +, /2), so the result is
-    bitwise the same on every machine, which libm's exp/log/pow do not promise."""
-
-    def power(b: float) -> float:
-        result, e = 1.0, n
-        while e:
-            if e & 1:
-                result *= b
-            b *= b
-            e >>= 1
-        return result
-
-    lo, hi = 1.0, x
-    while True:
-        mid = (lo + hi) / 2
-        if mid in (lo, hi):
-            return lo
-        if power(mid) < x:
-            lo = mid
-        else:
-            hi = mid
-
-
-class LogCodec(Codec):
-    """Sign bit + 7-bit log-magnitude index: code = sign·128 + k.
-
-    k = 0 is zero; k = 1..127 decode to m_k = g_min·r^(k−1), r = (g_max/g_min)^(1/126), so
-    m_127 ≈ g_max. Encoding picks the nearest level in log scale (|g| < g_min/2 → 0), clipping
-    |g| > g_max to g_max. For g_min ≤ |g| ≤ g_max the relative error is ≤ √r − 1
-    (`max_rel_error`, 5.6% for the default 1e-3..1e3); below g_min the absolute error is
-    ≤ g_min/2. Levels are built by repeated multiplication from an exactly computed r, so
-    every node decodes a byte to the same float.
-    """
-
-    nbytes = 1
-    _fmt = "B"
-
-    def __init__(self, g_min: float = 1e-3, g_max: float = 1e3) -> None:
-        if not 0 < g_min < g_max:
-            raise ValueError(f"need 0 < g_min < g_max, got {g_min}, {g_max}")
-        r = _nth_root(g_max / g_min, 126)
-        self.levels = [float(g_min)]
-        for _ in range(126):
-            self.levels.append(self.levels[-1] * r)
-        self._bounds = [g_min / 2] + [math.sqrt(a * b) for a, b in zip(self.levels, self.levels[1:])]
-        self.max_rel_error = math.sqrt(r) - 1
-
-    def encode(self, g: float) -> int:
-        g = self._check(g)
-        k = bisect.bisect_right(self._bounds, abs(g))
-        return k | (128 if g < 0 and k else 0)
-
-    def decode(self, code: int) -> float:
-        k = code & 127
-        value = self.levels[k - 1] if k else 0.0
-        return -value if code & 128 else value
-
-
-class LinearCodec(Codec):
-    """Clipped uniform grid: code = 128 + clamp(round(g/scale), −127, 127), value = (code−128)·scale.
-
-    Absolute error ≤ scale/2 (`max_abs_error`) for |g| ≤ 127.5·scale; beyond, g clips to
-    ±127·scale. Code 0 is never produced.
-    """
-
-    nbytes = 1
-    _fmt = "B"
-
-    def __init__(self, scale: float = 1 / 16) -> None:
-        if not scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale}")
-        self.scale = float(scale)
-        self.max_abs_error = self.scale / 2
-
-    def encode(self, g: float) -> int:
-        g = self._check(g)
-        return 128 + max(-127, min(127, round(g / self.scale)))
-
-    def decode(self, code: int) -> float:
-        return (code - 128) * self.scale
-
-
-class Float32Codec(Codec):
-    """The IEEE float32 bit pattern (4 bytes): the uncompressed reference."""
-
-    nbytes = 4
-    _fmt = "I"
-
-    def encode(self, g: float) -> int:
-        g = self._check(g)
-        try:
-            return struct.unpack("<I", struct.pack("<f", g))[0]
-        except OverflowError:
-            raise ValueError(f"projected gradient {g} overflows float32") from None
-
-    def decode(self, code: int) -> float:
-        return struct.unpack("<f", struct.pack("<I", code))[0]
-
-
-_CODECS = {"log": LogCodec, "linear": LinearCodec, "float32": Float32Codec}
-
-
-def codec_for(name: str, **params: float) -> Codec:
-    """"log" (g_min, g_max), "linear" (scale) or "float32"."""
-    if name not in _CODECS:
-        raise ValueError(f"unknown codec {name!r}; expected one of {sorted(_CODECS)}")
-    return _CODECS[name](**params)
-
-
-# ---------------------------------------------------------------------------------------------
-# Replay
-
-
-class ReplayLog:
-    """Every (step, node, sample, code) of a run: with a checkpoint, enough to rebuild θ.
-
-    A node joining at step k loads a checkpoint taken after step k−1 and replays steps ≥ k;
-    its weights then hash equal to the others'. The codes mean nothing without the run's
-    codec, seed schedule, lr, weight decay and perturbation kind, which travel in the config.
-    """
-
-    _DTYPE = np.dtype([("step", "<i8"), ("node", "<i4"), ("sample", "<i4"), ("code", "<u4")])
-
-    def __init__(self) -> None:
-        self._steps: dict[int, dict[tuple[int, int], int]] = {}
-
-    def append(self, step: int, node: int, sample: int, code: int) -> None:
-        entries = self._steps.setdefault(int(step), {})
-        key = (int(node), int(sample))
-        if key in entries:  # a repeated message would apply an update twice
-            raise ValueError(f"step {step} already has node {node} sample {sample}")
-        entries[key] = int(code)
-
-    def __len__(self) -> int:
-        return sum(len(e) for e in self._steps.values())
-
-    @property
-    def steps(self) -> list[int]:
-        return sorted(self._steps)
-
-    def step_updates(self, step: int, schedule: SeedSchedule, codec: Codec) -> list[tuple[int, float]]:
-        """(seed, decoded g) of a step in (node, sample) order: what `apply_step_` takes."""
-        entries = self._steps[step]
-        return [(schedule.seed(step, n, s), codec.decode(entries[n, s])) for n, s in sorted(entries)]
-
-    def replay_(
-        self,
-        params: NamedParams,
-        from_step: int,
-        to_step: int,
-        *,
-        schedule: SeedSchedule,
-        codec: Codec,
-        lr: float | Callable[[int], float],
-        weight_decay: float = 0.0,
-        decay: Sequence[bool] | None = None,
-        kind: str = "rademacher",
-    ) -> int:
-        """Apply the logged steps from_step ≤ step < to_step in order; returns how many.
-        `lr` may be a function of the step (a schedule)."""
-        done = 0
-        for step in self.steps:
-            if from_step <= step < to_step:
-                step_lr = lr(step) if callable(lr) else lr
-                updates = self.step_updates(step, schedule, codec)
-                apply_step_(params, updates, step_lr, weight_decay, decay, kind)
-                done += 1
-        return done
-
-    def rows(self, from_step: int = 0) -> Iterator[tuple[int, int, int, int]]:
-        """(step, node, sample, code) of the steps ≥ from_step, in replay order."""
-        for st in self.steps:
-            if st >= from_step:
-                for (n, s), c in sorted(self._steps[st].items()):
-                    yield st, n, s, c
-
-    def extend(self, rows: Iterable[tuple[int, int, int, int]]) -> None:
-        for row in rows:
-            self.append(*row)
-
-    def to_bytes(self, from_step: int = 0) -> bytes:
-        """The steps ≥ from_step: what a node joining from a checkpoint at from_step needs."""
-        return np.array(list(self.rows(from_step)), dtype=self._DTYPE).tobytes()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> ReplayLog:
-        log = cls()
-        log.extend(np.frombuffer(data, dtype=cls._DTYPE).tolist())
-        return log
-
-
-def parameter_hash(params: NamedParams) -> str:
-    """sha256 of names, dtypes, shapes and exact bytes, in order: equal iff replicas agree bitwise."""
-    h = hashlib.sha256()
-    for name, p in params:
-        t = p.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(p.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-class Replica:
-    """One node's side of SPSA with shared randomness, without Ray: at its step it measures its
-    projected gradients and publishes them as codes; it then applies the step's codes of every
-    publisher, its own included, by replaying them in (node, sample) order. Replicas that start
-    equal and apply the same codes stay bit-identical.
-
-    It keeps, between steps, the storage θ is parked in while θ ± εz is measured (one copy of the
-    trainable parameters: allocating it per step costs page faults), and in `times` the seconds
-    spent per part of its steps: perturb_s, forward_plus_s, forward_minus_s, replay_s."""
-
-    def __init__(self, model: nn.Module, node: int, run_seed: int, codec: Codec, *, eps: float, samples: int, lr: float,
-                 weight_decay: float = 0.0, kind: str = "rademacher", include: Sequence[str] | None = None, step: int = 0):
-        self.model, self.node, self.codec, self.eps, self.samples = model, node, codec, eps, samples
-        self.lr, self.weight_decay, self.kind = lr, weight_decay, kind
-        self.params = trainable_parameters(model, include)
-        self.decay = decay_mask(self.params)
-        self.schedule, self.log, self.step = SeedSchedule(run_seed), ReplayLog(), step
-        self.published: tuple[int, bytes] | None = None
-        self.spare = [torch.empty_like(p) for _, p in self.params]
-        self.times = dict.fromkeys(("perturb_s", "forward_plus_s", "forward_minus_s", "replay_s"), 0.0)
-
-    def catch_up(self, checkpoint_step: int, log: bytes) -> int:
-        """A joiner: weights loaded from the checkpoint of `checkpoint_step`; replay the log up to
-        its own step. Returns the steps replayed."""
-        self.log = ReplayLog.from_bytes(log)
-        return self.log.replay_(self.params, checkpoint_step, self.step, schedule=self.schedule, codec=self.codec, lr=self.lr,
-                                weight_decay=self.weight_decay, decay=self.decay, kind=self.kind)
-
-    def compute(self, loss_fn: Callable, batch: object) -> tuple[bytes, list[tuple[float, float]]]:
-        """(this step's codes, the (L+, L−) pairs measured); the codes are kept to apply."""
-        seeds = step_seeds(self.schedule, self.step, self.node, self.samples)
-        pairs = spsa_losses(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind, spare=self.spare,
-                            times=self.times)
-        if not all(math.isfinite(lp) and math.isfinite(lm) for lp, lm in pairs):
-            raise FloatingPointError(f"node {self.node}, step {self.step}: the loss is not finite ({pairs[0]}): the weights "
-                                     f"diverged; lower the learning rate (spsa.lr) or eps (spsa.eps)")
-        payload = self.codec.to_bytes([(lp - lm) / (2 * self.eps) for lp, lm in pairs])
-        self.published = (self.step, payload)
-        return payload, pairs
-
-    def apply(self, publishers: Sequence[int], others: bytes) -> None:
-        """Apply the step: our codes kept by `compute`, the other publishers' concatenated in
-        publisher order (every node's codes have the same length)."""
-        step = self.step
-        if self.published is None or self.published[0] != step or self.node not in publishers:
-            raise RuntimeError(f"node {self.node} did not publish step {step}, asked to apply it")
-        own, size = self.published[1], len(self.published[1])
-        parts = iter(others[i : i + size] for i in range(0, len(others), size))
-        self.log.extend((step, node, sample, code) for node in publishers
-                        for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts))))
-        with _timed(self.times, "replay_s"):
-            apply_step_(self.params, self.log.step_updates(step, self.schedule, self.codec), self.lr, self.weight_decay,
-                        self.decay, self.kind)
-        self.step = step + 1

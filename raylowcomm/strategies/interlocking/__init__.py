@@ -1,5 +1,5 @@
 """Interlocking backpropagation on Ray (Gomez et al. 2020): the model split depth-wise into K
-stages, one `StageActor` each (routing and stage work in core/interlock.py), micro-batches in
+stages, one `StageActor` each (stage.py; routing and stage work in core/interlock/), micro-batches in
 flight so that all stages compute at once. A stage's ``forward`` puts (h, targets) in the object
 store and returns the ref, which the driver hands unread to stage k + 1; gradients travel back
 the same way, so the driver only handles refs and small dicts (``details.driver_fetched``). The
@@ -10,25 +10,46 @@ clock. Bytes: every tensor one stage sends another."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal
 
 import ray
 import torch
-from torch import Tensor
 
 from raylowcomm import catalog
-from raylowcomm.config import ConfigError, OptimConfig, RunConfig
-from raylowcomm.core.interlock import (LOSS_OF_FAMILY, LOSSES, InterlockStage, Source, StageWorker, aux_heads, map_tensors,
-                                       measure_balance, message_plan, split_model, units_per_stage, untie_lm_head)
-from raylowcomm.data import Split, TrainSource, num_examples
-from raylowcomm.actors import DriverFetches, NodeGroup, process_info, start_process
-from raylowcomm.ledger import Ledger
+from raylowcomm.actors import DriverFetches, NodeGroup
+from raylowcomm.common.batches import Source, Split, batch_at, num_examples
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.common.timing import TrainClock
+from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.core.interlock.heads import LOSS_OF_FAMILY, aux_heads
+from raylowcomm.core.interlock.routing import message_plan
+from raylowcomm.core.interlock.splitting import (
+    is_hf_decoder,
+    is_timm_cnn,
+    measure_balance,
+    model_units,
+    split_model,
+    units_per_stage,
+    untie_lm_head,
+)
+from raylowcomm.data import TrainSource
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
-from raylowcomm.strategies.base import RunContext, RunRecord, curve_point, eval_points, finish_record, node_bundle, warn_unused
+from raylowcomm.strategies.base import (
+    RunContext,
+    RunRecord,
+    Strategy,
+    curve_point,
+    eval_points,
+    finish_record,
+    node_bundle,
+    warn_unused,
+)
+from raylowcomm.strategies.interlocking.stage import StageActor
 from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, make_task, metric_names
-from raylowcomm.training import TrainClock, batch_at, make_optimizer, total_steps
+from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -40,80 +61,23 @@ class InterlockingConfig:
     n: int = 1
     """Communication width, 1..stages: a head's loss trains at most n stages."""
     rule: Literal["farthest", "sum"] = "farthest"
+    """farthest: stage k learns from the loss of the farthest head within n stages (n = stages:
+    end-to-end backprop); sum: from the sum of those heads' losses."""
     micro_batches: int = 4
     """Micro-batches per optimizer step, in flight together; optim.batch_size is split evenly."""
     balance: Literal["blocks", "params", "measured"] = "measured"
-    """How units (stem + blocks / decoder layers) group into stages; measured: by timed forward + backward, aux heads included."""
-    split: list[int] | None = None  # units per stage, fixed (e.g. to compare n on one split); overrides balance
+    """How units (stem + blocks / decoder layers) group into stages; measured: by timed forward +
+    backward, aux heads included."""
+    split: list[int] | None = None
+    """Units per stage, fixed (e.g. to compare n on one split); overrides balance."""
     aux_widths: list[int] = field(default_factory=lambda: [128, 64])
     """ResNet aux heads: (3x3 conv, BN, ReLU) widths before pool + linear."""
-    aux_init_from_lm_head: bool = True  # decoder aux heads: a copy of the final norm + lm_head (else random)
+    aux_init_from_lm_head: bool = True
+    """Decoder aux heads: a copy of the final norm + lm_head (false: random)."""
     time_budget_s: float | None = None
     """Stop submitting batches after this many seconds of training (in-flight ones finish)."""
     max_batches_ahead: int = 2
     """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier)."""
-
-
-@ray.remote
-class StageActor:
-    """One stage on Ray: a `StageWorker` (its module, aux head and own optimizer) whose tensors go
-    in and out through the object store; stage 0 builds the micro-batches from its `Source`."""
-
-    def __init__(self, cpus: float, gpus: float):
-        self.device, self.worker = start_process(cpus, gpus), None
-
-    def load(self, index: int, num_stages: int, n: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
-             micro_batches: int, source: Source | None = None, recipe: TrainSource | None = None) -> None:
-        """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is
-        reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host."""
-        if recipe is not None:
-            source.train = recipe.load(0, 1)
-        module, head = (m.to(self.device) if m is not None else None for m in payload)
-        stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
-                               lambda params: make_optimizer(optim, params), micro_batches)
-        task = CausalLM(self.device) if loss == "causal_lm" else ImageClassification(source.image_size if source else 0, self.device,
-                                                                                                *((source.mean, source.std) if source else ()))
-        self.worker, self.index, self.source = StageWorker(stage, micro_batches, index == num_stages - 1, task), index, source
-
-    def _received(self, ref):
-        return map_tensors(ray.get(ref), lambda t: t.to(self.device))
-
-    @staticmethod
-    def _put(value, ok: bool = True):
-        return ray.put(map_tensors(value, Tensor.cpu)) if ok else None
-
-    @ray.method(num_returns=2)
-    def forward(self, step: int, mb: int, x_ref=None):
-        """Forward micro-batch ``mb`` of batch ``step``; returns (ref of (h, targets) for stage
-        k + 1, ref of the early upstream message {k: dL_k/dx_k} or None)."""
-        x, y = self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches)) if self.index == 0 \
-            else self._received(x_ref)
-        h, early = self.worker.forward(step, mb, x, y)
-        return self._put((h, y), not self.worker.last), self._put(early, bool(early))
-
-    def backward(self, step: int, mb: int, msg_ref):
-        """Use one downstream message; returns the ref of the message for stage k − 1, or None."""
-        up = self.worker.backward(step, mb, self._received(msg_ref)) if msg_ref is not None else None
-        return self._put(up, bool(up))
-
-    def report(self) -> dict:
-        return {"stage": self.index, **self.worker.report()}
-
-    @ray.method(num_returns=2)
-    def evaluate(self, name: str, chunk: int, x_ref=None):
-        """Eval-mode forward of eval chunk ``chunk``; returns (ref of (h, targets) for stage
-        k + 1 or None, this head's summed metrics)."""
-        x, y = self.worker.inputs(self.source.eval_chunk(name, chunk)) if self.index == 0 else self._received(x_ref)
-        h, metrics = self.worker.evaluate(x, y)
-        return self._put((h, y), not self.worker.last), metrics
-
-    def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
-        """(stage module weights, aux head weights or None)."""
-        head = self.worker.stage.head
-        return state_dict_of(self.worker.stage.module), (state_dict_of(head) if head is not None else None)
-
-    def info(self) -> dict:
-        return {"stage": self.index, **process_info(), **self.worker.timing()}
 
 
 def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
@@ -183,7 +147,7 @@ def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
     return metric_names({name: heads[-1] for name, heads in per_set.items() if name != "val"})
 
 
-class Interlocking:
+class Interlocking(Strategy):
     name: ClassVar[str] = "interlocking"
     Config: ClassVar[type] = InterlockingConfig
     count_field: ClassVar[str] = "interlocking.stages"  # the option that sets how many actors it starts
@@ -201,42 +165,78 @@ class Interlocking:
         if not 1 <= o.n <= o.stages:
             raise ConfigError("interlocking.n", o.n, f"must be in 1..interlocking.stages ({o.stages})")
         if cfg.optim.batch_size % o.micro_batches:
-            raise ConfigError("interlocking.micro_batches", o.micro_batches, f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly")
+            raise ConfigError("interlocking.micro_batches", o.micro_batches,
+                              f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly")
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
-        warn_unused(cfg, "interlocking", restarts="a dead stage stops the run", checkpoints="stages keep no checkpoints")
+        warn_unused(cfg, "interlocking", restarts="a dead stage stops the run",
+                    checkpoints="stages keep no checkpoints")
         for name, per_stage in (("aux_widths", False), ("split", True)):
             value = getattr(o, name)
             if value is not None and (not value or min(value) < 1 or (per_stage and len(value) != o.stages)):
-                raise ConfigError(f"interlocking.{name}", value,
-                                  "must be a non-empty list of positive numbers" + (", one per stage" if per_stage else ""))
+                raise ConfigError(f"interlocking.{name}", value, "must be a non-empty list of positive numbers"
+                                  + (", one per stage" if per_stage else ""))
         if cfg.model.family == "hf_classifier":
-            raise ConfigError("model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
+            raise ConfigError("model.family", cfg.model.family,
+                              "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
         if cfg.data.node_files is not None or cfg.data.eval_on_nodes:
             field = "data.node_files" if cfg.data.node_files is not None else "data.eval_on_nodes"
-            raise ConfigError(field, getattr(cfg.data, field[5:]), "interlocking trains one model on one stream of batches "
-                                                                   "and scores it on the driver's sets: not offered")
-        if cfg.model.family == "hf_causal_lm" and catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns) not in ("text", None):
-            raise ConfigError("data.name", cfg.data.name, f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}")
+            raise ConfigError(field, getattr(cfg.data, field[5:]), "interlocking trains one model on one stream of "
+                              "batches and scores it on the driver's sets: not offered")
+        kind = catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns)
+        if cfg.model.family == "hf_causal_lm" and kind not in ("text", None):
+            raise ConfigError("data.name", cfg.data.name,
+                              f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}")
         arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
         if cfg.model.family == "timm" and not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
-            raise ConfigError("model.name", cfg.model.name, "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18)")
+            raise ConfigError("model.name", cfg.model.name,
+                              "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18)")
+        if cfg.model.family == "hf_causal_lm" and cfg.model.lora is not None:
+            raise ConfigError("model.lora", dataclasses.asdict(cfg.model.lora), "interlocking splits a causal LM's own "
+                              "decoder layers, not adapters wrapped around them: train it without LoRA "
+                              "(model.lora: null)")
+
+    @staticmethod
+    def check(ctx: RunContext) -> None:
+        """The options against the loaded model and data: how many units (stem + blocks, or decoder
+        layers) the model has and how many test rows time a measured split are known only now."""
+        cfg, opts, family = ctx.cfg, ctx.cfg.options["interlocking"], ctx.spec.family
+        if family == "timm" and not is_timm_cnn(ctx.model):
+            raise ConfigError("model.name", cfg.model.name, "has neither ResNet layers (layer1..4) nor conv_stem + "
+                              "blocks: interlocking splits timm ResNets and EfficientNet/MobileNet models "
+                              "(e.g. resnet18)")
+        if family == "hf_causal_lm" and not is_hf_decoder(ctx.model):
+            field = "model.path" if cfg.model.path else "model.name"
+            raise ConfigError(field, getattr(cfg.model, field[6:]), "is not a Llama-style decoder (model.embed_tokens, "
+                              "layers, norm, rotary_emb and lm_head): interlocking splits those")
+        units, what = model_units(ctx.model, family), "stem + blocks" if family == "timm" else "decoder layers"
+        if opts.split is not None and sum(opts.split) != units:
+            raise ConfigError("interlocking.split", opts.split,
+                              f"must add up to the model's {units} units ({what}), one entry per stage")
+        if opts.stages > units:
+            raise ConfigError("interlocking.stages", opts.stages, f"the model has only {units} units ({what}) to split")
+        micro, test = cfg.optim.batch_size // opts.micro_batches, num_examples(ctx.data.eval_sets["test"])
+        if opts.balance == "measured" and opts.split is None and test < micro:
+            raise ConfigError("interlocking.balance", opts.balance, f"times a micro-batch ({micro} rows) of the test "
+                              f"set, which has {test}: raise data.test_size, or use blocks or params")
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, family, clock = ctx.cfg, ctx.cfg.options["interlocking"], ctx.spec.family, TrainClock()
         torch.manual_seed(cfg.seed)
-        K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: the final weights land in it
+        K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         task = ctx.data.task  # one stream of batches from one source: stage 0 reads the training rows
         source = Source("image" if family == "timm" else "tokens", None, ctx.eval_sets(), cfg.optim.batch_size,
                         cfg.seed, task.image_size, cfg.eval_rows, task.mean, task.std)
-        # The split is timed on a micro-batch of the test set: the driver holds no training row.
-        x = make_task(task).inputs(batch_at(ctx.data.eval_sets["test"], 0, cfg.optim.batch_size // opts.micro_batches, cfg.seed))
-        measure = opts.balance == "measured" and opts.split is None
-        balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus) if measure else opts.balance
+        balance = opts.balance  # measured: timed on a micro-batch of the test set (the driver holds no training row)
+        if opts.balance == "measured" and opts.split is None:
+            size = cfg.optim.batch_size // opts.micro_batches
+            x = make_task(task).inputs(batch_at(ctx.data.eval_sets["test"], 0, size, cfg.seed))
+            balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus)
         modules = split_model(model, family, K, balance, opts.split)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
-        with NodeGroup(StageActor, cfg, Ledger()) as group, group.stop_on_death("interlocking stage", "each stage holds layers no other has"):
+        with (NodeGroup(StageActor, cfg, Ledger()) as group,
+              group.stop_on_death("interlocking stage", "each stage holds layers no other has")):
             self._load(group, modules, heads, source, ctx.data.train, cfg, family)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)
             per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.eval_rows,
@@ -252,7 +252,8 @@ class Interlocking:
             "micro_batch_size": cfg.optim.batch_size // opts.micro_batches, "balance": opts.balance,
             "units_per_stage": units_per_stage(modules, family), "batches": batches,
             "step_time_s": train_s / batches if batches else None,
-            "steady_step_time_s": max((i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None), default=None),
+            "steady_step_time_s": max((i["median_step_interval_s"] for i in infos
+                                       if i["median_step_interval_s"] is not None), default=None),
             "busy_fraction": [b / train_s for b in busy] if train_s > 0 else None,
             "heads": {name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
                       for name, heads_m in per_set.items()},
@@ -261,8 +262,9 @@ class Interlocking:
             "lm_head_untied": untied, **({"measured_costs_s": asdict(balance)} if balance != opts.balance else {}),
         }
         return finish_record(self.name, ctx, group.ledger, clock, metrics=final_head_metrics(per_set), step=batches,
-                             samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos, weights=state_dict_of(model),
-                             curve=curve, nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)], details=details)
+                             samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos,
+                             weights=state_dict_of(model), curve=curve,
+                             nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)], details=details)
 
     def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, recipe: TrainSource, cfg: RunConfig,
               family: str) -> None:
@@ -294,18 +296,22 @@ class Interlocking:
                 busy[k] += r["busy_s"]
                 for what, size in ((what, size) for what, sizes in r["sent"].items() for size in sizes):
                     ledger.record("train", what, size)
-            ctx.report({"step": len(stage_losses[K - 1]), "steps": steps, "bytes": ledger.total_bytes, "train_loss": stage_losses[K - 1][-1]})
+            ctx.report({"step": len(stage_losses[K - 1]), "steps": steps, "bytes": ledger.total_bytes,
+                        "train_loss": stage_losses[K - 1][-1]})
 
         def evaluate(batch: int, train_s: float) -> None:
             per_set, sent = evaluate_chained(actors, ctx.eval_sets(val=False), cfg.eval_rows, group.fetch,
                                              LOSS_OF_FAMILY[ctx.spec.family])
             ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
-            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size,
-                                     ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"], final_head_metrics(per_set)))
+            sent_so_far = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
+            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, sent_so_far,
+                                     final_head_metrics(per_set)))
 
-        trained = train_interlocked(actors, K, opts.n, opts.rule, opts.micro_batches, steps, group.fetch, opts.time_budget_s,
-                                    opts.max_batches_ahead, absorb, frozenset(eval_points(cfg, steps)), evaluate)
+        trained = train_interlocked(actors, K, opts.n, opts.rule, opts.micro_batches, steps, group.fetch,
+                                    opts.time_budget_s, opts.max_batches_ahead, absorb,
+                                    frozenset(eval_points(cfg, steps)), evaluate)
         for k in (k for k in range(K) if stage_losses[k]):
-            logger.info("[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0], stage_losses[k][-1])
+            logger.info("[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0],
+                        stage_losses[k][-1])
         trained["fetched"] = {"bytes": group.fetch.bytes, "tensors": group.fetch.tensors}
         return trained, stage_losses, busy, curve

@@ -1,0 +1,50 @@
+"""Clocks every strategy shares: training time with evaluation left out, wall seconds per part of
+a run, and the process's peak memory."""
+
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import contextmanager
+
+
+class TrainClock:
+    """Training time with evaluation (or anything else that is not training) left out: wrap that
+    work in `paused()`. Every strategy measures its curve's and record's times with one."""
+
+    def __init__(self) -> None:
+        self.start, self.paused_s = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t
+
+
+class Stopwatch:
+    """Wall seconds per named part of a strategy's run (actors starting, training, evaluation,
+    collection, saving): the record's `details.phases_s`, which says where the time went."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, part: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(part, time.perf_counter() - t)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.parts[part] = round(self.parts.get(part, 0.0) + seconds, 3)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,164 @@
+"""Checking a typed config before anything starts: the fields every strategy shares (each
+strategy's `validate` checks its own options after)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raylowcomm import catalog
+from raylowcomm.config.schema import ConfigError, DataConfig, RunConfig
+
+
+def _positive(name, value, allow_zero=False):
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(name, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def own_data_name(data: DataConfig) -> str:
+    """Your own data's name in messages and reports when data.name is not given: the name of its
+    first file (data.files, else data.node_files), else of its folder or hub dataset (data.source)."""
+    path = data.files if data.files is not None else data.node_files
+    while isinstance(path, (dict, list)):
+        path = next(iter(path.values() if isinstance(path, dict) else path), None)
+    parts = [p for p in Path(str(path or data.source)).parts if not any(c in p for c in "*?[{")]  # not a glob's
+    return Path(parts[-1]).stem if parts else str(data.source)
+
+
+def kind_mismatch(data: DataConfig, family: str, kind: str, columns: dict[str, str]) -> ConfigError:
+    """model.family cannot train on this kind of data; for your own data the message names the
+    column role that makes it that kind."""
+    role = "image" if kind == "image" else "text"
+    because = f" (data.columns.{role} = {columns[role]!r})" if data.source is not None and role in columns else ""
+    fix = f", or give {columns[role]!r} its right role in data.columns" if because else ""
+    return ConfigError(
+        "model.family",
+        family,
+        f"data '{data.name}' is {kind.replace('_', ' ')}{because}: "
+        f"use {' or '.join(catalog.FAMILIES_FOR_KIND[kind])}{fix}",
+    )
+
+
+def _check_locations(cfg: RunConfig) -> None:
+    """model.path exists (what it holds: models.check_model_files) and `storage` is a place
+    pyarrow.fs opens: an error naming the field now, not a traceback on a node later."""
+    if cfg.model.path is not None and not Path(cfg.model.path).exists():
+        raise ConfigError(
+            "model.path", cfg.model.path, "no such file or folder; point it at your local weights or remove it"
+        )
+    if cfg.storage is not None:
+        from raylowcomm.storage import storage_problem
+
+        problem = storage_problem(cfg.storage)
+        if problem is not None:
+            raise ConfigError("storage", cfg.storage, problem)
+
+
+def validate_lora(cfg: RunConfig) -> None:
+    """`model.lora` and `model.merge`, before any model is loaded or actor started: numbers only,
+    so a config is checked without importing peft."""
+    model = cfg.model
+    if model.lora is None:
+        if model.merge:
+            raise ConfigError(
+                "model.merge", model.merge, "only applies to LoRA runs: set model.lora or remove model.merge"
+            )
+        return
+    lora = model.lora
+    if lora.r <= 0:
+        raise ConfigError("model.lora.r", lora.r, "must be > 0")
+    if lora.alpha <= 0:
+        raise ConfigError("model.lora.alpha", lora.alpha, "must be > 0")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError("model.lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = lora.target_modules
+    if targets is not None and (not targets or not all(t.strip() for t in targets)):
+        raise ConfigError(
+            "model.lora.target_modules",
+            targets,
+            "a non-empty list of module names, or null for peft's default for the architecture",
+        )
+
+
+def validate(cfg: RunConfig) -> None:
+    """Fields every strategy shares; each strategy's `validate` checks its own options after. Your
+    own data left unnamed is named after its source (data.name)."""
+    validate_lora(cfg)
+    _check_numbers(cfg)
+    _check_data(cfg)
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    """Counts, sizes and rates: in range before anything reads them."""
+    _positive("nodes.count", cfg.nodes.count)
+    if cfg.nodes.count != int(cfg.nodes.count):
+        raise ConfigError("nodes.count", cfg.nodes.count, "must be a whole number")
+    _positive("nodes.cpus", cfg.nodes.cpus)
+    _positive("nodes.gpus", cfg.nodes.gpus, allow_zero=True)
+    _positive("nodes.max_restarts", cfg.nodes.max_restarts, allow_zero=True)
+    for key, amount in cfg.nodes.resources.items():
+        if key.upper() in ("CPU", "GPU", "MEMORY"):
+            raise ConfigError(f"nodes.resources.{key}", amount, "set CPUs and GPUs with nodes.cpus / nodes.gpus")
+        _positive(f"nodes.resources.{key}", amount)
+    _positive("optim.lr", cfg.optim.lr)
+    _positive("optim.batch_size", cfg.optim.batch_size)
+    _positive("optim.epochs", cfg.optim.epochs)
+    _positive("optim.max_steps", cfg.optim.max_steps)
+    _positive("optim.eval_batch_size", cfg.optim.eval_batch_size)
+    _positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    if not 0 <= cfg.optim.momentum < 1:
+        raise ConfigError("optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
+    _positive("data.test_size", cfg.data.test_size)
+    _positive("data.val_size", cfg.data.val_size, allow_zero=True)
+    _positive("data.train_size", cfg.data.train_size)
+    _positive("data.shift_size", cfg.data.shift_size)
+    _positive("data.image_size", cfg.data.image_size)
+    _positive("data.max_length", cfg.data.max_length)
+    _positive("log_every", cfg.log_every)
+    _positive("checkpoint_every", cfg.checkpoint_every)
+    if cfg.eval_every < 0:
+        raise ConfigError("eval_every", cfg.eval_every, "an integer >= 0 (0: evaluate at the end only)")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    """What the data is and where it lies, against the model family and the nodes."""
+    if cfg.data.source is not None and cfg.data.name == DataConfig.name:
+        cfg.data.name = own_data_name(cfg.data)  # your own data, left unnamed, is not called after the default preset
+    if cfg.data.source is None and cfg.data.name not in catalog.DATASETS:
+        raise ConfigError(
+            "data.name",
+            cfg.data.name,
+            f"expected one of {', '.join(map(repr, catalog.DATASETS))}, or set data.source to your own data",
+        )
+    kind = catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns)
+    if kind is not None and catalog.task_of(cfg.model.family, kind) is None:
+        raise kind_mismatch(cfg.data, cfg.model.family, kind, cfg.data.columns)
+    if cfg.optim.group_by_length and cfg.model.family == "timm":
+        raise ConfigError(
+            "optim.group_by_length", True, "groups text rows by length; images are all one size: remove it"
+        )
+    _check_locations(cfg)
+    if cfg.data.path is not None and not Path(cfg.data.path).exists():
+        raise ConfigError("data.path", cfg.data.path, "no such file; point it at your local data or remove it")
+    if cfg.data.path is not None and (cfg.data.files is not None or cfg.data.source is not None):
+        raise ConfigError("data.path", cfg.data.path, "give your files as data.files only")
+    shifts = cfg.data.shift if isinstance(cfg.data.shift, dict) else {}
+    for prefix, columns in [("data", cfg.data.columns), *((f"data.shift.{n}", s.columns) for n, s in shifts.items())]:
+        for role, column in columns.items():
+            if role not in catalog.ROLES:
+                raise ConfigError(f"{prefix}.columns.{role}", column, f"roles are {', '.join(catalog.ROLES)}")
+    if isinstance(cfg.data.node_files, list) and len(cfg.data.node_files) < cfg.nodes.count:
+        raise ConfigError(
+            "data.node_files",
+            cfg.data.node_files,
+            f"one entry per node: {cfg.nodes.count} nodes, {len(cfg.data.node_files)} entries",
+        )
+    if isinstance(cfg.data.node_files, str) and "{node}" not in cfg.data.node_files:
+        raise ConfigError(
+            "data.node_files", cfg.data.node_files, "a single pattern must contain {node}, e.g. shards/node_{node}.csv"
+        )
+    if cfg.data.node_files is not None and cfg.data.train_size is not None:
+        raise ConfigError(
+            "data.train_size",
+            cfg.data.train_size,
+            "with data.node_files each node trains on all its own rows: remove it",
+        )

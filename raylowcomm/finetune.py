@@ -1,0 +1,151 @@
+"""What trains in a run, answered in one place: every weight (`FullWeights`), or LoRA adapters and
+a new head on a frozen base (`raylowcomm.lora.LoraFineTune`). `fine_tune_for(spec)` makes the one
+object a run uses. The strategies and the actor layer ask it which tensors a node sends and a
+checkpoint holds, how a global model or an average is loaded into a node's model, and how the
+result is saved, so none of them looks at peft objects or parameter names. It converts the
+architecture `models` builds (as torchtitan's model converters do): `models` knows nothing of
+adapters, and `raylowcomm.lora` (peft) is imported for LoRA runs only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from raylowcomm.common.ledger import payload_nbytes
+from raylowcomm.config import ModelConfig
+from raylowcomm.core.averaging import StreamingAverage
+from raylowcomm.models import ModelSpec, build_architecture, load_base, state_dict_of
+
+State = dict[str, torch.Tensor]
+
+
+class NodeAverage(Protocol):
+    """lo-fi's average of the nodes' states (`FineTune.node_average`): how they are gathered as they
+    arrive, combined into one model, and sent to the nodes to be scored."""
+
+    what: str
+    """The ledger's name for one node's state."""
+
+    def gather(self, states: Iterable[tuple[int, State]], weights: list[float]) -> object:
+        """The nodes' (key, state) pairs as they arrive, node k weighing weights[k]: what `combine` takes."""
+
+    def combine(self, gathered: object) -> State:
+        """The average, as plain weights (the architecture's own names)."""
+
+    def rebase(self, state: State) -> None:
+        """After an averaging round: the global model the nodes start the next round from."""
+
+    def sent(self, payload: object) -> tuple[str, int]:
+        """How `gather`'s or `combine`'s output crosses to be scored: the ledger's name and bytes."""
+
+
+class FineTune(Protocol):
+    """Which tensors train, and everything that follows from it."""
+
+    def wrap(self, model: nn.Module, seed: int | None = None) -> nn.Module:
+        """The architecture as it trains. With `seed`, what the conversion adds is drawn from it alone;
+        without, from the global RNG (a model that then loads a state dict, as actors do)."""
+
+    def node_state(self, model: nn.Module) -> State:
+        """What a node sends of what it has learned: CPU copies that later steps do not change."""
+
+    def trainable_only(self, base_moved: bool = False) -> bool:
+        """Whether a checkpoint may hold only the tensors that train, every reader having the rest from
+        the initial weights; not once an averaging round has moved that rest (`base_moved`)."""
+
+    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
+        """Load an averaging round's global model (plain weights) into a node's model, `seed` drawing
+        what restarts (the same on every node). True where the tensors that train are new ones, so the
+        optimizer's state no longer fits them."""
+
+    def plain_state(self, payload: object, model: nn.Module) -> State:
+        """Plain weights to score from what the driver sent (a `NodeAverage`'s output), put together on
+        this node's `model` where the payload needs its base."""
+
+    def plain_names(self, state: State) -> State:
+        """Tensors of the model as it trains, under the plain architecture's names."""
+
+    def node_average(self, base: State, model: nn.Module, how: str) -> NodeAverage:
+        """lo-fi's average of the nodes' states, which all started from `model`'s weights `base`;
+        `how`: lofi.lora_average."""
+
+    def save_result(self, weights: State, model: nn.Module, out_dir: Path, merge: bool) -> dict[str, str]:
+        """Save a strategy's result `weights` (the pretrained model: `model`) in the fine-tune's own
+        forms too, under `out_dir` (model.merge: merged); the record's details saying where."""
+
+
+class WeightAverage:
+    """The nodes' full weights, streamed into one running sum as they arrive: one incoming copy at a time."""
+
+    what = "node_weights"
+
+    def gather(self, states: Iterable[tuple[int, State]], weights: list[float]) -> State:
+        avg = StreamingAverage()
+        for k, state in states:
+            avg.add(state, weights[k])
+            del state
+        return avg.result()
+
+    def combine(self, gathered: State) -> State:
+        return gathered
+
+    def rebase(self, state: State) -> None:
+        """Full weights are averaged from the nodes' states alone."""
+
+    def sent(self, payload: State) -> tuple[str, int]:
+        return "weights_to_score", payload_nbytes(payload)
+
+
+class FullWeights:
+    """Every weight trains, is sent, checkpointed and loaded: the plain model is the model that trains."""
+
+    def wrap(self, model: nn.Module, seed: int | None = None) -> nn.Module:
+        return model
+
+    def node_state(self, model: nn.Module) -> State:
+        return state_dict_of(model)
+
+    def trainable_only(self, base_moved: bool = False) -> bool:
+        return False
+
+    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
+        model.load_state_dict(state)
+        return False
+
+    def plain_state(self, payload: State, model: nn.Module) -> State:
+        return payload
+
+    def plain_names(self, state: State) -> State:
+        return state
+
+    def node_average(self, base: State, model: nn.Module, how: str) -> WeightAverage:
+        return WeightAverage()
+
+    def save_result(self, weights: State, model: nn.Module, out_dir: Path, merge: bool) -> dict[str, str]:
+        """model.safetensors (saved by every strategy) is the whole result."""
+        return {}
+
+
+def fine_tune_for(spec: ModelSpec) -> FineTune:
+    """The run's fine-tune, from its model spec: adapters where `spec.lora` asks for them."""
+    if spec.lora is None:
+        return FullWeights()
+    from raylowcomm.lora import LoraFineTune  # peft only for LoRA runs
+
+    return LoraFineTune(spec)
+
+
+def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int) -> tuple[nn.Module, ModelSpec, object]:
+    """(model, spec, tokenizer): the pretrained model as it trains. A new head is drawn from `seed`,
+    so it is the same on every node; with `cfg.lora` so are the adapters (base frozen)."""
+    model, spec, tokenizer = load_base(cfg, num_classes, seed)
+    return fine_tune_for(spec).wrap(model, seed), spec, tokenizer
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """The model as it trains, with random weights: what an actor loads the shipped state dict into."""
+    return fine_tune_for(spec).wrap(build_architecture(spec))
