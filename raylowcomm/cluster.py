@@ -5,6 +5,12 @@ bridge in a switch namespace, so they talk over real (virtual) Ethernet links th
 shape (`shape`). The Ray head runs on host 0, one worker on each other host, all from this
 Python's `ray`. Needs root and iproute2.
 
+Token authentication is always on: each cluster makes its own token (256 random bits, as
+`ray get-auth-token --generate` makes them) in a 0600 file in its temp dir, and every process it
+starts, the nodes and every client (`run`, `submit`, `ray status`), gets `RAY_AUTH_MODE=token`
+and `RAY_AUTH_TOKEN_PATH` pointing at that file. Only a client can be told to leave the token
+out (`auth=False`) or use another one, to check that the cluster refuses it.
+
 Everything it starts lives inside its own namespaces, so teardown kills exactly the processes
 whose network namespace is one of ours — never `ray stop`, which would stop every Ray on the
 machine (including other users' and a test session's). Usable as a context manager, so the
@@ -19,6 +25,7 @@ cluster and namespaces go away also on failure:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -34,18 +41,23 @@ GCS_PORT = 6380
 DASHBOARD_PORT = 8265
 # Fixed agent ports (each host has its own network stack, so they cannot collide): with dynamic
 # ones the raylet waits for the agents to publish theirs and aborts after ~15 s on a busy machine.
-AGENT_PORTS = ["--metrics-export-port=8090", "--dashboard-agent-listen-port=52365", "--dashboard-agent-grpc-port=52366",
-               "--runtime-env-agent-port=52367"]
+AGENT_PORTS = ["--metrics-export-port=8090", "--dashboard-agent-listen-port=52365",
+               "--dashboard-agent-grpc-port=52366", "--runtime-env-agent-port=52367"]
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Where Ray reads its authentication settings; the cluster alone sets them for what it runs."""
+
+logger = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
     """The cluster could not be made or did not come up; the message says what and where."""
 
 
-def _sh(args: list[str], check: bool = True, timeout: float = 60, capture: bool = True, **kwargs) -> subprocess.CompletedProcess:
+def _sh(args: list[str], check: bool = True, timeout: float = 60, capture: bool = True,
+        **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, capture_output=capture, text=True, timeout=timeout, **kwargs)
     if check and proc.returncode != 0:
-        detail = (proc.stderr or "").strip()[-3000:] + "\n" + (proc.stdout or "").strip()[-3000:] if capture else ""
+        detail = ((proc.stderr or "").strip()[-3000:] + "\n" + (proc.stdout or "").strip()[-3000:]) if capture else ""
         raise ClusterError(f"{' '.join(args)} failed ({proc.returncode}): {detail}")
     return proc
 
@@ -70,6 +82,9 @@ class NamespaceCluster:
         self.host_env = host_env or [{}] * hosts
         """Environment of each host's Ray processes and so of the actors there, e.g. its own TMPDIR."""
         self.temp_dir = Path(f"/tmp/rlc-{self.tag}")  # short: Ray's unix sockets live under it
+        self.token_path = self.temp_dir / "auth_token"
+        """The cluster's token, made by `start`; a client that `run` does not start authenticates
+        with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to this file."""
         self.start_timeout_s = start_timeout_s
         self.ray = str(Path(sys.executable).parent / "ray")
         self._made: list[str] = []
@@ -86,20 +101,28 @@ class NamespaceCluster:
         """The jobs API (`ray job submit --address`)."""
         return f"http://{self.addresses[0]}:{DASHBOARD_PORT}"
 
-    def env(self, extra: dict | None = None) -> dict:
-        """The environment of everything run in the cluster: this Python first on PATH, no token
-        auth, and not the loopback-only switch (a multi-node cluster needs real addresses)."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    def env(self, extra: dict | None = None, auth: bool | str = True) -> dict:
+        """The environment of everything run in the cluster: this Python first on PATH, not the
+        loopback-only switch (a multi-node cluster needs real addresses), and token auth with the
+        cluster's token. The auth settings are applied last: neither this process's environment
+        (a test session's RAY_AUTH_MODE=disabled) nor `extra` changes them. `auth` is for clients
+        only: a string is another token to send, False a client that sends none (RAY_AUTH_MODE
+        unset: Ray's clients then add no authorization header)."""
+        dropped = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS", *AUTH_VARS)
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-        env.setdefault("RAY_AUTH_MODE", "disabled")
         # The hostname resolves to 127.0.0.1 in every namespace: make gloo (DDP) use the host's link.
         env["GLOO_SOCKET_IFNAME"] = "rl0"
-        env.update(extra or {})
+        env.update({k: v for k, v in (extra or {}).items() if k not in AUTH_VARS})
+        if auth is True:
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
+        elif auth:
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=auth)
         return env
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def __enter__(self) -> "NamespaceCluster":
+    def __enter__(self) -> NamespaceCluster:
         try:
             self.start()
         except BaseException:
@@ -115,11 +138,19 @@ class NamespaceCluster:
             raise ClusterError("a namespace cluster needs root and iproute2 (ip)")
         self._make_network()
         self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self._make_token()
         self._ray_start(0, ["--head", f"--port={GCS_PORT}", f"--dashboard-host={self.addresses[0]}",
                             f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true"])
         for i in range(1, len(self.hosts)):
             self._ray_start(i, [f"--address={self.address}"])
         self._wait_for_nodes()
+
+    def _make_token(self) -> None:
+        """A new token for this cluster, readable by its owner only (the nodes run as root)."""
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        logger.info("cluster %s: token authentication on, token in %s", self.tag, self.token_path)
 
     def stop(self) -> None:
         """Kill every process in our host namespaces, then delete the namespaces and temp dir."""
@@ -166,7 +197,8 @@ class NamespaceCluster:
         for i, (ns, addr) in enumerate(zip(self.hosts, self.addresses)):
             _sh(["ip", "netns", "add", ns])
             self._made.append(ns)
-            _sh(["ip", "link", "add", "rl0", "netns", ns, "type", "veth", "peer", "name", f"h{i}", "netns", self.switch])
+            _sh(["ip", "link", "add", "rl0", "netns", ns, "type", "veth", "peer", "name", f"h{i}",
+                 "netns", self.switch])
             _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "master", "br0"])
             _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "up"])
             _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "rl0"])
@@ -177,11 +209,13 @@ class NamespaceCluster:
         """`ray start` on a host; retried from scratch on that host because on a busy machine a
         raylet can miss Ray's fixed 30 s registration deadline."""
         res = json.dumps(self.resources[host]) if self.resources[host] else None
+        command = [self.ray, "start", f"--node-ip-address={self.addresses[host]}",
+                   f"--num-cpus={math.ceil(self.cpus[host])}", f"--num-gpus={self.gpus[host]}",
+                   f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS, *args,
+                   *([f"--resources={res}"] if res else [])]
         for attempt in range(attempts):
             try:
-                self.run(host, [self.ray, "start", f"--node-ip-address={self.addresses[host]}", f"--num-cpus={math.ceil(self.cpus[host])}",
-                                f"--num-gpus={self.gpus[host]}", f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS,
-                                *args, *([f"--resources={res}"] if res else [])], env=self.host_env[host], timeout=self.start_timeout_s)
+                self.run(host, command, env=self.host_env[host], timeout=self.start_timeout_s)
                 return
             except (ClusterError, subprocess.TimeoutExpired):
                 self._kill_in([self.hosts[host]])
@@ -197,21 +231,25 @@ class NamespaceCluster:
             if len(re.findall(r"node_[0-9a-f]+", active)) == len(self.hosts):
                 return
             time.sleep(2)
-        raise ClusterError(f"{len(self.hosts)} Ray nodes did not come up in {self.start_timeout_s:.0f} s; last `ray status`:\n{out}")
+        raise ClusterError(f"{len(self.hosts)} Ray nodes did not come up in {self.start_timeout_s:.0f} s; "
+                           f"last `ray status`:\n{out}")
 
     # --- running things ------------------------------------------------------------------------
 
     def run(self, host: int, args: list[str], env: dict | None = None, check: bool = True, timeout: float = 600,
-            cwd: str | Path | None = None, capture: bool = True) -> subprocess.CompletedProcess:
-        """Run a command on a host (in its namespace), with RAY_ADDRESS pointing at the head."""
-        full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})})
+            cwd: str | Path | None = None, capture: bool = True,
+            auth: bool | str = True) -> subprocess.CompletedProcess:
+        """Run a command on a host (in its namespace), with RAY_ADDRESS pointing at the head and
+        the cluster's token (`auth`: see `env`)."""
+        full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})}, auth=auth)
         return _sh(["ip", "netns", "exec", self.hosts[host], *args], check=check, timeout=timeout, capture=capture,
                    env=full_env, cwd=cwd)
 
     def start_on(self, host: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
         """Start a command on a host without waiting (a driver a test kills or watches); its
         output, stdout and stderr together, is the returned process's `stdout`."""
-        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *args], env=self.env({"RAY_ADDRESS": self.address, **(env or {})}),
+        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *args],
+                                env=self.env({"RAY_ADDRESS": self.address, **(env or {})}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def kill_host(self, host: int) -> None:
@@ -219,12 +257,14 @@ class NamespaceCluster:
         self._kill_in([self.hosts[host]])
 
     def submit(self, entrypoint: list[str], working_dir: str | Path = ".", runtime_env: dict | None = None,
-               check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-        """`ray job submit` from the head host; waits for the job and returns its output."""
+               check: bool = True, timeout: float = 600, auth: bool | str = True) -> subprocess.CompletedProcess:
+        """`ray job submit` from the head host, authenticated with the cluster's token unless
+        `auth` says otherwise (see `env`); waits for the job and returns its output."""
         args = [self.ray, "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}"]
         if runtime_env:
             args.append(f"--runtime-env-json={json.dumps(runtime_env)}")
-        return self.run(0, [*args, "--", *entrypoint], env={"RAY_ADDRESS": self.dashboard}, check=check, timeout=timeout)
+        return self.run(0, [*args, "--", *entrypoint], env={"RAY_ADDRESS": self.dashboard}, check=check,
+                        timeout=timeout, auth=auth)
 
     def node_ids(self) -> dict[str, str]:
         """Ray node id -> host address, from the cluster itself."""
@@ -261,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     with NamespaceCluster(args.hosts, args.cpus) as cluster:
         if args.shape:
             cluster.shape(args.shape)
-        print(f"cluster up: head {cluster.address}, hosts {cluster.addresses}", flush=True)
-        return cluster.run(0, command, check=False, timeout=24 * 3600, cwd=os.getcwd(), capture=False).returncode
+        print(f"cluster up: head {cluster.address}, hosts {cluster.addresses}, token auth "
+              f"(RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path})", flush=True)
+        return cluster.run(0, command, check=False, timeout=24 * 3600, cwd=os.getcwd(),
+                           capture=False).returncode
 
 
 if __name__ == "__main__":

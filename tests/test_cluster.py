@@ -1,12 +1,15 @@
 """Real Ray clusters that the tests make and always tear down: a sweep submitted as a Ray job to a
 `ray start` cluster, and a run submitted to a 2-host cluster (network namespaces) whose node
 actors land on both hosts. Each cluster lives in its own namespaces, so it cannot collide with
-the session's loopback Ray."""
+the session's loopback Ray. Every cluster runs with token authentication and a token of its own:
+the jobs below are submitted with it, and a client without it is refused."""
 
 import json
 import os
+import secrets
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +28,20 @@ TINY = {
     "strategies": ["lofi"], "log_every": 1000, "checkpoint_every": 1000,
     "lofi": {"bn_recalibrate": False},
 }
-# The job's entrypoint gets the cluster's environment; this shows (and checks) adding to it.
-RUNTIME_ENV = {"env_vars": {"RAY_AUTH_MODE": "disabled"}}
+# The job's entrypoint gets the cluster's environment (token auth included: the driver inherits
+# RAY_AUTH_MODE=token and the token's path from the head's Ray); this shows (and checks) adding to
+# it a variable that raylowcomm also passes to its actors (Ray refuses to merge one set twice).
+RUNTIME_ENV = {"env_vars": {"HF_HUB_OFFLINE": "1"}}
+# What a crafted request without the token gets from the jobs API: the HTTP status.
+POST_JOB = """
+import json, sys, urllib.error, urllib.request
+request = urllib.request.Request(sys.argv[1] + "/api/jobs/", data=json.dumps({"entrypoint": sys.argv[2]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+try:
+    print(urllib.request.urlopen(request, timeout=30).status)
+except urllib.error.HTTPError as err:
+    print(err.code)
+"""
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
@@ -89,6 +104,34 @@ def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
     assert used == set(nodes), f"actors ran on {used}, cluster nodes {nodes}"
 
 
+def test_a_client_without_the_token_is_refused(make_cluster, tmp_path):
+    """On the 2-host cluster, the jobs API and the GCS refuse a client without the cluster's token
+    or with another one, through Ray's CLI and through a request made by hand from the other host;
+    nothing runs; with the token it does."""
+    cluster = make_cluster(hosts=2, cpus=1)
+    job_dir, marker = tmp_path / "job", tmp_path / "ran"
+    job_dir.mkdir()
+    touch = ["python", "-c", f"open({str(marker)!r}, 'w')"]
+
+    anonymous = cluster.submit(touch, working_dir=job_dir, check=False, timeout=120, auth=False)
+    assert anonymous.returncode != 0
+    assert "AuthenticationError: Authentication required: Unauthorized: Missing authentication token" \
+        in anonymous.stderr, anonymous.stderr[-2000:]
+    wrong = cluster.submit(touch, working_dir=job_dir, check=False, timeout=120, auth=secrets.token_hex(32))
+    assert wrong.returncode != 0
+    assert "AuthenticationError: Authentication failed: Forbidden: Invalid authentication token" \
+        in wrong.stderr, wrong.stderr[-2000:]
+    by_hand = cluster.run(1, [sys.executable, "-c", POST_JOB, cluster.dashboard, f"touch {marker}"], auth=False)
+    assert by_hand.stdout.split() == ["401"], by_hand.stdout
+    gcs = cluster.run(1, [cluster.ray, "status", f"--address={cluster.address}"], check=False, auth=False)
+    assert gcs.returncode != 0 and "InvalidAuthToken" in gcs.stderr, gcs.stderr[-2000:]
+    listed = cluster.run(0, [cluster.ray, "job", "list", f"--address={cluster.dashboard}"])
+    assert "raysubmit_" not in listed.stdout + listed.stderr and not marker.exists(), "a refused job ran"
+
+    accepted = cluster.submit(touch, working_dir=job_dir, timeout=300)
+    assert "succeeded" in accepted.stdout and marker.exists(), accepted.stdout[-3000:]
+
+
 @pytest.mark.heavy
 def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     """Each host has its own scratch (TMPDIR); only `storage` is shared. A GPU run is placed on the
@@ -104,17 +147,21 @@ def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     storage, hosts = tmp_path / "shared", cluster.node_ids()
     gpu_cfg = {**TINY, "nodes": {"count": 1, "cpus": 1, "gpus": 1}, "optim": {**TINY["optim"], "max_steps": 2}}
     (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(gpu_cfg))
-    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "gpu.yaml"), "--out", str(tmp_path / "gpu")], timeout=600)
+    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "gpu.yaml"), "--out", str(tmp_path / "gpu")],
+                       timeout=600)
     gpu_node = json.loads((tmp_path / "gpu" / "results.json").read_text())[0]["nodes"][0]
     assert hosts[gpu_node["ray_node_id"]] == cluster.addresses[1], proc.stdout[-2000:]
 
     spsa = {**TINY, "strategies": ["spsa"], "storage": str(storage), "checkpoint_every": 4,
-            "nodes": {"count": 1, "cpus": 1, "resources": {"slot": 1}}, "spsa": {"steps": 12, "lr": 1e-4, "join": [{"step": 6}]}}
+            "nodes": {"count": 1, "cpus": 1, "resources": {"slot": 1}},
+            "spsa": {"steps": 12, "lr": 1e-4, "join": [{"step": 6}]}}
     (tmp_path / "spsa.yaml").write_text(yaml.safe_dump(spsa))
-    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "spsa.yaml"), "--out", str(tmp_path / "spsa")], timeout=600)
+    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "spsa.yaml"), "--out", str(tmp_path / "spsa")],
+                       timeout=600)
     record = json.loads((tmp_path / "spsa" / "results.json").read_text())[0]
     first, joiner = record["nodes"]
-    assert joiner["joined_from_checkpoint_step"] == 4 and hosts[joiner["ray_node_id"]] != hosts[first["ray_node_id"]], proc.stdout[-2000:]
+    assert joiner["joined_from_checkpoint_step"] == 4, proc.stdout[-2000:]
+    assert hosts[joiner["ray_node_id"]] != hosts[first["ray_node_id"]], proc.stdout[-2000:]
     assert joiner["final_hash"] == first["final_hash"] and record["details"]["verified"][-1]["nodes"] == [0, 1]
 
     lofi = {**TINY, "storage": str(storage), "checkpoint_every": 4, "optim": {**TINY["optim"], "epochs": 8},
@@ -137,6 +184,7 @@ def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     assert {hosts[n["ray_node_id"]] for n in record["nodes"]} == {cluster.addresses[0]}, "the lost node did not move"
     from safetensors.torch import load_file
 
-    a, b = load_file(str(tmp_path / "clean_storage" / "lofi" / "model.safetensors")), load_file(str(storage / "lofi" / "model.safetensors"))
+    a = load_file(str(tmp_path / "clean_storage" / "lofi" / "model.safetensors"))
+    b = load_file(str(storage / "lofi" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a), clean.stdout[-1000:]
     assert not [p for d in scratch for p in d.rglob("*.safetensors")], "state was written to a host's own disk"
