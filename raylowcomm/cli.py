@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(bench_p, "override a config field (repeatable)")
     bench_p.add_argument("--out", help="output directory (default: the config's out_dir)")
     report_p = sub.add_parser(
-        "report", help="rebuild report.md and the curve plots of a bench (or run) directory from its saved results"
+        "report",
+        help="rebuild report.md and the curve plots of a bench, run or multi-seed run (run --seeds) directory "
+        "from its saved results",
     )
     report_p.add_argument("dir")
     report_p.add_argument(

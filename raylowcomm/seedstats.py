@@ -122,7 +122,8 @@ def rows(summary: dict) -> list[list[str]]:
         first = [entry["strategy"], f"{len(entry['seeds_ok'])}/{total}"]
         for key, stat in entry["stats"].items():
             diff = entry["vs_ddp"].get(key)
-            cell = f"{shown(key, diff, signed=True)} (n={diff['n']})" if diff and diff["n"] else ""
+            cell = shown(key, diff, signed=True) if diff and diff["n"] else ""
+            cell += f" (n={diff['n']})" if diff and diff["half_width"] is not None else ""
             out.append(first + [label(key), shown(key, stat), cell])
             first = ["", ""]
         for failure in entry["failed"]:
