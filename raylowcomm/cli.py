@@ -246,8 +246,10 @@ def _run(args) -> int:
         from raylowcomm.actors import log_to_stdout
         from raylowcomm.runner import check_resumable, check_seeds_resumable, run, run_seeds
 
-        if args.resume:
-            (check_resumable(cfg, cfg.out_dir) if seeds is None else check_seeds_resumable(cfg, seeds, cfg.out_dir))
+        if args.resume and seeds is None:
+            check_resumable(cfg, cfg.out_dir)
+        elif args.resume:
+            check_seeds_resumable(cfg, seeds, cfg.out_dir)
         log_to_stdout()
         if seeds is not None:
             summary = run_seeds(cfg, seeds, verbose=args.verbose, resume=bool(args.resume))
@@ -258,7 +260,8 @@ def _run(args) -> int:
     except KeyboardInterrupt:  # the running strategy's actors were released on the way out
         print(
             f"error: interrupted; the running strategy's actors were released; strategies that finished, if any, "
-            f"are in {Path(cfg.out_dir) / 'results.json'}",
+            f"are in {Path(cfg.out_dir) / ('seed_<s>/results.json' if seeds else 'results.json')}"
+            + (f"; continue with --resume {cfg.out_dir} --seeds {args.seeds}" if seeds else ""),
             file=sys.stderr,
         )
         return 130

@@ -103,6 +103,25 @@ TINY = {
 }
 
 
+def test_a_seed_changes_only_seed_out_dir_and_storage_and_resume_checks_each_started_seed(tmp_path):
+    from raylowcomm.config import ConfigError
+    from raylowcomm.runner import check_seeds_resumable, seed_config
+    from raylowcomm.strategies import from_dict
+
+    cfg = from_dict({**TINY, "storage": "s3://bucket/run/", "out_dir": str(tmp_path)})
+    one = seed_config(cfg, 7, tmp_path)
+    assert (one.seed, one.out_dir, one.storage) == (7, str(tmp_path / "seed_7"), "s3://bucket/run/seed_7")
+    assert {**one.to_dict(), "seed": 0, "out_dir": "", "storage": ""} == {
+        **cfg.to_dict(), "seed": 0, "out_dir": "", "storage": ""}
+    assert cfg.seed == 0 and cfg.storage == "s3://bucket/run/"  # the caller's config is left alone
+    (tmp_path / "seed_7").mkdir()
+    (tmp_path / "seed_7" / "config.yaml").write_text(yaml.safe_dump(one.to_dict(), sort_keys=False))
+    check_seeds_resumable(cfg, [7, 8], tmp_path)  # seed 7 continues, seed 8 starts afresh
+    cfg.optim.lr = 0.5
+    with pytest.raises(ConfigError, match="optim.lr"):
+        check_seeds_resumable(cfg, [7, 8], tmp_path)
+
+
 @pytest.mark.slow
 def test_run_over_two_seeds_writes_each_seed_and_their_summary(tmp_path, ray_session, caplog):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
