@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "are kept, the others continue from their last checkpoint in storage",
     )
     run_p.add_argument(
+        "--seeds",
+        metavar="S,S,...",
+        help="run the config once per seed (only `seed` changes; the test rows stay data.shuffle_seed's) into "
+        "OUT/seed_<s>/, then OUT/seeds.json and a table: per strategy mean ± 95%% interval of every metric, "
+        "bytes and time, and the paired difference to DDP; e.g. --seeds 0,1,2",
+    )
+    run_p.add_argument(
         "--verbose", action="store_true", help="also show what node actors, Ray and the model and data loaders print"
     )
     tune_p = sub.add_parser("tune", help="sweep config fields with Ray Tune (a sweep file: see tune_configs/)")
@@ -93,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(bench_p, "override a config field (repeatable)")
     bench_p.add_argument("--out", help="output directory (default: the config's out_dir)")
     report_p = sub.add_parser(
-        "report", help="rebuild report.md and the curve plots of a bench (or run) directory from its saved results"
+        "report",
+        help="rebuild report.md and the curve plots of a bench, run or multi-seed run (run --seeds) directory "
+        "from its saved results",
     )
     report_p.add_argument("dir")
     report_p.add_argument(
@@ -204,12 +213,28 @@ def _tune(args) -> int:
     return 1 if any(t["status"] == "error" for t in summary["trials"]) else 0
 
 
+def parse_seeds(text: str) -> list[int]:
+    """--seeds 0,1,2 -> [0, 1, 2]: distinct integers >= 0, in the order given."""
+    from raylowcomm.config import ConfigError
+
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError("--seeds", text, "give seeds as integers >= 0 separated by commas, e.g. --seeds 0,1,2")
+    seeds = [int(p) for p in parts]
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError("--seeds", text, "each seed once: a repeated seed repeats the same run")
+    return seeds
+
+
 def _run(args) -> int:
     from raylowcomm import assets
     from raylowcomm.config import ConfigError
     from raylowcomm.strategies import load_config
 
     try:
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+        if seeds is not None and any(o.partition("=")[0].strip() == "seed" for o in args.overrides):
+            raise ConfigError("--seeds", args.seeds, "--seeds sets `seed` for each run: drop --set seed=...")
         cfg = load_config(args.config, args.overrides)
         if args.resume and args.out and Path(args.out) != Path(args.resume):
             raise ConfigError(
@@ -219,18 +244,24 @@ def _run(args) -> int:
             cfg.out_dir = args.resume or args.out
         check_out_dir(cfg.out_dir, "--resume" if args.resume else "--out" if args.out else "out_dir")
         from raylowcomm.actors import log_to_stdout
-        from raylowcomm.runner import check_resumable, run
+        from raylowcomm.runner import check_resumable, check_seeds_resumable, run, run_seeds
 
-        if args.resume:
+        if args.resume and seeds is None:
             check_resumable(cfg, cfg.out_dir)
+        elif args.resume:
+            check_seeds_resumable(cfg, seeds, cfg.out_dir)
         log_to_stdout()
+        if seeds is not None:
+            summary = run_seeds(cfg, seeds, verbose=args.verbose, resume=bool(args.resume))
+            return 1 if any(entry["failed"] for entry in summary["strategies"]) else 0
         records = run(cfg, verbose=args.verbose, resume=bool(args.resume))
     except (ConfigError, assets.AssetError) as err:
         return _fail(err)
     except KeyboardInterrupt:  # the running strategy's actors were released on the way out
         print(
             f"error: interrupted; the running strategy's actors were released; strategies that finished, if any, "
-            f"are in {Path(cfg.out_dir) / 'results.json'}",
+            f"are in {Path(cfg.out_dir) / ('seed_<s>/results.json' if seeds else 'results.json')}"
+            + (f"; continue with --resume {cfg.out_dir} --seeds {args.seeds}" if seeds else ""),
             file=sys.stderr,
         )
         return 130

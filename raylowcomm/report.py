@@ -5,7 +5,8 @@ DDP, the baseline every strategy must beat (`raylowcomm report DIR`).
 A bench directory holds `bench.json` ({"mode", "config", "runs": [{"label", "rate", "dir",
 "collect_note"?}]}), each run's `results.json` (records of raylowcomm/run.py) and optionally
 `benchmarks/*.json` (python -m benchmarks). A plain run directory (results.json only) is read as
-one local run. Nothing here needs Ray or torch.
+one local run; a multi-seed one (`raylowcomm run --seeds`: seeds.json, seed_<s>/results.json) as
+one run per seed, with the table across seeds (raylowcomm.seedstats) first. Nothing here needs Ray or torch.
 """
 
 from __future__ import annotations
@@ -134,10 +135,15 @@ def load_bench(bench_dir: str | Path) -> dict:
             "config": _read_config(bench_dir),
             "runs": [{"label": bench_dir.name, "rate": None, "dir": "."}],
         }
+    elif (bench_dir / "seeds.json").exists():  # raylowcomm run --seeds: one run per seed
+        seeds = json.loads((bench_dir / "seeds.json").read_text())
+        bench = {"mode": "local", "config": seeds.get("config"), "confidence": seeds.get("confidence"),
+                 "runs": [{"label": f"seed {s}", "rate": None, "dir": d, "seed": int(s)}
+                          for s, d in seeds.get("dirs", {}).items()]}
     elif (bench_dir / "benchmarks").is_dir():
         bench = {"mode": "local", "config": None, "runs": []}
     else:
-        raise ReportError(f"{bench_dir} has no bench.json, results.json or benchmarks/ to report on")
+        raise ReportError(f"{bench_dir} has no bench.json, results.json, seeds.json or benchmarks/ to report on")
     for run in bench.setdefault("runs", []):
         path = bench_dir / run.get("dir", run["label"]) / "results.json"
         run["records"] = json.loads(path.read_text()) if path.exists() else None
@@ -342,6 +348,16 @@ def tensorboard_line(bench_dir: str | Path, bench: dict) -> list[str]:
     ]
 
 
+def seeds_section(bench: dict) -> list[str]:
+    """A multi-seed run's table (raylowcomm.seedstats), recomputed from each seed's results.json."""
+    from raylowcomm.seedstats import CONFIDENCE, markdown, summarize
+
+    per_seed = {run["seed"]: run["records"] for run in bench["runs"] if "seed" in run and run["records"] is not None}
+    if not per_seed:
+        return []
+    return ["## Across seeds", "", *markdown(summarize(per_seed, bench.get("confidence") or CONFIDENCE))]
+
+
 def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> str:
     """report.md's text; writes curves_time.png and curves_bytes.png into bench_dir."""
     if not 0 < fraction <= 1:
@@ -372,7 +388,7 @@ def build_report(bench_dir: str | Path, fraction: float = TARGET_FRACTION) -> st
             f"evaluation every {cfg.get('eval_every') or '— (end only)'} steps. Full config at the end.",
             "",
         ]
-    lines += tensorboard_line(bench_dir, bench)
+    lines += tensorboard_line(bench_dir, bench) + seeds_section(bench)
     if bench["runs"]:
         lines += [
             f"Metric: **{metric}** ({'higher' if higher_is_better(metric) else 'lower'} is better). Time to target: "

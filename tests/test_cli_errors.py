@@ -294,6 +294,15 @@ CASES = [
     ("set-into-non-section", lambda t: ["run", _config(t), "--set", "optim.lr.x=1"], "optim.lr"),
     ("set-malformed-value", lambda t: ["run", _config(t), "--set", "strategies=[lofi,"], "strategies"),
     ("set-missing-argument", lambda t: ["run", _config(t), "--set"], "--set"),
+    # --- --seeds
+    ("seeds-not-integers", lambda t: ["run", _config(t), "--seeds", "0,one"], ("--seeds", "0,one")),
+    ("seeds-negative", lambda t: ["run", _config(t), "--seeds", "-1,2"], "--seeds"),
+    ("seeds-empty-item", lambda t: ["run", _config(t), "--seeds", "0,,2"], "--seeds"),
+    ("seeds-repeated", lambda t: ["run", _config(t), "--seeds", "0,1,0"], ("--seeds", "each seed once")),
+    ("seeds-and-set-seed", lambda t: ["run", _config(t), "--seeds", "0,1", "--set", "seed=3"], ("--seeds", "seed=")),
+    ("seeds-missing-argument", lambda t: ["run", _config(t), "--seeds"], "--seeds"),
+    ("seeds-resume-not-a-seeds-run", lambda t: ["run", _config(t), "--seeds", "0,1", "--resume", str(t)],
+     ("--resume", "no seeds.json")),
     # --- output folder
     ("out-is-a-file", lambda t: ["run", _config(t), "--out", _file(t)], "--out"),
     ("out-under-a-file", lambda t: ["run", _config(t), "--out", _file(t) + "/run"], "--out"),

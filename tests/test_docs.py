@@ -182,9 +182,12 @@ def _raylowcomm(argv: list[str]) -> None:
     except SystemExit as exit_:
         pytest.fail(f"the CLI rejects `raylowcomm {shlex.join(argv)}` (exit {exit_.code})")
     if args.command == "run":
+        from raylowcomm.cli import parse_seeds
         from raylowcomm.strategies import load_config
 
         load_config(args.config, args.overrides)
+        if args.seeds is not None:
+            parse_seeds(args.seeds)
     elif args.command == "tune":
         from raylowcomm.tune import load_sweep
 

@@ -69,7 +69,7 @@ def test_python_api_names():
 
     assert raylowcomm.ConfigError is ConfigError and raylowcomm.RunConfig is RunConfig
     assert raylowcomm.from_dict is from_dict and raylowcomm.load_config is load_config
-    assert callable(raylowcomm.run)
+    assert callable(raylowcomm.run) and callable(raylowcomm.run_seeds)
     assert set(raylowcomm.__all__) <= set(dir(raylowcomm))
     with pytest.raises(AttributeError):
         raylowcomm.no_such_name  # noqa: B018

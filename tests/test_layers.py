@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                 "raylowcomm.progress"]),  # workers post their progress through it, the driver's view shows it
     ("strategies", ["raylowcomm.strategies"]),
     ("drivers", ["raylowcomm.runner", "raylowcomm.tune", "raylowcomm.bench", "raylowcomm.report",
-                 "raylowcomm.tensorboard", "raylowcomm.cluster", "raylowcomm.configref"]),
+                 "raylowcomm.tensorboard", "raylowcomm.cluster", "raylowcomm.configref",
+                 "raylowcomm.seedstats"]),
     ("cli", ["raylowcomm.cli", "raylowcomm"]),  # `raylowcomm` itself: the lazy API names (importlib, not imports)
 ]
 

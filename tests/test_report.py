@@ -178,6 +178,23 @@ def test_plain_run_directory(tmp_path: Path):
     assert "## run" in report.write_report(run).read_text()
 
 
+def test_multi_seed_directory(tmp_path: Path):
+    """`run --seeds` output: the table across seeds, recomputed from each seed's results.json, then one
+    section per seed; lo-fi failed in seed 5, so its mean and its paired difference to DDP (0.88 - 0.9) are seed 3's
+    alone, without an interval; DDP's two equal seeds have an interval of width 0."""
+    root = tmp_path / "seeds"
+    for seed in (3, 5):
+        (root / f"seed_{seed}").mkdir(parents=True)
+        lofi = LOFI if seed == 3 else {**SPSA_FAILED, "strategy": "lofi"}
+        (root / f"seed_{seed}" / "results.json").write_text(json.dumps([DDP, lofi]))
+    (root / "seeds.json").write_text(json.dumps({"confidence": 0.95, "dirs": {"3": "seed_3", "5": "seed_5"}}))
+    text = report.write_report(root).read_text()
+    assert text.index("## Across seeds") < text.index("## seed 3") < text.index("## seed 5")
+    assert "2 seeds (3, 5)" in text and "| ddp | 2/2 | id_accuracy | 0.9000 ± 0.0000 |" in text
+    assert "| lofi | 1/2 | id_accuracy | 0.8800 (n=1, no interval) | -0.0200 (n=1, no interval) |" in text
+    assert "seed 5: RuntimeError: node 1 died" in text
+
+
 def test_cli_report(bench: Path, tmp_path: Path, capsys):
     assert main(["report", str(bench)]) == 0
     assert "report.md" in capsys.readouterr().out
