@@ -221,6 +221,19 @@ def _mirrored_(out: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> No
             t.lerp_(th, 2.0)
 
 
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Forward passes in eval mode (no dropout noise in the differences); each module's train/eval
+    flag is put back afterwards, even if a forward fails."""
+    modes = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
+
+
 def spsa_losses(
     model: nn.Module,
     params: NamedParams,
@@ -236,34 +249,63 @@ def spsa_losses(
     """(L(θ+εz_s), L(θ−εz_s)) for each seed, on the same batch (n-SPSA); kept apart from
     `spsa_projected_grads` so a node can log the loss it measured for free.
 
-    Forward passes run in eval mode (no dropout noise in L+ − L−) under inference mode; each
-    module's train/eval flag is put back afterwards. θ is parked (`_parked`); θ + εz is written
-    from it into `spare`'s storage, then mirrored through θ into θ − εz: two passes over θ per
-    sample, one draw of z (the update draws it again), and none to restore θ, which comes back
-    bitwise (the MeZO +ε/−2ε/+ε walk is not exact). Memory: `spare`, one copy of the trainable
-    parameters (allocated here if None; a `Replica` keeps its own), plus O(CHUNK) for z. `times`,
-    if given, accumulates seconds under perturb_s, forward_plus_s and forward_minus_s.
+    Forward passes run in eval mode (`_eval_mode`) under inference mode; θ is parked (`_parked`);
+    θ + εz is written from θ into `spare`'s storage, then mirrored through θ into θ − εz: two
+    passes over θ per sample, one draw of z (the update draws it again), and none to restore θ,
+    which comes back bitwise (the MeZO +ε/−2ε/+ε walk is not exact). Memory: `spare`, one copy
+    of the trainable parameters (allocated here if None; a `Replica` keeps its own), plus
+    O(CHUNK) for z. `times`, if given, accumulates seconds under
+    perturb_s, forward_plus_s and forward_minus_s.
     """
     tensors = [p for _, p in params]
     spare = [torch.empty_like(t) for t in tensors] if spare is None else spare
-    modes = [m.training for m in model.modules()]
-    model.eval()
-    try:
+    with _eval_mode(model), _parked(tensors, spare) as theta, torch.inference_mode():
+        pairs = []
+        for seed in seeds:
+            with timed(times, "perturb_s"):
+                _perturbed_(tensors, theta, seed, eps, kind)
+            with timed(times, "forward_plus_s"):
+                plus = float(loss_fn(model, batch))
+            with timed(times, "perturb_s"):
+                _mirrored_(tensors, theta)
+            with timed(times, "forward_minus_s"):
+                pairs.append((plus, float(loss_fn(model, batch))))
+        return pairs
+
+
+def one_sided_losses(
+    model: nn.Module,
+    params: NamedParams,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor | float],
+    batch: object,
+    seeds: Sequence[int],
+    eps: float = 1e-3,
+    kind: str = "rademacher",
+    *,
+    spare: Sequence[torch.Tensor] | None = None,
+    times: dict[str, float] | None = None,
+) -> list[tuple[float, float]]:
+    """(L(θ+εz_s), L(θ)) for each seed, on the same batch: one unperturbed forward shared by the
+    batch of one-sided perturbed ones (FZOO), so len(seeds) + 1 forward passes where
+    `spsa_losses` takes 2·len(seeds). L(θ) is repeated in every pair.
+
+    Measured as in `spsa_losses`: L(θ) first, then each θ + εz written from the parked θ into
+    `spare`'s storage (one pass over θ and one draw of z per sample, nothing to restore). `times`,
+    if given, accumulates seconds under forward_base_s, perturb_s and forward_plus_s.
+    """
+    tensors = [p for _, p in params]
+    spare = [torch.empty_like(t) for t in tensors] if spare is None else spare
+    with _eval_mode(model):
+        with timed(times, "forward_base_s"), torch.inference_mode():
+            base = float(loss_fn(model, batch))
         with _parked(tensors, spare) as theta, torch.inference_mode():
             pairs = []
             for seed in seeds:
                 with timed(times, "perturb_s"):
                     _perturbed_(tensors, theta, seed, eps, kind)
                 with timed(times, "forward_plus_s"):
-                    plus = float(loss_fn(model, batch))
-                with timed(times, "perturb_s"):
-                    _mirrored_(tensors, theta)
-                with timed(times, "forward_minus_s"):
-                    pairs.append((plus, float(loss_fn(model, batch))))
-            return pairs
-    finally:
-        for m, mode in zip(model.modules(), modes):
-            m.training = mode
+                    pairs.append((float(loss_fn(model, batch)), base))
+    return pairs
 
 
 def spsa_projected_grads(
