@@ -23,8 +23,10 @@ from raylowcomm.core.zo.estimators import (
     spread,
 )
 from raylowcomm.core.zo.perturb import (
+    CHUNK,
     KINDS,
     apply_step_,
+    apply_update_,
     iter_z,
     one_sided_losses,
     spsa_losses,
@@ -192,14 +194,19 @@ def mlp(dtype=torch.float32):
     return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 1)).to(dtype)
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-@pytest.mark.parametrize("rule", STEP_RULES)
-def test_replicas_stay_identical_over_20_steps_with_a_leave_and_a_join_and_replay_reproduces_them(estimator, rule):
+@pytest.mark.parametrize(
+    "estimator, rule, density",
+    [(e, r, 1.0) for e in ESTIMATORS for r in STEP_RULES]
+    + [("one_sided_batch", "normalised", 0.25), ("two_point", "plain", 0.25)],
+)
+def test_replicas_stay_identical_over_20_steps_with_a_leave_and_a_join_and_replay_reproduces_them(
+    estimator, rule, density
+):
     """Three `Replica`s exchange codes for 20 steps; node 2 leaves after step 7; node 3 joins at
     step 12 from a checkpoint of step 10 plus the log. Every running replica hashes equal after
     every step; a fresh model replaying the whole log from step 0 ends equal too; the same run
     under the other step rule ends elsewhere (the rule is applied)."""
-    cfg = dict(eps=1e-3, samples=3, lr=0.02, weight_decay=0.1, estimator=estimator, rule=rule)
+    cfg = dict(eps=1e-3, samples=3, lr=0.02, weight_decay=0.1, estimator=estimator, rule=rule, density=density)
     reps = {n: Replica(mlp(), n, 42, codec_for("log"), **cfg) for n in range(3)}
     checkpoint, initial = None, parameter_hash(trainable_parameters(mlp()))
     for step in range(20):
@@ -221,7 +228,7 @@ def test_replicas_stay_identical_over_20_steps_with_a_leave_and_a_join_and_repla
     log = ReplayLog.from_bytes(reps[3].log.to_bytes())  # the joiner's log holds steps 10.. only
     assert log.steps == list(range(10, 20))
     full = ReplayLog.from_bytes(reps[0].log.to_bytes())
-    replay_cfg = dict(schedule=SeedSchedule(42), codec=codec_for("log"), lr=0.02, weight_decay=0.1)
+    replay_cfg = dict(schedule=SeedSchedule(42), codec=codec_for("log"), lr=0.02, weight_decay=0.1, density=density)
     assert full.replay_(fresh, 0, 20, rule=rule, **replay_cfg) == 20
     assert parameter_hash(fresh) == final
     other = trainable_parameters(mlp())
@@ -247,3 +254,53 @@ def test_one_sided_batch_with_the_normalised_step_reduces_loss_on_a_convex_probl
     with torch.no_grad():
         final = float(mse(model, batch))
     assert math.isfinite(final) and final < 1e-3 * start
+
+
+# ------------------------------------------------------------------------------ sparse perturbations
+
+
+def test_a_sparse_z_is_the_dense_draw_then_a_byte_mask_per_chunk_from_the_same_generator():
+    """The stream's definition for density < 1: per CHUNK, the Rademacher words, then one random
+    byte per element; z is kept where the byte is below round(256·density)."""
+    params = [("a", torch.zeros(3, 41)), ("b", torch.zeros(CHUNK + 77))]
+    gen = torch.Generator().manual_seed(9)
+    expected = []
+    for _, p in params:
+        for n in [min(CHUNK, p.numel() - s) for s in range(0, p.numel(), CHUNK)]:
+            words = torch.empty((n + 63) // 64, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+            bits = (words.view(torch.uint8).unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
+            z = bits.view(-1)[:n].float() * 2 - 1
+            mask_bytes = torch.empty((n + 7) // 8, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+            expected.append(torch.where(mask_bytes.view(torch.uint8)[:n] < 64, z, torch.zeros(())))
+    z = torch.cat([t.view(-1) for t in iter_z(params, 9, "rademacher", density=0.25)])
+    assert torch.equal(z, torch.cat(expected))
+    assert abs(float((z != 0).double().mean()) - 0.25) < 0.01
+    dense = torch.cat([t.view(-1) for t in iter_z(params, 9, "rademacher")])
+    assert torch.equal(dense, torch.cat([t.view(-1) for t in iter_z(params, 9, "rademacher", density=1.0)]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sparse_step_moves_only_the_masked_weights_and_the_forward_sees_only_them_shifted(kind):
+    model = mlp()
+    params = trainable_parameters(model)
+    theta = [p.detach().clone() for _, p in params]
+    z = list(iter_z(params, 5, kind, density=0.5))
+    seen = []
+
+    def loss(m, b):
+        seen.append([p.detach().clone() for _, p in params])
+        return mse(m, b)
+
+    one_sided_losses(model, params, loss, data(dtype=torch.float32), [5], 1e-2, kind, density=0.5)
+    assert all(torch.equal(s, t) for s, t in zip(seen[0], theta)), "L(θ) first"
+    assert all(torch.equal(s, torch.add(t, zz, alpha=1e-2)) for s, t, zz in zip(seen[1], theta, z))
+    apply_update_(params, 5, 0.1, kind, density=0.5)
+    for (_, p), t, zz in zip(params, theta, z):
+        assert torch.equal(p[zz == 0], t[zz == 0]) and bool((p[zz != 0] != t[zz != 0]).all())
+    assert 0.3 < sum(int((zz != 0).sum()) for zz in z) / sum(zz.numel() for zz in z) < 0.7
+
+
+def test_bad_densities_are_refused():
+    for bad in (0.0, 1 / 512, 1.5):
+        with pytest.raises(ValueError, match="density"):
+            Replica(linear(), 0, 1, codec_for("log"), eps=1e-3, samples=2, lr=0.1, density=bad)

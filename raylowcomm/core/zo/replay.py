@@ -24,6 +24,7 @@ from raylowcomm.core.zo.perturb import (
     NamedParams,
     apply_step_,
     decay_mask,
+    mask_threshold,
     one_sided_losses,
     spsa_losses,
     timed,
@@ -59,8 +60,8 @@ class ReplayLog:
 
     A node joining at step k loads a checkpoint taken after step k−1 and replays steps ≥ k;
     its weights then hash equal to the others'. The codes mean nothing without the run's
-    codec, seed schedule, lr, weight decay, perturbation kind and step rule, which travel in
-    the config.
+    codec, seed schedule, lr, weight decay, perturbation kind, density and step rule, which
+    travel in the config.
     """
 
     _DTYPE = np.dtype([("step", "<i8"), ("node", "<i4"), ("sample", "<i4"), ("code", "<u4")])
@@ -100,6 +101,7 @@ class ReplayLog:
         decay: Sequence[bool] | None = None,
         kind: str = "rademacher",
         rule: str = "plain",
+        density: float = 1.0,
     ) -> int:
         """Apply the logged steps from_step ≤ step < to_step in order; returns how many.
         `lr` may be a function of the step (a schedule); `rule` is the step rule (`rule_updates`)."""
@@ -108,7 +110,7 @@ class ReplayLog:
             if from_step <= step < to_step:
                 step_lr = lr(step) if callable(lr) else lr
                 updates = rule_updates(self.step_updates(step, schedule, codec), rule)
-                apply_step_(params, updates, step_lr, weight_decay, decay, kind)
+                apply_step_(params, updates, step_lr, weight_decay, decay, kind, density)
                 done += 1
         return done
 
@@ -148,7 +150,8 @@ class Replica:
     """One node's side of SPSA with shared randomness, without Ray: at its step it measures its
     projected gradients with its `estimator` and publishes them as codes; it then applies the
     step's codes of every publisher, its own included, by replaying them in (node, sample) order
-    under the step `rule` (`raylowcomm.core.zo.estimators`). Replicas that start equal and apply
+    under the step `rule` (`raylowcomm.core.zo.estimators`), perturbing a seeded `density` of the
+    weights (all by default). Replicas that start equal and apply
     the same codes stay bit-identical.
 
     It keeps, between steps, the storage θ is parked in while θ ± εz is measured (one copy of the
@@ -159,11 +162,13 @@ class Replica:
 
     def __init__(self, model: nn.Module, node: int, run_seed: int, codec: Codec, *, eps: float, samples: int,
                  lr: float, weight_decay: float = 0.0, kind: str = "rademacher", include: Sequence[str] | None = None,
-                 step: int = 0, estimator: str = "two_point", rule: str = "plain"):
+                 step: int = 0, estimator: str = "two_point", rule: str = "plain", density: float = 1.0):
         check_estimator(estimator)
         check_step_rule(rule, samples)
+        mask_threshold(density)
         self.model, self.node, self.codec, self.eps, self.samples = model, node, codec, eps, samples
         self.lr, self.weight_decay, self.kind, self.estimator, self.rule = lr, weight_decay, kind, estimator, rule
+        self.density = density
         self.params = trainable_parameters(model, include)
         self.decay = decay_mask(self.params)
         self.schedule, self.log, self.step, self.forwards = SeedSchedule(run_seed), ReplayLog(), step, 0
@@ -179,7 +184,7 @@ class Replica:
         self.log = ReplayLog.from_bytes(log)
         return self.log.replay_(self.params, checkpoint_step, self.step, schedule=self.schedule, codec=self.codec,
                                 lr=self.lr, weight_decay=self.weight_decay, decay=self.decay, kind=self.kind,
-                                rule=self.rule)
+                                rule=self.rule, density=self.density)
 
     def compute(self, loss_fn: Callable, batch: object) -> tuple[bytes, list[tuple[float, float]]]:
         """(this step's codes, the loss pairs measured: (L+, L−) for two_point, (L(θ+εz), L(θ)) for
@@ -187,7 +192,7 @@ class Replica:
         seeds = step_seeds(self.schedule, self.step, self.node, self.samples)
         measure = spsa_losses if self.estimator == "two_point" else one_sided_losses
         pairs = measure(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind, spare=self.spare,
-                        times=self.times)
+                        times=self.times, density=self.density)
         self.forwards += forwards_per_step(self.estimator, self.samples)
         if not all(math.isfinite(lp) and math.isfinite(lm) for lp, lm in pairs):
             raise FloatingPointError(f"node {self.node}, step {self.step}: the loss is not finite ({pairs[0]}): "
@@ -208,5 +213,5 @@ class Replica:
                         for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts))))
         with timed(self.times, "replay_s"):
             updates = rule_updates(self.log.step_updates(step, self.schedule, self.codec), self.rule)
-            apply_step_(self.params, updates, self.lr, self.weight_decay, self.decay, self.kind)
+            apply_step_(self.params, updates, self.lr, self.weight_decay, self.decay, self.kind, self.density)
         self.step = step + 1
