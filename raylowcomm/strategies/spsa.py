@@ -33,7 +33,7 @@ from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.membership import JoinEvent, LeaveEvent, ScheduleError, check_schedule
 from raylowcomm.core.zo.codec import Codec, codec_for
 from raylowcomm.core.zo.estimators import check_step_rule, forwards_per_step, measured_loss
-from raylowcomm.core.zo.perturb import trainable_parameters
+from raylowcomm.core.zo.perturb import mask_threshold, trainable_parameters
 from raylowcomm.core.zo.replay import Replica
 from raylowcomm.data import TrainSource
 from raylowcomm.models import state_dict_of
@@ -94,6 +94,10 @@ class SpsaConfig:
     """SPSA's learning rate; None: optim.lr (zeroth-order steps usually want a smaller lr than backprop)."""
     steps: int | None = None
     """Steps to take; None: as many as the other strategies (optim.epochs / max_steps)."""
+    density: float = 1.0
+    """Fraction of the tuned weights each perturbation touches (Sparse MeZO, random mask): a multiple of 1/256 in
+    [1/256, 1], drawn per perturbation from its seed, so every replica and joiner perturbs and updates the same
+    weights; 1: all (no mask drawn)."""
     include: list[str] | None = None
     """Regexes of the parameters to tune (None: all)."""
     verify_every: int = 10
@@ -125,7 +129,7 @@ class SpsaNode(Node):
         self.replica = Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   kind=o.perturbation, include=o.include, step=until or 0, estimator=o.estimator,
-                                  rule=o.step)
+                                  rule=o.step, density=o.density)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
         if until is not None:  # a joiner, or a resumed run: the checkpoint, then the replay log, from storage
             t0 = time.perf_counter()
@@ -201,6 +205,10 @@ class Spsa(Strategy):
             check_step_rule(o.step, o.samples)
         except ValueError as err:
             raise ConfigError("spsa.samples", o.samples, f"with spsa.step: {o.step}: {err}") from None
+        try:
+            mask_threshold(o.density)
+        except ValueError as err:
+            raise ConfigError("spsa.density", o.density, str(err)) from None
         for i, pattern in enumerate(o.include or []):
             try:
                 re.compile(pattern)
@@ -399,7 +407,8 @@ class SpsaRun:
         details = {
             "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
             "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "estimator": opts.estimator,
-            "step_rule": opts.step, "forwards": self.forwards, "forwards_per_node_step": self.node_forwards,
+            "step_rule": opts.step, "density": opts.density, "forwards": self.forwards,
+            "forwards_per_node_step": self.node_forwards,
             "lr": opts.lr or self.cfg.optim.lr, "eps": opts.eps, "shard_slots": self.slots, "verified": self.verified,
             "grad_bytes": total["payload"], "grad_wire_bytes": total["wire"],
             "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
