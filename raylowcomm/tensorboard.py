@@ -9,7 +9,8 @@ Two sources feed it:
   ``{"step": 10, "train_loss": 0.3}``, sometimes with evaluation metrics). Written at once, with
   the real time of the call, so the curves grow while the run is going.
 - ``record(record)`` — the finished strategy's ``RunRecord.to_dict()``: every learning-curve point
-  (``curve_point``: step, training wall time, samples, bytes so far, id_*/shift_* metrics) and
+  (``curve_point``: step, training wall time, samples, bytes so far, id_*/shift_* metrics; SPSA's
+  also forward passes so far) and
   the final metrics and byte totals. A record with ``"error"`` writes nothing.
 
 Tags (stable; ``<m>`` is a metric name as the strategy reports it, e.g. ``id_accuracy``,
@@ -23,6 +24,8 @@ tag                                   value                                   ho
 ``eval/<m>``                          evaluation metric                       step
 ``comm/bytes_sent``                   bytes sent so far, all phases           step
 ``train/samples_seen``                training samples seen by all nodes      step
+``train/forwards``                    forward passes run by all nodes (SPSA's step
+                                      curve points carry them)
 ``eval_vs_time/<m>``                  evaluation metric                       training wall time, ms
 ``comm_vs_time/bytes_sent``           bytes sent so far, all phases           training wall time, ms
 ``final/<m>``                         the record's final metrics              last curve step
@@ -166,8 +169,9 @@ class TensorBoardLog:
                         if ms is not None:
                             w.add_scalar("comm_vs_time/bytes_sent", value, global_step=ms, walltime=walltime)
                         continue
-                    if key == "samples":
-                        w.add_scalar("train/samples_seen", value, global_step=step, walltime=walltime)
+                    if key in ("samples", "forwards"):
+                        tag = "train/samples_seen" if key == "samples" else "train/forwards"
+                        w.add_scalar(tag, value, global_step=step, walltime=walltime)
                         continue
                     tag = metric_tag(key)
                     if (tag, step) not in written:

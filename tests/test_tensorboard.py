@@ -152,6 +152,15 @@ def test_live_eval_is_not_written_twice(tmp_path: Path):
         assert scalars(acc, f"eval_vs_time/{m}") == expect([(round(p["wall_s"] * 1000), p[m]) for p in CURVE])
 
 
+def test_spsa_forward_passes_are_an_axis_not_a_metric(tmp_path: Path):
+    curve = [dict(p, forwards=4 * p["step"]) for p in CURVE]
+    with TensorBoardLog(tmp_path) as tb:
+        tb.record(dict(RECORD, strategy="spsa", curve=curve))
+    acc = load(tmp_path / "tensorboard" / "spsa")
+    assert scalars(acc, "train/forwards") == expect([(p["step"], 4 * p["step"]) for p in CURVE])
+    assert not any("forwards" in t for t in acc.Tags()["scalars"] if t != "train/forwards")
+
+
 def test_error_record_writes_nothing(tmp_path: Path):
     tb = TensorBoardLog(tmp_path)
     tb.record({"strategy": "spsa", "error": "RuntimeError: node 1 died", "wall_s": 3.0})

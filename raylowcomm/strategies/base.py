@@ -173,14 +173,15 @@ def node_bundle(cfg: RunConfig) -> dict[str, float]:
 def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int,
                   samples: int, train_s: float, infos: list[dict], weights: dict, curve: list[dict] | None = None,
                   nodes: list[dict] | None = None, details: dict | None = None,
-                  curve_wall_s: float | None = None) -> RunRecord:
+                  curve_wall_s: float | None = None, final_point: dict | None = None) -> RunRecord:
     """The end every strategy shares, once everything it needed has come back: the curve's last
     point is the final metrics with every byte sent (collecting the result included) at the
-    training time (`curve_wall_s` where collecting counts too), the weights are saved as
+    training time (`curve_wall_s` where collecting counts too) with `final_point`'s entries (the
+    strategy's own x-axes, such as SPSA's forwards), the weights are saved as
     safetensors (and in the fine-tune's own forms: a LoRA adapter, OUT/<strategy>/adapter), and
     peak memory is the largest of any actor's."""
     wall_s = train_s if curve_wall_s is None else curve_wall_s
-    curve = [*(curve or []), curve_point(step, wall_s, samples, ledger.total_bytes, metrics)]
+    curve = [*(curve or []), {**curve_point(step, wall_s, samples, ledger.total_bytes, metrics), **(final_point or {})}]
     details = details or {}
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name

@@ -1,13 +1,16 @@
 """SPSA with shared randomness (MeZO + Just One Byte) on Ray: after the initial broadcast a node
 sends one byte per perturbation per step; no weights or gradients ever move. Each step every node
-measures g = (L(θ+εz) − L(θ−εz)) / 2ε on its own batch for `samples` seeds of (run seed, step,
-node, sample) and returns g as a byte inline in its reply (an ObjectRef would cost ~250 B); the
+measures g = (L(θ+εz) − L(θ−εz)) / 2ε (or, `estimator: one_sided_batch`, (L(θ+εz) − L(θ)) / ε with
+one L(θ) shared) on its own batch for `samples` seeds of (run seed, step, node, sample) and returns
+g as a byte inline in its reply (an ObjectRef would cost ~250 B); the
 driver relays every node the others' codes inline in `apply`, and each node replays all updates
-in (node, sample) order with the DECODED values (`Replica`): replicas stay bit-identical,
+in (node, sample) order with the DECODED values (`Replica`; `step: normalised` divides them by
+their spread, computed from the same decoded values): replicas stay bit-identical,
 checked every `verify_every` steps. Nodes leave, die and join at step boundaries (core/membership)
 from the latest checkpoint plus the replay log; one shard per slot, `nodes.count + len(join)`.
 Bytes: `train/projected_grads` (N·samples·codec B a step), `train/projected_grads_relay` (to the
-N−1 others), `train/train_loss` (4 B), `train/control` (publisher lists); `details`: wire bytes.
+N−1 others), `train/train_loss` (4 B), `train/control` (publisher lists); `details`: wire bytes and
+the forward passes run (`forwards`, also on every curve point).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.membership import JoinEvent, LeaveEvent, ScheduleError, check_schedule
 from raylowcomm.core.zo.codec import Codec, codec_for
-from raylowcomm.core.zo.perturb import trainable_parameters
+from raylowcomm.core.zo.estimators import check_step_rule, forwards_per_step, measured_loss
+from raylowcomm.core.zo.perturb import mask_threshold, trainable_parameters
 from raylowcomm.core.zo.replay import Replica
 from raylowcomm.data import TrainSource
 from raylowcomm.models import state_dict_of
@@ -55,7 +59,7 @@ LOSS_BYTES = struct.calcsize(LOSS_FORMAT)
 CHECKPOINT, REPLAY_LOG, DRIVER_STATE = "spsa/checkpoint.safetensors", "spsa/replay_log.bin", "spsa/driver.json"
 """In storage: θ at the last checkpoint step, the log a joiner replays from it, and the driver's
 counts at that checkpoint (what `--resume` continues from)."""
-DRIVER_COUNTS = ("samples", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size")
+DRIVER_COUNTS = ("samples", "forwards", "curve", "verified", "per_step", "step0", "ckpt_step", "ckpt_size")
 """The driver's counts (SpsaRun attributes) kept in DRIVER_STATE beside the step, nodes, ledger and records."""
 
 
@@ -78,10 +82,22 @@ class SpsaConfig:
     """epsilon: each node scores its batch at theta + eps*z and theta - eps*z."""
     samples: int = 1
     """Perturbations (bytes) per node per step, all on the node's same batch."""
+    estimator: Literal["two_point", "one_sided_batch"] = "two_point"
+    """two_point (MeZO): g = (L(theta+eps*z) - L(theta-eps*z)) / 2eps, 2*samples forward passes per node per step;
+    one_sided_batch (FZOO): g = (L(theta+eps*z) - L(theta)) / eps with one unperturbed L(theta) shared by the
+    node's samples, samples + 1 forward passes. One byte per perturbation either way."""
+    step: Literal["plain", "normalised"] = "plain"
+    """plain: theta -= lr * mean(g*z); normalised: each g divided by the sample std of the step's decoded g (all
+    nodes'; computed from the bytes every replica has, so replicas and joiners apply the same bits; needs
+    samples >= 2). Normalised steps move about lr per weight whatever the loss scale: they want their own lr."""
     lr: float | None = None
     """SPSA's learning rate; None: optim.lr (zeroth-order steps usually want a smaller lr than backprop)."""
     steps: int | None = None
     """Steps to take; None: as many as the other strategies (optim.epochs / max_steps)."""
+    density: float = 1.0
+    """Fraction of the tuned weights each perturbation touches (Sparse MeZO, random mask): a multiple of 1/256 in
+    [1/256, 1], drawn per perturbation from its seed, so every replica and joiner perturbs and updates the same
+    weights; 1: all (no mask drawn)."""
     include: list[str] | None = None
     """Regexes of the parameters to tune (None: all)."""
     verify_every: int = 10
@@ -112,7 +128,8 @@ class SpsaNode(Node):
         self.seed, self.losses = node_seed(cfg.seed, node), []
         self.replica = Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                  kind=o.perturbation, include=o.include, step=until or 0)
+                                  kind=o.perturbation, include=o.include, step=until or 0, estimator=o.estimator,
+                                  rule=o.step, density=o.density)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
         if until is not None:  # a joiner, or a resumed run: the checkpoint, then the replay log, from storage
             t0 = time.perf_counter()
@@ -129,13 +146,14 @@ class SpsaNode(Node):
         with autocast(self.cfg.optim.precision, self.device):  # the losses only: replicas apply fp32 updates
             batch = batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed, group_seed(self.cfg))
             payload, pairs = self.replica.compute(self.task.loss, batch)
-        self.losses.append(sum(lp + lm for lp, lm in pairs) / (2 * len(pairs)))
+        self.losses.append(measured_loss(self.replica.estimator, pairs))
         self.times["compute_s"] += time.perf_counter() - t0
         every = self.cfg.log_every
         if (step + 1) % every == 0:
             decoded = ", ".join(f"{g:+.4g}" for g in self.replica.codec.from_bytes(payload))
+            other = "L-" if self.replica.estimator == "two_point" else "L0"
             self.log(f"step {step + 1} loss {sum(self.losses[-every:]) / len(self.losses[-every:]):.4f} "
-                     f"(L+ {pairs[0][0]:.4f} L- {pairs[0][1]:.4f}) g {decoded}")
+                     f"(L+ {pairs[0][0]:.4f} {other} {pairs[0][1]:.4f}) g {decoded}")
         return payload + struct.pack(LOSS_FORMAT, self.losses[-1])
 
     def apply(self, publishers: list[int], others: bytes) -> None:
@@ -157,6 +175,7 @@ class SpsaNode(Node):
 
     def extra_info(self) -> dict:
         return {"examples": num_examples(self.shard), "steps_computed": len(self.losses),
+                "forwards": self.replica.forwards,
                 "mean_loss": sum(self.losses) / len(self.losses) if self.losses else None,
                 **{k: round(v, 3) for k, v in self.times.items()},
                 **{f"replica_{k}": round(v, 3) for k, v in self.replica.times.items()}}  # perturb, forwards, replay
@@ -182,6 +201,14 @@ class Spsa(Strategy):
         for name in ("eps", "samples", "verify_every", "lr", "steps"):
             if getattr(o, name) is not None and not getattr(o, name) > 0:
                 raise ConfigError(f"spsa.{name}", getattr(o, name), "must be > 0")
+        try:
+            check_step_rule(o.step, o.samples)
+        except ValueError as err:
+            raise ConfigError("spsa.samples", o.samples, f"with spsa.step: {o.step}: {err}") from None
+        try:
+            mask_threshold(o.density)
+        except ValueError as err:
+            raise ConfigError("spsa.density", o.density, str(err)) from None
         for i, pattern in enumerate(o.include or []):
             try:
                 re.compile(pattern)
@@ -214,6 +241,7 @@ class SpsaRun:
         self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0
         self.weights_ref = None
         self.records, self.infos, self.verified, self.curve, self.samples, self.step0 = {}, {}, [], [], 0, {}
+        self.forwards, self.node_forwards = 0, forwards_per_step(self.opts.estimator, self.opts.samples)
         self.per_step = {"payload": [], "wire": [], "control": [], "wall": []}
 
     def start_nodes(self) -> int:
@@ -265,9 +293,10 @@ class SpsaRun:
         start = self.start_nodes()
         if start == 0:
             self.step0 = self.evaluate(0)
-        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s), verify every %d",
-                    len(self.group), self.steps, self.opts.samples, self.codec.nbytes, self.opts.codec,
-                    self.opts.perturbation, self.opts.verify_every)
+        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s, %s, %s step, %d forwards), "
+                    "verify every %d", len(self.group), self.steps, self.opts.samples, self.codec.nbytes,
+                    self.opts.codec, self.opts.perturbation, self.opts.estimator, self.opts.step, self.node_forwards,
+                    self.opts.verify_every)
         self.train_clock = TrainClock()
         self.train_clock.start -= self.resumed_train_s
         if start == 0:
@@ -284,8 +313,8 @@ class SpsaRun:
             if step + 1 in points:
                 with self.train_clock.paused():
                     metrics = self.evaluate(step + 1)
-                self.curve.append(curve_point(step + 1, self.train_clock.elapsed(), self.samples,
-                                              self.ledger.total_bytes, metrics))
+                self.curve.append({**curve_point(step + 1, self.train_clock.elapsed(), self.samples,
+                                                 self.ledger.total_bytes, metrics), "forwards": self.forwards})
                 progress.update(metrics)
             self.ctx.report(progress)
         return self.finish(self.step0)
@@ -336,6 +365,7 @@ class SpsaRun:
         for k in group.gather(applies)[1]:
             self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
         self.samples += len(pubs) * self.cfg.optim.batch_size
+        self.forwards += len(pubs) * self.node_forwards
         for key, value in (("payload", sum(map(len, codes.values()))), ("wire", wire), ("control", control),
                            ("wall", time.perf_counter() - t0)):
             self.per_step[key].append(value)
@@ -376,7 +406,9 @@ class SpsaRun:
         total = {key: sum(values) for key, values in self.per_step.items()}
         details = {
             "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
-            "perturbation": opts.perturbation, "samples_per_node_step": opts.samples,
+            "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "estimator": opts.estimator,
+            "step_rule": opts.step, "density": opts.density, "forwards": self.forwards,
+            "forwards_per_node_step": self.node_forwards,
             "lr": opts.lr or self.cfg.optim.lr, "eps": opts.eps, "shard_slots": self.slots, "verified": self.verified,
             "grad_bytes": total["payload"], "grad_wire_bytes": total["wire"],
             "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
@@ -387,4 +419,4 @@ class SpsaRun:
             "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps)}
         return finish_record(Spsa.name, self.ctx, self.ledger, self.clock, metrics=metrics, step=steps,
                              samples=self.samples, train_s=train_s, infos=infos, weights=state, curve=self.curve,
-                             nodes=nodes, details=details)
+                             nodes=nodes, details=details, final_point={"forwards": self.forwards})

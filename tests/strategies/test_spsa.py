@@ -59,6 +59,12 @@ def test_membership_schedule_parses_into_dataclasses():
         ({"samples": 0}, "spsa.samples"),
         ({"verify_every": 0}, "spsa.verify_every"),
         ({"include": ["("]}, "spsa.include[0]"),
+        ({"step": "normalised"}, "spsa.samples"),  # one g per node: no spread to divide by
+        ({"step": "normalised", "samples": 1, "estimator": "one_sided_batch"}, "spsa.samples"),
+        ({"estimator": "three_point"}, "spsa.estimator"),
+        ({"step": "adam"}, "spsa.step"),
+        ({"density": 0.0}, "spsa.density"),
+        ({"density": 1.5}, "spsa.density"),
     ],
 )
 def test_bad_config_names_the_field(spsa, field):
@@ -206,8 +212,51 @@ def test_progress_every_step_and_a_learning_curve_every_eval_every_steps(ray_ses
     assert curve[0]["bytes"] >= rec["comm"]["by_phase"]["setup"], "all setup bytes were sent before the first point"
     assert curve[-1]["wall_s"] == round(rec["train_s"], 3) and curve[-1]["bytes"] == rec["comm"]["total_bytes"]
     assert {k: curve[-1][k] for k in rec["metrics"]} == rec["metrics"]
-    assert set(curve[0]) == {"step", "wall_s", "samples", "bytes", *rec["metrics"]}
+    assert set(curve[0]) == {"step", "wall_s", "samples", "bytes", "forwards", *rec["metrics"]}
+    assert [p["forwards"] for p in curve] == [2 * 2 * s for s in (3, 6, 7)], "two_point: 2 forwards per sample"
+    assert rec["details"]["forwards"] == 2 * 2 * steps and rec["details"]["forwards_per_node_step"] == 2
     assert rec["comm"]["by_kind"]["setup/eval_sets"] > 0, "the evaluating node fetched the test set: counted"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("density", [1.0, 1 / 256])
+def test_one_sided_batch_with_the_normalised_step_keeps_replicas_identical_through_a_leave_and_a_join(
+    ray_session, tmp_path, density
+):
+    """The FZOO-style estimator and the step normalised from the decoded bytes, dense and sparse:
+    2 nodes, node 1 removed at step 5, node 2 joins at step 9 from the checkpoint of step 8 plus the
+    log; hashes equal at every step for 22 steps, one byte per perturbation, samples + 1 forwards
+    per node-step; with density 1/256 the ~100 perturbations moved only a part of the weights."""
+    steps, samples = 22, 3
+    cfg = tiny_config(steps=steps, eval_every=10, verify_every=1, samples=samples, estimator="one_sided_batch",
+                      step="normalised", lr=1e-3, density=density, leave=[{"node": 1, "step": 5}], join=[{"step": 9}])
+    ctx = prepare(cfg, tmp_path)
+    initial = parameter_hash(list(ctx.model.named_parameters()))
+    before = {n: p.detach().clone() for n, p in trainable_parameters(ctx.model)}
+    rec = Spsa().run(ctx).to_dict()
+    det, nodes = rec["details"], {n["node"]: n for n in rec["nodes"]}
+    assert (nodes[1]["left_step"], nodes[1]["left_how"]) == (5, "remove")
+    assert (nodes[2]["joined_step"], nodes[2]["joined_from_checkpoint_step"]) == (9, 8)
+    verified = {(v["step"], tuple(v["nodes"])) for v in det["verified"]}
+    assert {(4, (0, 1)), (9, (0, 2)), (22, (0, 2))} <= verified
+    assert all(len(v["nodes"]) >= 1 for v in det["verified"]) and len(det["verified"]) >= steps
+    assert len({v["hash"] for v in det["verified"] if v["step"] > 0} - {initial}) >= steps - 1, "weights move"
+    hashes = final_hashes(rec)
+    assert set(hashes) == {0, 2} and len(set(hashes.values())) == 1 and initial not in hashes.values()
+    running = [2 if s < 5 else 1 if s < 9 else 2 for s in range(steps)]
+    assert rec["comm"]["by_kind"]["train/projected_grads"] == sum(samples * n for n in running)
+    assert det["estimator"] == "one_sided_batch" and det["step_rule"] == "normalised"
+    assert det["forwards_per_node_step"] == samples + 1 and det["forwards"] == (samples + 1) * sum(running)
+    assert [(p["step"], p["forwards"]) for p in rec["curve"]] == [
+        (s, (samples + 1) * sum(running[:s])) for s in (10, 20, 22)]
+    assert nodes[0]["forwards"] == (samples + 1) * steps and nodes[2]["forwards"] == (samples + 1) * (steps - 9)
+    final = load_file(rec["weights"])
+    moved = sum(int((final[n] != b).sum()) for n, b in before.items()) / sum(b.numel() for b in before.values())
+    perturbations = samples * sum(running)
+    if density == 1.0:
+        assert moved > 0.9
+    else:  # each weight is in a given perturbation's mask with probability 1/256
+        assert abs(moved - (1 - (1 - density) ** perturbations)) < 0.05 and det["density"] == density
 
 
 def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp_path):

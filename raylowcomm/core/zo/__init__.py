@@ -6,7 +6,9 @@ quantised to a byte. The perturbation z is regenerated from a seed that every no
 from (run seed, step, node, sample), so every node applies the same update θ ← θ − lr·g·z and
 the replicas stay bit-identical. Plain torch: nothing here knows about Ray.
 
-`perturb`: seeded perturbations and the SPSA measurement and step; `codec`: what crosses the
+`perturb`: seeded perturbations, the measurements (two-point; one-sided sharing L(θ)) and the
+step; `estimators`: projected gradients from the measured losses, forward-pass counts and the
+step rules (plain; normalised by the spread of the step's decoded g); `codec`: what crosses the
 network per sample; `replay`: seeds, the replay log and one node's `Replica`.
 
 Bit-identity rests on three rules kept throughout this package:

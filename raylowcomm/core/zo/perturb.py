@@ -79,6 +79,7 @@ class _Scratch:
         self.words = torch.empty(CHUNK // 64, dtype=torch.int64)
         self.index = torch.empty(CHUNK // 8, dtype=torch.int64)
         self.signs = torch.empty(CHUNK // 8, dtype=torch.int64)
+        self.mask_words = torch.empty(CHUNK // 8, dtype=torch.int64)  # one random byte per element
         self._z: dict[torch.dtype, torch.Tensor] = {}
 
     def z(self, dtype: torch.dtype) -> torch.Tensor:
@@ -108,6 +109,24 @@ def _gaussian(n: int, dtype: torch.dtype, gen: torch.Generator, scratch: _Scratc
 _DRAW = {"rademacher": _rademacher, "gaussian": _gaussian}
 
 
+def mask_threshold(density: float) -> int:
+    """The byte threshold of a sparse mask: an element is perturbed iff its random byte is below
+    round(256·density), so densities are multiples of 1/256 and density 1 draws no mask at all."""
+    if not 1 / 256 <= density <= 1:
+        raise ValueError(f"density must be in [1/256, 1], got {density}")
+    return round(256 * density)
+
+
+def _masked_(z: torch.Tensor, keep: int, gen: torch.Generator, scratch: _Scratch) -> torch.Tensor:
+    # Sparse perturbations (Sparse MeZO, with a random mask): one random byte per element from the
+    # seed's own generator, right after the chunk's z; z is zeroed where the byte is ≥ keep. Integer
+    # draws and compares: the mask is the same on every machine, so every replica perturbs and
+    # updates the same elements.
+    n = z.numel()
+    words = scratch.mask_words[: (n + 7) // 8].random_(-(1 << 63), None, generator=gen)
+    return z.masked_fill_(words.view(torch.uint8)[:n] >= keep, 0)
+
+
 def _slices(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Flat views of at most CHUNK elements of every tensor, in order: the unit z is drawn in."""
     for t in tensors:
@@ -119,29 +138,32 @@ def _slices(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 
 def _z_chunks(
-    tensors: Iterable[torch.Tensor], seed: int, kind: str, scratch: _Scratch | None = None
+    tensors: Iterable[torch.Tensor], seed: int, kind: str, scratch: _Scratch | None = None, density: float = 1.0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(flat slice of a tensor, its z) for every CHUNK of every tensor, in order. The z is drawn
-    into `scratch` (streams may share one if each z is used before the next is drawn)."""
+    into `scratch` (streams may share one if each z is used before the next is drawn). With
+    density < 1 each chunk's z is followed in the stream by its mask (`_masked_`)."""
     if kind not in _DRAW:
         raise ValueError(f"unknown perturbation kind {kind!r}; expected one of {KINDS}")
+    keep = mask_threshold(density)
     draw, gen, scratch = _DRAW[kind], torch.Generator().manual_seed(seed), scratch or _Scratch()
     for part in _slices(tensors):
-        yield part, draw(part.numel(), part.dtype, gen, scratch).to(part.device)
+        z = draw(part.numel(), part.dtype, gen, scratch)
+        yield part, (z if keep == 256 else _masked_(z, keep, gen, scratch)).to(part.device)
 
 
-def iter_z(params: NamedParams, seed: int, kind: str = "rademacher") -> Iterator[torch.Tensor]:
+def iter_z(params: NamedParams, seed: int, kind: str = "rademacher", density: float = 1.0) -> Iterator[torch.Tensor]:
     """z for each parameter in order, one parameter materialised at a time."""
     tensors = [p for _, p in params]
-    chunks = _z_chunks(tensors, seed, kind)
+    chunks = _z_chunks(tensors, seed, kind, density=density)
     for t in tensors:
         parts = [z.clone() for _, z in itertools.islice(chunks, -(-t.numel() // CHUNK))]
         yield torch.cat(parts).view(t.shape) if parts else torch.empty_like(t)
 
 
-def apply_update_(params: NamedParams, seed: int, coeff: float, kind: str = "rademacher") -> None:
+def apply_update_(params: NamedParams, seed: int, coeff: float, kind: str = "rademacher", density: float = 1.0) -> None:
     """θ ← θ − coeff·z(seed): one pass, z regenerated chunk by chunk, no copy of θ."""
-    apply_step_(params, [(seed, coeff)], 1.0, kind=kind)
+    apply_step_(params, [(seed, coeff)], 1.0, kind=kind, density=density)
 
 
 def apply_step_(
@@ -151,6 +173,7 @@ def apply_step_(
     weight_decay: float = 0.0,
     decay: Sequence[bool] | None = None,
     kind: str = "rademacher",
+    density: float = 1.0,
 ) -> None:
     """θ ← θ − lr·((1/M) Σ_m g_m z_m + wd·θ) for the step's M updates (seed, decoded g).
 
@@ -165,7 +188,7 @@ def apply_step_(
     tensors = [p for _, p in params]
     mask = (decay_mask(params) if decay is None else decay) if weight_decay else [False] * len(tensors)
     scratch = _Scratch()
-    streams = [(_z_chunks(tensors, seed, kind, scratch), lr * g / len(updates)) for seed, g in updates]
+    streams = [(_z_chunks(tensors, seed, kind, scratch, density), lr * g / len(updates)) for seed, g in updates]
     with torch.no_grad():
         for t, decayed in zip(tensors, mask, strict=True):
             for part in _slices([t]):
@@ -205,10 +228,11 @@ def _parked(tensors: Sequence[torch.Tensor], spare: Sequence[torch.Tensor]) -> I
             t.data = th
 
 
-def _perturbed_(out: Sequence[torch.Tensor], theta: Sequence[torch.Tensor], seed: int, alpha: float, kind: str) -> None:
+def _perturbed_(out: Sequence[torch.Tensor], theta: Sequence[torch.Tensor], seed: int, alpha: float, kind: str,
+                density: float = 1.0) -> None:
     """out ← θ + alpha·z(seed): written from θ, so no restore is needed after the forward."""
     with torch.no_grad():
-        for (part, z), dst in zip(_z_chunks(theta, seed, kind), _slices(out), strict=True):
+        for (part, z), dst in zip(_z_chunks(theta, seed, kind, density=density), _slices(out), strict=True):
             torch.add(part, z, alpha=alpha, out=dst)
 
 
@@ -219,6 +243,19 @@ def _mirrored_(out: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> No
     with torch.no_grad():
         for t, th in zip(out, theta, strict=True):
             t.lerp_(th, 2.0)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Forward passes in eval mode (no dropout noise in the differences); each module's train/eval
+    flag is put back afterwards, even if a forward fails."""
+    modes = [m.training for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(model.modules(), modes):
+            m.training = mode
 
 
 def spsa_losses(
@@ -232,38 +269,70 @@ def spsa_losses(
     *,
     spare: Sequence[torch.Tensor] | None = None,
     times: dict[str, float] | None = None,
+    density: float = 1.0,
 ) -> list[tuple[float, float]]:
     """(L(θ+εz_s), L(θ−εz_s)) for each seed, on the same batch (n-SPSA); kept apart from
     `spsa_projected_grads` so a node can log the loss it measured for free.
 
-    Forward passes run in eval mode (no dropout noise in L+ − L−) under inference mode; each
-    module's train/eval flag is put back afterwards. θ is parked (`_parked`); θ + εz is written
-    from it into `spare`'s storage, then mirrored through θ into θ − εz: two passes over θ per
-    sample, one draw of z (the update draws it again), and none to restore θ, which comes back
-    bitwise (the MeZO +ε/−2ε/+ε walk is not exact). Memory: `spare`, one copy of the trainable
-    parameters (allocated here if None; a `Replica` keeps its own), plus O(CHUNK) for z. `times`,
-    if given, accumulates seconds under perturb_s, forward_plus_s and forward_minus_s.
+    Forward passes run in eval mode (`_eval_mode`) under inference mode; θ is parked (`_parked`);
+    θ + εz is written from θ into `spare`'s storage, then mirrored through θ into θ − εz: two
+    passes over θ per sample, one draw of z (the update draws it again), and none to restore θ,
+    which comes back bitwise (the MeZO +ε/−2ε/+ε walk is not exact). Memory: `spare`, one copy
+    of the trainable parameters (allocated here if None; a `Replica` keeps its own), plus
+    O(CHUNK) for z. `times`, if given, accumulates seconds under perturb_s, forward_plus_s and
+    forward_minus_s. `density` < 1 perturbs a seeded random subset of the weights (`_masked_`).
     """
     tensors = [p for _, p in params]
     spare = [torch.empty_like(t) for t in tensors] if spare is None else spare
-    modes = [m.training for m in model.modules()]
-    model.eval()
-    try:
+    with _eval_mode(model), _parked(tensors, spare) as theta, torch.inference_mode():
+        pairs = []
+        for seed in seeds:
+            with timed(times, "perturb_s"):
+                _perturbed_(tensors, theta, seed, eps, kind, density)
+            with timed(times, "forward_plus_s"):
+                plus = float(loss_fn(model, batch))
+            with timed(times, "perturb_s"):
+                _mirrored_(tensors, theta)
+            with timed(times, "forward_minus_s"):
+                pairs.append((plus, float(loss_fn(model, batch))))
+        return pairs
+
+
+def one_sided_losses(
+    model: nn.Module,
+    params: NamedParams,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor | float],
+    batch: object,
+    seeds: Sequence[int],
+    eps: float = 1e-3,
+    kind: str = "rademacher",
+    *,
+    spare: Sequence[torch.Tensor] | None = None,
+    times: dict[str, float] | None = None,
+    density: float = 1.0,
+) -> list[tuple[float, float]]:
+    """(L(θ+εz_s), L(θ)) for each seed, on the same batch: one unperturbed forward shared by the
+    batch of one-sided perturbed ones (FZOO), so len(seeds) + 1 forward passes where
+    `spsa_losses` takes 2·len(seeds). L(θ) is repeated in every pair.
+
+    Measured as in `spsa_losses`: L(θ) first, then each θ + εz written from the parked θ into
+    `spare`'s storage (one pass over θ and one draw of z per sample, nothing to restore). `times`,
+    if given, accumulates seconds under forward_base_s, perturb_s and forward_plus_s; `density` as
+    in `spsa_losses`.
+    """
+    tensors = [p for _, p in params]
+    spare = [torch.empty_like(t) for t in tensors] if spare is None else spare
+    with _eval_mode(model):
+        with timed(times, "forward_base_s"), torch.inference_mode():
+            base = float(loss_fn(model, batch))
         with _parked(tensors, spare) as theta, torch.inference_mode():
             pairs = []
             for seed in seeds:
                 with timed(times, "perturb_s"):
-                    _perturbed_(tensors, theta, seed, eps, kind)
+                    _perturbed_(tensors, theta, seed, eps, kind, density)
                 with timed(times, "forward_plus_s"):
-                    plus = float(loss_fn(model, batch))
-                with timed(times, "perturb_s"):
-                    _mirrored_(tensors, theta)
-                with timed(times, "forward_minus_s"):
-                    pairs.append((plus, float(loss_fn(model, batch))))
-            return pairs
-    finally:
-        for m, mode in zip(model.modules(), modes):
-            m.training = mode
+                    pairs.append((float(loss_fn(model, batch)), base))
+    return pairs
 
 
 def spsa_projected_grads(

@@ -13,7 +13,23 @@ import torch
 from torch import nn
 
 from raylowcomm.core.zo.codec import Codec
-from raylowcomm.core.zo.perturb import NamedParams, apply_step_, decay_mask, spsa_losses, timed, trainable_parameters
+from raylowcomm.core.zo.estimators import (
+    check_estimator,
+    check_step_rule,
+    forwards_per_step,
+    projected_grads,
+    rule_updates,
+)
+from raylowcomm.core.zo.perturb import (
+    NamedParams,
+    apply_step_,
+    decay_mask,
+    mask_threshold,
+    one_sided_losses,
+    spsa_losses,
+    timed,
+    trainable_parameters,
+)
 
 _MASK63 = (1 << 63) - 1
 
@@ -44,7 +60,8 @@ class ReplayLog:
 
     A node joining at step k loads a checkpoint taken after step k−1 and replays steps ≥ k;
     its weights then hash equal to the others'. The codes mean nothing without the run's
-    codec, seed schedule, lr, weight decay and perturbation kind, which travel in the config.
+    codec, seed schedule, lr, weight decay, perturbation kind, density and step rule, which
+    travel in the config.
     """
 
     _DTYPE = np.dtype([("step", "<i8"), ("node", "<i4"), ("sample", "<i4"), ("code", "<u4")])
@@ -83,15 +100,17 @@ class ReplayLog:
         weight_decay: float = 0.0,
         decay: Sequence[bool] | None = None,
         kind: str = "rademacher",
+        rule: str = "plain",
+        density: float = 1.0,
     ) -> int:
         """Apply the logged steps from_step ≤ step < to_step in order; returns how many.
-        `lr` may be a function of the step (a schedule)."""
+        `lr` may be a function of the step (a schedule); `rule` is the step rule (`rule_updates`)."""
         done = 0
         for step in self.steps:
             if from_step <= step < to_step:
                 step_lr = lr(step) if callable(lr) else lr
-                updates = self.step_updates(step, schedule, codec)
-                apply_step_(params, updates, step_lr, weight_decay, decay, kind)
+                updates = rule_updates(self.step_updates(step, schedule, codec), rule)
+                apply_step_(params, updates, step_lr, weight_decay, decay, kind, density)
                 done += 1
         return done
 
@@ -129,42 +148,56 @@ def parameter_hash(params: NamedParams) -> str:
 
 class Replica:
     """One node's side of SPSA with shared randomness, without Ray: at its step it measures its
-    projected gradients and publishes them as codes; it then applies the step's codes of every
-    publisher, its own included, by replaying them in (node, sample) order. Replicas that start
-    equal and apply the same codes stay bit-identical.
+    projected gradients with its `estimator` and publishes them as codes; it then applies the
+    step's codes of every publisher, its own included, by replaying them in (node, sample) order
+    under the step `rule` (`raylowcomm.core.zo.estimators`), perturbing a seeded `density` of the
+    weights (all by default). Replicas that start equal and apply
+    the same codes stay bit-identical.
 
     It keeps, between steps, the storage θ is parked in while θ ± εz is measured (one copy of the
-    trainable parameters: allocating it per step costs page faults), and in `times` the seconds
-    spent per part of its steps: perturb_s, forward_plus_s, forward_minus_s, replay_s."""
+    trainable parameters: allocating it per step costs page faults), the forward passes it ran
+    (`forwards`), and in `times` the seconds spent per part of its steps: perturb_s, the forwards
+    (forward_plus_s and forward_minus_s for two_point, forward_base_s and forward_plus_s for
+    one_sided_batch) and replay_s."""
 
     def __init__(self, model: nn.Module, node: int, run_seed: int, codec: Codec, *, eps: float, samples: int,
                  lr: float, weight_decay: float = 0.0, kind: str = "rademacher", include: Sequence[str] | None = None,
-                 step: int = 0):
+                 step: int = 0, estimator: str = "two_point", rule: str = "plain", density: float = 1.0):
+        check_estimator(estimator)
+        check_step_rule(rule, samples)
+        mask_threshold(density)
         self.model, self.node, self.codec, self.eps, self.samples = model, node, codec, eps, samples
-        self.lr, self.weight_decay, self.kind = lr, weight_decay, kind
+        self.lr, self.weight_decay, self.kind, self.estimator, self.rule = lr, weight_decay, kind, estimator, rule
+        self.density = density
         self.params = trainable_parameters(model, include)
         self.decay = decay_mask(self.params)
-        self.schedule, self.log, self.step = SeedSchedule(run_seed), ReplayLog(), step
+        self.schedule, self.log, self.step, self.forwards = SeedSchedule(run_seed), ReplayLog(), step, 0
         self.published: tuple[int, bytes] | None = None
         self.spare = [torch.empty_like(p) for _, p in self.params]
-        self.times = dict.fromkeys(("perturb_s", "forward_plus_s", "forward_minus_s", "replay_s"), 0.0)
+        parts = ("forward_plus_s", "forward_minus_s") if estimator == "two_point" else ("forward_base_s",
+                                                                                      "forward_plus_s")
+        self.times = dict.fromkeys(("perturb_s", *parts, "replay_s"), 0.0)
 
     def catch_up(self, checkpoint_step: int, log: bytes) -> int:
         """A joiner: weights loaded from the checkpoint of `checkpoint_step`; replay the log up to
         its own step. Returns the steps replayed."""
         self.log = ReplayLog.from_bytes(log)
         return self.log.replay_(self.params, checkpoint_step, self.step, schedule=self.schedule, codec=self.codec,
-                                lr=self.lr, weight_decay=self.weight_decay, decay=self.decay, kind=self.kind)
+                                lr=self.lr, weight_decay=self.weight_decay, decay=self.decay, kind=self.kind,
+                                rule=self.rule, density=self.density)
 
     def compute(self, loss_fn: Callable, batch: object) -> tuple[bytes, list[tuple[float, float]]]:
-        """(this step's codes, the (L+, L−) pairs measured); the codes are kept to apply."""
+        """(this step's codes, the loss pairs measured: (L+, L−) for two_point, (L(θ+εz), L(θ)) for
+        one_sided_batch); the codes are kept to apply."""
         seeds = step_seeds(self.schedule, self.step, self.node, self.samples)
-        pairs = spsa_losses(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind, spare=self.spare,
-                            times=self.times)
+        measure = spsa_losses if self.estimator == "two_point" else one_sided_losses
+        pairs = measure(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind, spare=self.spare,
+                        times=self.times, density=self.density)
+        self.forwards += forwards_per_step(self.estimator, self.samples)
         if not all(math.isfinite(lp) and math.isfinite(lm) for lp, lm in pairs):
             raise FloatingPointError(f"node {self.node}, step {self.step}: the loss is not finite ({pairs[0]}): "
                                      f"the weights diverged; lower the learning rate (spsa.lr) or eps (spsa.eps)")
-        payload = self.codec.to_bytes([(lp - lm) / (2 * self.eps) for lp, lm in pairs])
+        payload = self.codec.to_bytes(projected_grads(self.estimator, pairs, self.eps))
         self.published = (self.step, payload)
         return payload, pairs
 
@@ -179,6 +212,6 @@ class Replica:
         self.log.extend((step, node, sample, code) for node in publishers
                         for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts))))
         with timed(self.times, "replay_s"):
-            apply_step_(self.params, self.log.step_updates(step, self.schedule, self.codec), self.lr, self.weight_decay,
-                        self.decay, self.kind)
+            updates = rule_updates(self.log.step_updates(step, self.schedule, self.codec), self.rule)
+            apply_step_(self.params, updates, self.lr, self.weight_decay, self.decay, self.kind, self.density)
         self.step = step + 1
