@@ -53,7 +53,7 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
 def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_tolerance(ray_session, tmp_path):
     """Not bit for bit: θ_g − mean_k(θ_g − θ_k) rounds differently from mean_k θ_k (Δ is rounded to float32
     on the node), so the runs differ by float32 rounding carried through 3 rounds and 32 SGD steps: below
-    1e-4 absolute (measured: 1.2e-5 at most)."""
+    1e-4 absolute + 1e-4 relative (measured: 1.2e-5 on weights, 1.9e-5 relative on BN statistics)."""
     _, star = run_lofi(tiny_config(average_every=8, bn_recalibrate=False), tmp_path / "star")
     ctx, peers = run_lofi(tiny_config(average_every=8, bn_recalibrate=False, exchange="peers"), tmp_path / "peers")
     assert star["details"]["exchange"] == "driver" and peers["details"]["exchange"] == "peers"
@@ -63,7 +63,7 @@ def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_toler
     a, b = load_file(star["weights"]), load_file(peers["weights"])
     for name in a:
         if a[name].is_floating_point():
-            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-4)
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-4)
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
 
 
