@@ -302,7 +302,8 @@ class Lofi(Strategy):
             details["driver_fetched"] = {"train": trained["fetched"]}
         with watch("curve"):
             curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
-                                         ledger.bytes_by_kind.get(f"final/{plan.average.what}", 0))
+                                         sum(ledger.bytes_by_kind.get(f"final/{what}", 0) for what in
+                                             (plan.average.what, "outer_gradients", "global_model")))
         if opts.bn_recalibrate and batchnorm_layers(ctx.model):
             details["average_without_bn_recalibration"] = mean_metrics(group.score_weights(average, "final", on_all))
             bn_clock = TrainClock()
