@@ -342,7 +342,7 @@ class Lofi(Strategy):
         if rounds.uses_peers(opts):
             params = {k for k, _ in ctx.model.named_parameters()}
             start, outer = rounds.load_global(ctx.storage, group.ledger, state_dict_of(ctx.model), params, opts)
-            average = rounds.final_average(group, opts, start, plan.weights, outer)
+            average = rounds.final_average(group, opts, start, params, plan.weights, outer)
             return average, average, list(range(n))
         if opts.soup == "greedy":
             average, soup_kept = self._greedy_soup(group, metric, node_metrics)

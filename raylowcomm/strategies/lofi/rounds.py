@@ -30,7 +30,7 @@ import torch
 from raylowcomm.actors import check_replicas, count_tensors
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.core.averaging import OuterNesterov
-from raylowcomm.core.compression import ErrorFeedback, Payload, average_decoded, layout_of, make_codec
+from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,49 @@ def floats(state: dict) -> dict:
     return {k: v for k, v in state.items() if v.is_floating_point()}
 
 
+class DeltaCodec:
+    """How Δ crosses: the parameters with `lofi.compress`, each part with its own error feedback; the
+    floating-point buffers (BatchNorm statistics, a few kB) uncompressed, since a quantised running
+    variance can go below zero. One flat payload (name → bytes) holds both; every node and the driver
+    build the same parts from their own model."""
+
+    def __init__(self, opts, state: dict, params: set[str]):
+        fl = floats(state)
+        codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
+        self.parts = [(codec, layout_of({k: v for k, v in fl.items() if k in params})),
+                      (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))]
+        self.feedback = [ErrorFeedback(c) for c, _ in self.parts] if opts.error_feedback else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(codec.payload_nbytes(layout) for codec, layout in self.parts)
+
+    def encode(self, delta: dict) -> Payload:
+        """Δ (float64) → payload; the none codec sends Δ in the weights' own dtype, rounded here."""
+        payload = Payload()
+        for i, (codec, layout) in enumerate(self.parts):
+            part = {k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k] for k, spec in layout.items()}
+            if part:
+                payload.update(self.feedback[i].encode(part) if self.feedback else codec.encode(part))
+        return payload
+
+    def average(self, payloads: list[Payload], weights: list[float]) -> dict:
+        """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order."""
+        mean = {}
+        for codec, layout in self.parts:
+            if layout:
+                parts = [Payload({k: p[k] for k in layout}) for p in payloads]
+                mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
+        return mean
+
+    def residual(self) -> dict:
+        return {k: v for fb in self.feedback or [] for k, v in fb.state_dict().items()}
+
+    def load_residual(self, state: dict) -> None:
+        for fb, (_, layout) in zip(self.feedback or [], self.parts):
+            fb.load_state_dict({k: v for k, v in state.items() if k in layout})
+
+
 def round_path(rank: int) -> str:
     return f"lofi/checkpoints/node{rank}_round.safetensors"
 
@@ -60,11 +103,9 @@ class PeerRounds:
         """Codec, error feedback, the global model (`initial` to begin with) and outer step; then what
         this node's round file holds, if it has one (a restart, or a resumed run)."""
         opts = self.cfg.options["lofi"]
-        self.codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
-        self.feedback = ErrorFeedback(self.codec) if opts.error_feedback else None
-        self.global_state = {k: v.detach().cpu().clone() for k, v in floats(initial).items()}
-        self.layout = layout_of(self.global_state)
         params = {k for k, _ in self.model.named_parameters()}
+        self.codec = DeltaCodec(opts, initial, params)
+        self.global_state = {k: v.detach().cpu().clone() for k, v in floats(initial).items()}
         self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
             if opts.outer_optimizer == "nesterov" else None
         if self.outer is not None:
@@ -78,8 +119,7 @@ class PeerRounds:
         part = {p: {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")}
                 for p in ("global", "momentum", "residual")}
         self._set_global(part["global"], part["momentum"])
-        if self.feedback is not None:
-            self.feedback.load_state_dict(part["residual"])
+        self.codec.load_residual(part["residual"])
         if meta["round"] > self.rounds:  # died after writing its round file, before its checkpoint
             self._load({**self.weights(), **self.global_state}, meta["round"])
             self.rounds = meta["round"]
@@ -98,12 +138,8 @@ class PeerRounds:
         return {k: g.to(torch.float64) - mine[k].to(torch.float64) for k, g in self.global_state.items()}
 
     def encode_delta(self) -> Payload:
-        """This node's payload: Δ plus what compression dropped before (error feedback). The none codec
-        sends Δ in the weights' own dtype (its payload's size is read off that dtype), rounded here."""
-        delta = self._delta()
-        if self.codec.name == "none":
-            delta = {k: d.to(self.layout[k].dtype) for k, d in delta.items()}
-        self.payload = self.feedback.encode(delta) if self.feedback is not None else self.codec.encode(delta)
+        """This node's payload: Δ plus what compression dropped before (error feedback)."""
+        self.payload = self.codec.encode(self._delta())
         return self.payload
 
     def send_delta(self) -> tuple[list, int]:
@@ -122,7 +158,7 @@ class PeerRounds:
         if round_ <= self.rounds:
             return
         payloads = [self.payload if k == self.rank else ray.get(ref[0]) for k, ref in enumerate(refs)]
-        mean = average_decoded(self.codec, payloads, self.layout, weights, dtype=torch.float64)
+        mean = self.codec.average(payloads, weights)
         if self.outer is not None:
             self.global_state = self.outer.step_delta(mean)
         else:
@@ -140,8 +176,7 @@ class PeerRounds:
             tensors.update({f"momentum.{k}": v for k, v in self.outer.buf.items()})
         if self.rank == 0:
             self.storage.save_tensors(GLOBAL, tensors, {"round": round_})
-        if self.feedback is not None:
-            tensors.update({f"residual.{k}": v for k, v in self.feedback.state_dict().items()})
+        tensors.update({f"residual.{k}": v for k, v in self.codec.residual().items()})
         self.storage.save_tensors(round_path(self.rank), tensors, {"round": round_})
 
     def round_of(self) -> int:
@@ -165,14 +200,12 @@ def exchange_round(group, round_: int, until: int, weights: list[float], fetched
     check_replicas(dict(zip(group.keys(), group.handles())), until, ledger)
 
 
-def final_average(group, opts, start: dict, weights: list[float], outer: OuterNesterov | None,
+def final_average(group, opts, start: dict, params: set[str], weights: list[float], outer: OuterNesterov | None,
                   phase: str = "final") -> dict:
     """The driver's final average from the nodes' last compressed Δ: start − Δ̄ over the floating-point
     tensors (then the outer step, if any); the rest as `start` has it. Fetching the payloads is booked."""
-    codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
     payloads = dict(group.stream("final_delta", phase=phase, what="outer_gradients"))
-    layout = layout_of(floats(start))
-    mean = average_decoded(codec, [payloads[k] for k in group.keys()], layout, weights, dtype=torch.float64)
+    mean = DeltaCodec(opts, start, params).average([payloads[k] for k in group.keys()], weights)
     average = dict(start)
     for k, d in mean.items():
         average[k] = (start[k].to(torch.float64) - d).to(start[k].dtype)
