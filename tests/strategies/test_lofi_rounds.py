@@ -75,7 +75,8 @@ def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_toler
 
 
 def _kill_a_node_after_the_first_round(state_dir, killed: list):
-    """Kills one node's training process once both nodes have written their first round file."""
+    """Kills one node's training process once both nodes have written their first round file: one of this
+    test session's own Ray workers (its descendants), never another run's on the machine."""
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
@@ -83,8 +84,12 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
         except Exception:
             ready = False
         if ready:
-            for proc in psutil.process_iter(["cmdline"]):
-                if any("LofiNode.train" in part for part in proc.info["cmdline"] or []):
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    cmdline = proc.cmdline()
+                except psutil.Error:
+                    continue
+                if any("LofiNode.train" in part for part in cmdline):
                     proc.kill()
                     killed.append(proc.pid)
                     return
