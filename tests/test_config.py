@@ -34,6 +34,13 @@ def test_defaults_and_overrides(tmp_path):
             "lofi.soup",
         ),  # val rows stay on the nodes
         ({"lofi": {"average_every": 0}}, "lofi.average_every"),
+        ({"lofi": {"compress": "int2"}}, "lofi.compress"),
+        ({"lofi": {"compress": "int4", "exchange": "driver"}}, "lofi.exchange"),  # compressed rounds go node to node
+        ({"lofi": {"compress": "topk", "topk_fraction": 0}}, "lofi.topk_fraction"),
+        ({"lofi": {"compress": "int8", "compress_block": 0}}, "lofi.compress_block"),
+        ({"lofi": {"compress": "int4", "soup": "greedy"}, "data": {"val_size": 50}}, "lofi.compress"),
+        ({"lofi": {"exchange": "peers", "soup": "greedy"}, "data": {"val_size": 50}}, "lofi.exchange"),
+        ({"lofi": {"compress": "int4"}, "model": {"lora": {"r": 4}}}, "lofi.compress"),  # peer rounds: full weights
         ({"model": {"path": "/no/such/weights"}}, "model.path"),
     ],
 )

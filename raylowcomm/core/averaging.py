@@ -167,3 +167,15 @@ class OuterNesterov:
             else:
                 self.state[k] = v.clone()
         return self.state
+
+    def step_delta(self, mean_delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The same step from the averaged outer gradient Δ̄ = θ_global − mean_k θ_k itself (peer
+        rounds: every node has Δ̄, none has the average); tensors outside param_names move by Δ̄."""
+        for k, d in mean_delta.items():
+            delta = d.to(self.state[k].dtype)
+            if k in self.param_names:
+                self.buf[k].mul_(self.momentum).add_(delta)
+                self.state[k].sub_(delta + self.momentum * self.buf[k], alpha=self.lr)
+            else:
+                self.state[k] = self.state[k] - delta
+        return self.state

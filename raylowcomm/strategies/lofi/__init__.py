@@ -6,6 +6,9 @@ After training the driver averages snapshot s across nodes and scores it (plain 
 by-examples average: no BN recalibration, soup or outer step); the point's time is the slowest
 node's training time at s plus the measured time of the final collection, its bytes those sent
 by s plus one collection. Fetching the snapshots is measurement, outside the run's ledger.
+
+Rounds that travel node to node, compressed (`exchange: peers`, `compress`), and the final average
+from compressed outer gradients: `rounds`.
 """
 
 from __future__ import annotations
@@ -17,26 +20,20 @@ from typing import ClassVar, Literal
 
 import ray
 
-from raylowcomm.actors import DriverFetches, Node, NodeGroup
-from raylowcomm.common.batches import batch_at, group_seed, num_examples, steps_per_epoch
+from raylowcomm.actors import DriverFetches, NodeGroup
+from raylowcomm.common.batches import steps_per_epoch
 from raylowcomm.common.ledger import Ledger
-from raylowcomm.common.seeding import epoch_seed, node_seed
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.core.averaging import (
-    OuterNesterov,
-    batchnorm_layers,
-    combine_bn_statistics,
-    greedy_soup,
-    measure_bn_statistics,
-)
-from raylowcomm.data import TrainSource
+from raylowcomm.core.averaging import OuterNesterov, batchnorm_layers, combine_bn_statistics, greedy_soup
+from raylowcomm.core.compression import CODECS
 from raylowcomm.finetune import NodeAverage
 from raylowcomm.models import state_dict_of
-from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, curve_point, eval_points, finish_record
+from raylowcomm.strategies.lofi import rounds
+from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.tasks import make_task, mean_metrics
-from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
+from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -66,93 +63,22 @@ class LofiConfig:
     base + mean_k (alpha/r)·B_k·A_k, merged; factors: mean(B)·mean(A), FedAvg of the factors, to compare.
     After an averaging round every node merges the average into its base and restarts its adapters
     from one seeded initialisation (a new one each round), so replicas start each round identical."""
-
-
-@ray.remote
-class LofiNode(Node):
-    """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint."""
-
-    label = "lofi node"
-
-    def __init__(self, node: int, spec, task, weights: dict, data: TrainSource, cfg: RunConfig, storage: Storage,
-                 progress=None):
-        super().__init__(node, cfg, spec, task)
-        self.progress = progress  # a progress.ProgressPoster where the driver watches live
-        self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
-        self.hold_out(data, cfg.nodes.count)
-        self.seed, self.storage = node_seed(cfg.seed, node), storage
-        self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
-        self.optimizer = make_optimizer(cfg.optim, self.model)
-        self.step, self.restored_from, self.rounds = 0, None, 0
-        self.model.load_state_dict(weights)  # a checkpoint may hold what trains only: the rest comes from here
-        if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
-            meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
-            self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
-            self.restored_from = self.step
-            self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-
-    def _save(self, step: int) -> None:
-        """Model and optimizer; under LoRA the adapters and head only until an average is merged
-        into the base (lofi.average_every), after which the base is this node's own too."""
-        save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds},
-                        trainable_only=self.fine_tune.trainable_only(base_moved=self.rounds > 0))
-
-    def _snapshot_path(self, step: int) -> str:
-        return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
-
-    def train(self, until: int, snapshot_at: list[int]) -> dict:
-        """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
-        training time so far in this call (saving the snapshot is not training)."""
-        clock, snaps, snapshot_s = TrainClock(), set(snapshot_at), {}
-
-        def on_step(step):
-            if step % self.cfg.checkpoint_steps == 0 or step == until:
-                self._save(step)
-            if step in snaps:
-                snapshot_s[step] = clock.elapsed()
-                with clock.paused():
-                    self.storage.save_tensors(self._snapshot_path(step), self.weights())
-
-        hooks = StepHooks(on_step=on_step, log=self.log, log_every=self.cfg.log_every, progress=self.progress,
-                          clock=clock)
-        stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until,
-                            self.cfg.optim.batch_size, self.seed, hooks, precision=self.cfg.optim.precision,
-                            device=self.device, group_seed=group_seed(self.cfg))
-        self.step, restored, self.restored_from = until, self.restored_from, None
-        return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
-
-    def snapshot(self, step: int) -> dict:
-        return self.storage.load_tensors(self._snapshot_path(step))[0]
-
-    def load_weights(self, state: dict, rounds: int) -> None:
-        """The global model of averaging round `rounds`; checkpointed at once so a restart keeps it
-        (a node that has it already, resuming, keeps what it has)."""
-        if rounds <= self.rounds:
-            return
-        self._load(state, rounds)
-        self.rounds = rounds
-        self._save(self.step)
-
-    def _load(self, state: dict, rounds: int) -> None:
-        """A global model: its weights, or under LoRA the merged average as the new frozen base with
-        fresh adapters (seeded by the round, the same on every node) and a fresh optimizer."""
-        if self.fine_tune.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
-            self.optimizer = make_optimizer(self.cfg.optim, self.model)
-
-    def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
-        self._load(state, self.rounds + 1)
-        per_epoch = steps_per_epoch(num_examples(self.shard), self.cfg.optim.batch_size)
-        n = min(per_epoch, max_batches or per_epoch)
-        batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
-        stats, count = measure_bn_statistics(self.model, batches, self.task.forward)
-        stats = self.fine_tune.plain_names(stats)  # the average's names
-        return {k: v.cpu() for k, v in stats.items()}, count  # nothing device-resident goes to the driver
-
-    def examples(self) -> int:
-        return num_examples(self.shard)
-
-    def extra_info(self) -> dict:
-        return {"examples": num_examples(self.shard)}
+    exchange: Literal["auto", "driver", "peers"] = "auto"
+    """How averaging rounds travel. driver: full weights, every node to the driver and the average back
+    (a star); peers: each node puts its outer gradient Δ = θ_global − θ_k (encoded by `compress`) in the
+    object store, every node fetches its peers' and averages them itself, bit-identical (hash-checked),
+    and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
+    driver (as before). Not with model.lora or soup: greedy."""
+    compress: Literal["none", "int8", "int4", "topk"] = "none"
+    """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
+    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, 2-byte indices)."""
+    topk_fraction: float = 0.01
+    """compress: topk: the fraction of each tensor's entries sent."""
+    compress_block: int = 64
+    """Entries per bf16 scale for int8/int4/topk values."""
+    error_feedback: bool = True
+    """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
+    node): nothing is lost, only delayed."""
 
 
 def gather_nodes(group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args,
@@ -221,6 +147,7 @@ class Lofi(Strategy):
             raise ConfigError("lofi.outer_momentum", o.outer_momentum, "must be in [0, 1)")
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
+        Lofi._validate_exchange(cfg)
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
             raise ConfigError("lofi.outer_optimizer", o.outer_optimizer, "not offered with model.lora: set it to none")
@@ -229,6 +156,28 @@ class Lofi(Strategy):
         if adapters and o.average_every is not None and cfg.eval_every:
             raise ConfigError("eval_every", cfg.eval_every,
                               "a curve with model.lora and lofi.average_every is not offered: set eval_every: 0")
+
+    @staticmethod
+    def _validate_exchange(cfg: RunConfig) -> None:
+        o = cfg.options["lofi"]
+        if o.compress not in CODECS:
+            raise ConfigError("lofi.compress", o.compress, f"choose one of {', '.join(CODECS)}")
+        if o.exchange == "driver" and o.compress != "none":
+            raise ConfigError("lofi.exchange", o.exchange, "compressed outer gradients travel between the nodes: "
+                                                           "set lofi.exchange: peers (or auto)")
+        if not 0 < o.topk_fraction <= 1:
+            raise ConfigError("lofi.topk_fraction", o.topk_fraction, "must be in (0, 1]")
+        if o.compress_block < 1:
+            raise ConfigError("lofi.compress_block", o.compress_block, "must be >= 1")
+        if not rounds.uses_peers(o):
+            return
+        field = "lofi.compress" if o.compress != "none" else "lofi.exchange"
+        value = o.compress if o.compress != "none" else o.exchange
+        if cfg.model.lora is not None:
+            raise ConfigError(field, value, "peer rounds are not offered with model.lora yet: "
+                                            "set lofi.compress: none and lofi.exchange: driver (or auto)")
+        if o.soup == "greedy":
+            raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
@@ -252,14 +201,26 @@ class Lofi(Strategy):
                         plan.boundaries if plan.averaging else [plan.steps])
             params = {k for k, _ in ctx.model.named_parameters()}
             outer = OuterNesterov(initial, params, opts.outer_lr, opts.outer_momentum) \
-                if opts.outer_optimizer == "nesterov" else None
-            first = self._resume_round(ctx, group, outer, plan) if ctx.resume else 0
+                if opts.outer_optimizer == "nesterov" and not rounds.uses_peers(opts) else None  # peers: the nodes'
+            if rounds.uses_peers(opts):
+                first = self._resume_peers(group) if ctx.resume else 0
+            else:
+                first = self._resume_round(ctx, group, outer, plan) if ctx.resume else 0
             with watch("train"):
                 trained = self._train(ctx, group, plan, outer, initial, first)
             return self._finish(ctx, group, plan, outer, trained, clock, watch)
 
-    GLOBAL = "lofi/global.safetensors"
-    """The last averaging round's global model (and outer momentum): what a resumed run starts from."""
+    GLOBAL = rounds.GLOBAL
+
+    @staticmethod
+    def _resume_peers(group: NodeGroup) -> int:
+        """Peer rounds: every node restored its round state itself; the run continues after their round."""
+        done = group.call("round_of", phase="train")
+        if len(set(done)) > 1:
+            raise RuntimeError(f"lo-fi nodes resumed at different averaging rounds {done}: the run was stopped "
+                               "during a round's exchange, which a resume does not repair; start it afresh")
+        logger.info("[lofi] resuming after averaging round %d (peer rounds)", done[0])
+        return done[0]
 
     def _resume_round(self, ctx: RunContext, group: NodeGroup, outer, plan: Plan) -> int:
         """The averaging round a resumed run continues at: nodes whose checkpoint predates the last
@@ -285,29 +246,34 @@ class Lofi(Strategy):
         """The rounds from round `first`: train to each boundary with no communication, average
         between rounds. Training time as DDP measures it: the nodes' own loop time (slowest node
         per round) plus the driver's averaging rounds; Ray call overhead is left out of both."""
-        n, ledger = len(group), group.ledger
-        train_s, rounds, snapshots = 0.0, [], []  # snapshots: (step, train_s at step, bytes sent by then)
+        n, ledger, peers = len(group), group.ledger, rounds.uses_peers(ctx.cfg.options["lofi"])
+        # snapshots: (step, train_s at step, bytes sent by then); fetched: what the driver read back in peer rounds
+        train_s, trained, snapshots, fetched = 0.0, [], [], {"bytes": 0, "tensors": 0}
         for i, until in enumerate(plan.boundaries[first:], first):
             last = i == len(plan.boundaries) - 1
             ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
             due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
             sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            rounds.append(group.call("train", until, due, phase="final" if last else "train", what="train_stats"))
+            trained.append(group.call("train", until, due, phase="final" if last else "train", what="train_stats"))
             for s in due:  # a node restarted from a later checkpoint than s has no time for it: the others tell
-                times = [r["snapshot_s"][s] for r in rounds[-1] if s in r["snapshot_s"]]
+                times = [r["snapshot_s"][s] for r in trained[-1] if s in r["snapshot_s"]]
                 if times:
                     snapshots.append((s, train_s + max(times), sent))
-            train_s += max(s["train_s"] for s in rounds[-1])
-            losses = [s["mean_loss"] for s in rounds[-1] if s["mean_loss"] is not None]
+            train_s += max(s["train_s"] for s in trained[-1])
+            losses = [s["mean_loss"] for s in trained[-1] if s["mean_loss"] is not None]
             ctx.report({"step": until, "steps": plan.steps, "bytes": ledger.total_bytes,
                         **({"train_loss": sum(losses) / len(losses)} if losses else {})})
-            for stats in rounds[-1]:
+            for stats in trained[-1]:
                 if stats["restored_from"] is not None:
                     logger.info("[lofi] node %d died and resumed from its checkpoint at step %d", stats["node"],
                                 stats["restored_from"])
                     ledger.send("train", "recovery_refetch", initial)
                     ledger.send("train", "recovery_refetch", ctx.data.train)
-            if not last:
+            if not last and peers:
+                round_clock = TrainClock()
+                rounds.exchange_round(group, i + 1, until, plan.weights, fetched)
+                train_s += round_clock.elapsed()
+            elif not last:
                 round_clock = TrainClock()
                 average = average_nodes(group, plan, "train")
                 average = outer.step(average) if outer is not None else average
@@ -315,7 +281,7 @@ class Lofi(Strategy):
                 self._save_global(ctx, average, outer, i + 1)
                 group.call("load_weights", group.put(average, "train", "global_weights", copies=n), i + 1)
                 train_s += round_clock.elapsed()
-        return {"rounds": rounds, "train_s": train_s, "snapshots": snapshots}
+        return {"rounds": trained, "train_s": train_s, "snapshots": snapshots, "fetched": fetched}
 
     def _finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, trained: dict, clock: TrainClock,
                 watch: Stopwatch) -> RunRecord:
@@ -325,21 +291,19 @@ class Lofi(Strategy):
         infos = group.call("info", phase="final", what="node_info")
         metric, on_all = make_task(ctx.data.task).metric, cfg.data.eval_on_nodes
         collect_clock = TrainClock()
-        if opts.soup == "greedy":
-            average, soup_kept = self._greedy_soup(group, metric, node_metrics)
-            to_score = average
-        else:  # full weights: the average itself; adapters: the nodes', merged where they are scored
-            to_score = gather_nodes(group, plan, "final")
-            average, soup_kept = plan.average.combine(to_score), list(range(n))
+        average, to_score, soup_kept = self._collect(ctx, group, plan, metric, node_metrics)
         collect_s = collect_clock.elapsed()
         watch.add("collect", collect_s)
         if outer is not None:
             average = outer.step(average)
         details = {"steps_per_node": plan.steps, "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
-                   "soup_nodes": soup_kept}
+                   "soup_nodes": soup_kept, "exchange": "peers" if rounds.uses_peers(opts) else "driver"}
+        if rounds.uses_peers(opts):  # what the driver read back during training: refs and sizes, no tensor
+            details["driver_fetched"] = {"train": trained["fetched"]}
         with watch("curve"):
             curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
-                                         ledger.bytes_by_kind.get(f"final/{plan.average.what}", 0))
+                                         sum(ledger.bytes_by_kind.get(f"final/{what}", 0) for what in
+                                             (plan.average.what, "outer_gradients", "global_model")))
         if opts.bn_recalibrate and batchnorm_layers(ctx.model):
             details["average_without_bn_recalibration"] = mean_metrics(group.score_weights(average, "final", on_all))
             bn_clock = TrainClock()
@@ -369,6 +333,23 @@ class Lofi(Strategy):
         return finish_record(self.name, ctx, ledger, clock, metrics=metrics, step=plan.steps, samples=samples,
                              train_s=trained["train_s"], infos=infos, weights=average, curve=curve, nodes=nodes,
                              details=details, curve_wall_s=trained["train_s"] + collect_s)
+
+    def _collect(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
+                 node_metrics: list[dict]) -> tuple[dict, object, list[int]]:
+        """The final average, what is sent to be scored of it, and the nodes in it. Peer rounds: from the
+        nodes' compressed Δ on the last global model (with the outer step there, if any)."""
+        opts, n = ctx.cfg.options["lofi"], len(group)
+        if rounds.uses_peers(opts):
+            params = {k for k, _ in ctx.model.named_parameters()}
+            start, outer = rounds.load_global(ctx.storage, group.ledger, state_dict_of(ctx.model), params, opts)
+            average = rounds.final_average(group, opts, start, params, plan.weights, outer)
+            return average, average, list(range(n))
+        if opts.soup == "greedy":
+            average, soup_kept = self._greedy_soup(group, metric, node_metrics)
+            return average, average, soup_kept
+        # full weights: the average itself; adapters: the nodes', merged where they are scored
+        to_score = gather_nodes(group, plan, "final")
+        return plan.average.combine(to_score), to_score, list(range(n))
 
     @staticmethod
     def _greedy_soup(group: NodeGroup, metric: str, node_metrics: list[dict]) -> tuple[dict, list[int]]:

@@ -1,0 +1,106 @@
+"""lo-fi's node actor: its own copy of the model, its own shard, its own optimizer, a checkpoint;
+with peer rounds (`rounds.PeerRounds`) also its global model, outer momentum and error feedback."""
+
+from __future__ import annotations
+
+import ray
+
+from raylowcomm.actors import Node
+from raylowcomm.common.batches import batch_at, group_seed, num_examples, steps_per_epoch
+from raylowcomm.common.seeding import epoch_seed, node_seed
+from raylowcomm.common.timing import TrainClock
+from raylowcomm.config import RunConfig
+from raylowcomm.core.averaging import measure_bn_statistics
+from raylowcomm.data import TrainSource
+from raylowcomm.storage import Storage
+from raylowcomm.strategies.lofi.rounds import PeerRounds, uses_peers
+from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
+
+
+@ray.remote
+class LofiNode(Node, PeerRounds):
+    """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint."""
+
+    label = "lofi node"
+
+    def __init__(self, node: int, spec, task, weights: dict, data: TrainSource, cfg: RunConfig, storage: Storage,
+                 progress=None):
+        super().__init__(node, cfg, spec, task)
+        self.progress = progress  # a progress.ProgressPoster where the driver watches live
+        self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
+        self.hold_out(data, cfg.nodes.count)
+        self.seed, self.storage = node_seed(cfg.seed, node), storage
+        self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
+        self.optimizer = make_optimizer(cfg.optim, self.model)
+        self.step, self.restored_from, self.rounds = 0, None, 0
+        self.model.load_state_dict(weights)  # a checkpoint may hold what trains only: the rest comes from here
+        if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
+            meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
+            self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
+            self.restored_from = self.step
+            self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
+        if uses_peers(cfg.options["lofi"]):
+            self.init_rounds(weights)
+
+    def _save(self, step: int) -> None:
+        """Model and optimizer; under LoRA the adapters and head only until an average is merged
+        into the base (lofi.average_every), after which the base is this node's own too."""
+        save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds},
+                        trainable_only=self.fine_tune.trainable_only(base_moved=self.rounds > 0))
+
+    def _snapshot_path(self, step: int) -> str:
+        return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
+
+    def train(self, until: int, snapshot_at: list[int]) -> dict:
+        """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
+        training time so far in this call (saving the snapshot is not training)."""
+        clock, snaps, snapshot_s = TrainClock(), set(snapshot_at), {}
+
+        def on_step(step):
+            if step % self.cfg.checkpoint_steps == 0 or step == until:
+                self._save(step)
+            if step in snaps:
+                snapshot_s[step] = clock.elapsed()
+                with clock.paused():
+                    self.storage.save_tensors(self._snapshot_path(step), self.weights())
+
+        hooks = StepHooks(on_step=on_step, log=self.log, log_every=self.cfg.log_every, progress=self.progress,
+                          clock=clock)
+        stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until,
+                            self.cfg.optim.batch_size, self.seed, hooks, precision=self.cfg.optim.precision,
+                            device=self.device, group_seed=group_seed(self.cfg))
+        self.step, restored, self.restored_from = until, self.restored_from, None
+        return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
+
+    def snapshot(self, step: int) -> dict:
+        return self.storage.load_tensors(self._snapshot_path(step))[0]
+
+    def load_weights(self, state: dict, rounds: int) -> None:
+        """The global model of averaging round `rounds`; checkpointed at once so a restart keeps it
+        (a node that has it already, resuming, keeps what it has)."""
+        if rounds <= self.rounds:
+            return
+        self._load(state, rounds)
+        self.rounds = rounds
+        self._save(self.step)
+
+    def _load(self, state: dict, rounds: int) -> None:
+        """A global model: its weights, or under LoRA the merged average as the new frozen base with
+        fresh adapters (seeded by the round, the same on every node) and a fresh optimizer."""
+        if self.fine_tune.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
+            self.optimizer = make_optimizer(self.cfg.optim, self.model)
+
+    def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
+        self._load(state, self.rounds + 1)
+        per_epoch = steps_per_epoch(num_examples(self.shard), self.cfg.optim.batch_size)
+        n = min(per_epoch, max_batches or per_epoch)
+        batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
+        stats, count = measure_bn_statistics(self.model, batches, self.task.forward)
+        stats = self.fine_tune.plain_names(stats)  # the average's names
+        return {k: v.cpu() for k, v in stats.items()}, count  # nothing device-resident goes to the driver
+
+    def examples(self) -> int:
+        return num_examples(self.shard)
+
+    def extra_info(self) -> dict:
+        return {"examples": num_examples(self.shard)}
