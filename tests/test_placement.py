@@ -2,8 +2,6 @@
 group is gone after success, failure and Ctrl-C; nodes.hosts pins actor k to its host, also when
 it restarts. (The 2-host pinning test is in test_cluster.py.)"""
 
-import time
-
 import pytest
 import ray
 
@@ -12,7 +10,7 @@ from raylowcomm.common.ledger import Ledger
 from raylowcomm.config import ConfigError
 from raylowcomm.runner import run
 from raylowcomm.strategies import from_dict
-from tests.test_actors import actor_processes, wait_until_gone
+from tests.test_actors import actor_processes, live_groups, wait_until_gone
 
 
 @ray.remote
@@ -25,16 +23,6 @@ class Probe:
         import os
 
         os._exit(1)
-
-
-def live_groups() -> dict[str, dict]:
-    """Placement groups not removed (an earlier test's removal may still be under way: wait a little)."""
-    deadline = time.time() + 10
-    while True:
-        live = {k: v for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
-        if not live or time.time() > deadline:
-            return live
-        time.sleep(0.2)
 
 
 def nodes_config(**nodes):
