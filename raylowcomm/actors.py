@@ -62,10 +62,10 @@ def start_process(cpus: float, gpus: float) -> str:
 
 def process_info() -> dict:
     """Where an actor runs and how much memory it peaked at."""
-    pg = ray.util.get_current_placement_group() if ray.is_initialized() else None
-    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    return {"host": socket.gethostname(), "ray_node_id": node_id, "pid": os.getpid(),
-            "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes()}
+    context = ray.get_runtime_context() if ray.is_initialized() else None
+    return {"host": socket.gethostname(), "ray_node_id": context.get_node_id() if context else None,
+            "pid": os.getpid(), "placement_group": context.get_placement_group_id() if context else None,
+            "peak_rss_bytes": peak_rss_bytes()}
 
 
 def count_tensors(obj) -> int:
