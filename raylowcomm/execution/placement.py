@@ -156,11 +156,12 @@ class Gang:
 
     def _match(self, current) -> list[int]:
         """Inside a reservation made for the run: the bundle of each actor, by shape (and pinned
-        node), the first unused one in order; its bundle 0 is its owner's own."""
+        node), the first unused one in order (its owner's own bundle, if any, has another shape;
+        Tune leaves an empty one out of the group)."""
         table = ray.util.placement_group_table(current)
         specs = [{k: float(v) for k, v in b.items()} for b in current.bundle_specs]
         on_node = table.get("bundles_to_node_id", {})
-        used, found = {0}, []
+        used, found = set(), []
         for k, bundle in enumerate(self.bundles):
             want = {key: float(v) for key, v in bundle.items()}
             j = next((j for j, spec in enumerate(specs) if j not in used and spec == want
