@@ -77,8 +77,9 @@ def check_placement(bundles: list[dict], strategy: str, node_ids: list[str] | No
     actors, or more pinned to a node than it has. On a joined cluster (it may grow) a warning."""
     alive = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     problems = []
-    if strategy == "STRICT_SPREAD" and len(bundles) > len(alive) and node_ids is None:
-        problems.append(("nodes.placement", strategy, f"STRICT_SPREAD puts each of the {len(bundles)} actors on "
+    placed = [b for b in bundles if b]  # an empty bundle (a Tune trial's own) is left out of the group
+    if strategy == "STRICT_SPREAD" and len(placed) > len(alive) and node_ids is None:
+        problems.append(("nodes.placement", strategy, f"STRICT_SPREAD puts each of the {len(placed)} actors on "
                          f"its own Ray node, and the cluster has {len(alive)}: lower nodes.count, use SPREAD, "
                          "or add nodes"))
     for node in sorted(set(node_ids or [])):
