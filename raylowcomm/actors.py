@@ -4,8 +4,9 @@ model, evaluated, and torn down. Strategies compose it; it never knows which pap
 - `Node` is what every node process holds (threads, device, model, task, evaluation sets); Ray
   actor classes subclass it, and DDP's Ray Train workers use it as it is.
 - `NodeGroup` is the driver's handle on a strategy's actors: it starts them from `NodesConfig`
-  (resources, placement, restarts), books every payload it sends or fetches in the ledger, and
-  kills every actor when its `with` block ends: on success, on an error, on Ctrl-C.
+  (resources, restarts) in one placement group reserved up front (`execution.Gang`: placement,
+  pinning to hosts), books every payload it sends or fetches in the ledger, and kills every
+  actor and removes the group when its `with` block ends: on success, on an error, on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.common.timing import peak_rss_bytes
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo.replay import parameter_hash
+from raylowcomm.execution import Gang, node_bundle
 from raylowcomm.finetune import fine_tune_for
 from raylowcomm.models import ModelSpec, build_architecture
 from raylowcomm.runtime import actor_options, device_for, setup_threads
@@ -60,10 +62,10 @@ def start_process(cpus: float, gpus: float) -> str:
 
 def process_info() -> dict:
     """Where an actor runs and how much memory it peaked at."""
-    pg = ray.util.get_current_placement_group() if ray.is_initialized() else None
-    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    return {"host": socket.gethostname(), "ray_node_id": node_id, "pid": os.getpid(),
-            "placement_group": pg.id.hex() if pg else None, "peak_rss_bytes": peak_rss_bytes()}
+    context = ray.get_runtime_context() if ray.is_initialized() else None
+    return {"host": socket.gethostname(), "ray_node_id": context.get_node_id() if context else None,
+            "pid": os.getpid(), "placement_group": context.get_placement_group_id() if context else None,
+            "peak_rss_bytes": peak_rss_bytes()}
 
 
 def count_tensors(obj) -> int:
@@ -193,15 +195,22 @@ class NodeGroup:
     """A strategy's actors, keyed by node id: started from `cfg.nodes`, every transfer booked,
     all killed when the `with` block ends however it ends.
 
+    Placement is a gang's: entering the block reserves one bundle per actor the strategy may run
+    (`bundles`; default: nodes.count node bundles) in one placement group, or raises holding
+    nothing; actor k starts in bundle k (pinned to nodes.hosts[k] where given), and leaving the
+    block removes the group.
+
     Restarts are the group's, not Ray's: an actor that dies during a `call` or `stream` is
     started again with its constructor arguments (up to `restarts` times; its constructor
     resumes from its own checkpoint) and the call is repeated. Ray's own actor restarts would
     pin the constructor's object-store arguments and warn on every healthy run (ray#53727)."""
 
-    def __init__(self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0):
+    def __init__(self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0,
+                 bundles: list[dict] | None = None):
         self.actor_class, self.ledger, self.restarts = actor_class, ledger, restarts
         n = cfg.nodes
-        self.options = actor_options(n.cpus, n.gpus, 0, n.placement, n.resources)
+        self.options = actor_options(n.cpus, n.gpus, 0, n.resources)
+        self.gang = Gang(bundles or [node_bundle(cfg)] * n.count, n.placement, n.hosts, n.start_timeout_s)
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.fetch = DriverFetches(ledger)
         self._started: dict[int, tuple] = {}
@@ -211,6 +220,7 @@ class NodeGroup:
         self._holding_eval_sets: set[int] = set()
 
     def __enter__(self) -> NodeGroup:
+        self.gang.reserve()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -232,18 +242,26 @@ class NodeGroup:
         """Start actor `key` (its constructor gets `*args, **kwargs`); ObjectRefs among them are
         fetched by the actor itself, from wherever they live, and held here for restarts."""
         self._started[key] = (args, kwargs)
-        self.actors[key] = self.actor_class.options(**self.options).remote(*args, **kwargs)
+        self.actors[key] = self._launch(key)
         return self.actors[key]
+
+    def _launch(self, key: int):
+        """Actor `key` in its own bundle, with the arguments it was first started with."""
+        args, kwargs = self._started[key]
+        return self.actor_class.options(**self.options, **self.gang.options(key)).remote(*args, **kwargs)
 
     def _restart(self, key: int, err: Exception) -> None:
         """Start a dead actor again, or re-raise `err` when its restarts are spent."""
         done = self.restarted.get(key, 0)
         if key not in self.actors or done >= self.restarts:
             raise err
+        lost = self.gang.host_lost(key)
+        if lost is not None:
+            raise ActorDied(f"node {key} died and its host {lost} (nodes.hosts[{key}]) is gone: a pinned node "
+                            "restarts only there") from err
         self.restarted[key] = done + 1
         logger.warning("node %d died (%s); restarting it (%d of %d)", key, type(err).__name__, done + 1, self.restarts)
-        args, kwargs = self._started[key]
-        self.actors[key] = self.actor_class.options(**self.options).remote(*args, **kwargs)
+        self.actors[key] = self._launch(key)
 
     def ready(self, every_s: float = 30.0) -> None:
         """Wait until every actor has started, saying every `every_s` seconds how many are still
@@ -373,6 +391,10 @@ class NodeGroup:
             ray.kill(actor)
 
     def shutdown(self) -> None:
-        for actor in self.actors.values():
-            ray.kill(actor)
-        self.actors.clear()
+        """Kill every actor, then release the group's placement group."""
+        try:
+            for actor in self.actors.values():
+                ray.kill(actor)
+            self.actors.clear()
+        finally:
+            self.gang.release()

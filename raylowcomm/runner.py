@@ -17,6 +17,7 @@ import yaml
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.env import quiet_loaders, set_hub_defaults
+from raylowcomm.execution import check_placement, resolve_hosts
 from raylowcomm.finetune import load_pretrained
 from raylowcomm.models import image_preprocessing
 from raylowcomm.progress import LiveProgress, ProgressView
@@ -296,10 +297,14 @@ def check_cluster_fits(cfg: RunConfig, demands: dict[str, list[dict]] | None = N
 
     capacity = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     total = ray.cluster_resources()
+    node_ids = resolve_hosts(cfg.nodes.hosts)  # a host no live node has stops the run now
     if demands is None:
         demands = {
             name: STRATEGIES[name].bundles(cfg) + STRATEGIES[name].external_bundles(cfg) for name in cfg.strategies
         }
+    for bundles in demands.values():  # STRICT_SPREAD over too few nodes, too much pinned to one
+        check_placement(bundles, cfg.nodes.placement, node_ids if len(bundles) == len(node_ids or ()) else None,
+                        local=not os.environ.get("RAY_ADDRESS"))
     for name, bundles in demands.items():
         for key in sorted({k for b in bundles for k in b}):
             need, each, have = (

@@ -58,17 +58,11 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
              logging_level=logging.INFO if verbose else logging.WARNING)
 
 
-def actor_options(cpus: float, gpus: float, max_restarts: int = 0, placement: str = "PACK",
-                  resources: dict[str, float] | None = None) -> dict:
-    """Options of a node/stage actor. Inside a reservation (a Tune trial's placement group) the
-    actor is captured by it and the reservation's strategy decides where it runs."""
-    import ray
-
+def actor_options(cpus: float, gpus: float, max_restarts: int = 0, resources: dict[str, float] | None = None) -> dict:
+    """Resources of a node/stage actor; where it runs is its bundle's business (`execution.Gang`)."""
     opts = {"num_cpus": cpus, "num_gpus": gpus}
     if resources:
         opts["resources"] = dict(resources)
-    if placement == "SPREAD" and ray.util.get_current_placement_group() is None:
-        opts["scheduling_strategy"] = "SPREAD"
     if max_restarts:
         opts.update(max_restarts=max_restarts, max_task_retries=max_restarts)
     return opts

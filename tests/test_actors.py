@@ -61,6 +61,16 @@ def wait_until_gone(cls: str, timeout: float = 30.0) -> list[int]:
     return actor_processes(cls)
 
 
+def live_groups() -> dict[str, dict]:
+    """Placement groups not removed (an earlier test's removal may still be under way: wait a little)."""
+    deadline = time.time() + 10
+    while True:
+        live = {k: v for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+        if not live or time.time() > deadline:
+            return live
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failing, following", [("lofi", "spsa"), ("spsa", "interlocking"), ("interlocking", "lofi")])
 def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(
@@ -82,6 +92,7 @@ def test_a_strategy_failing_mid_run_releases_its_actors_and_the_next_one_runs(
     assert records[1]["strategy"] == following and "error" not in records[1] and "id_accuracy" in records[1]["metrics"]
     assert seen[failing] == 1 and seen[following] >= 1
     assert wait_until_gone(ACTOR_CLASS[failing]) == [], f"{failing}'s actors outlived its failure"
+    assert live_groups() == {}, "a placement group outlived its run"
     deadline = (
         time.time() + 30
     )  # an earlier test's killed actors may still be freeing theirs: at least as many as before
@@ -97,7 +108,7 @@ def test_ctrl_c_mid_run_releases_the_actors(ray_session, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run(small_config(["lofi", "spsa"]), tmp_path, progress=progress)
-    assert wait_until_gone("LofiNode") == []
+    assert wait_until_gone("LofiNode") == [] and live_groups() == {}
 
 
 def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):

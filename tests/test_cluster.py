@@ -132,6 +132,44 @@ def test_a_client_without_the_token_is_refused(make_cluster, tmp_path):
     assert "succeeded" in accepted.stdout and marker.exists(), accepted.stdout[-3000:]
 
 
+def _kill_actor_on(cluster: NamespaceCluster, host: int, actor_class: str) -> int:
+    """SIGKILL the process of one `actor_class` actor on `host` (a node that crashes); its pid."""
+    inode = os.stat(f"/var/run/netns/{cluster.hosts[host]}").st_ino
+    for pid in NamespaceCluster._pids_in({inode}):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            continue
+        if f"ray::{actor_class}" in cmdline:
+            os.kill(pid, signal.SIGKILL)
+            return pid
+    raise AssertionError(f"no {actor_class} actor on host {host}")
+
+
+def test_pinned_nodes_run_on_their_named_hosts_also_after_a_restart(make_cluster, tmp_path):
+    """nodes.hosts names host 1 for node 0 and host 0 for node 1 (PACK alone would put both on one
+    host: each has room for two): lo-fi's node actors and DDP's ranks run there, and lo-fi's node 0,
+    killed mid-run, restarts on host 1 again, in its own bundle of the run's placement group."""
+    cluster = make_cluster(hosts=2, cpus=2)
+    storage, hosts = tmp_path / "shared", cluster.node_ids()
+    pinned = [cluster.addresses[1], cluster.addresses[0]]
+    cfg = {**TINY, "strategies": ["lofi", "ddp"], "storage": str(storage), "checkpoint_every": 4,
+           "optim": {**TINY["optim"], "epochs": 8}, "nodes": {"count": 2, "cpus": 1, "hosts": pinned}}
+    (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(cfg))
+    driver = cluster.start_on(0, ["raylowcomm", "run", str(tmp_path / "pinned.yaml"), "--out", str(tmp_path / "out")])
+    checkpoint, deadline = storage / "lofi" / "checkpoints" / "node0.safetensors", time.time() + 300
+    while checkpoint_step(checkpoint) < 4:
+        assert driver.poll() is None and time.time() < deadline, driver.stdout.read()[-3000:]
+        time.sleep(0.05)
+    _kill_actor_on(cluster, 1, "LofiNode")
+    out, _ = driver.communicate(timeout=600)
+    assert driver.returncode == 0 and "node 0 died" in out and "restarting it" in out, out[-3000:]
+    lofi, ddp = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "error" not in lofi and "error" not in ddp, out[-3000:]
+    assert [hosts[n["ray_node_id"]] for n in sorted(lofi["nodes"], key=lambda n: n["node"])] == pinned
+    assert [hosts[n["ray_node_id"]] for n in sorted(ddp["nodes"], key=lambda n: n["rank"])] == pinned
+
+
 @pytest.mark.heavy
 def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     """Each host has its own scratch (TMPDIR); only `storage` is shared. A GPU run is placed on the

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                 "raylowcomm.storage"]),
     ("model, data, tasks", ["raylowcomm.models", "raylowcomm.finetune", "raylowcomm.lora", "raylowcomm.data",
                             "raylowcomm.tasks", "raylowcomm.training"]),
-    ("actors", ["raylowcomm.actors", "raylowcomm.runtime",
+    ("actors", ["raylowcomm.actors", "raylowcomm.runtime", "raylowcomm.execution",  # placement: execution.Gang
                 "raylowcomm.progress"]),  # workers post their progress through it, the driver's view shows it
     ("strategies", ["raylowcomm.strategies"]),
     ("drivers", ["raylowcomm.runner", "raylowcomm.tune", "raylowcomm.bench", "raylowcomm.report",

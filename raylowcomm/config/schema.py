@@ -171,9 +171,19 @@ class NodesConfig:
     max_restarts: int | None = None
     """How often a node actor that dies is restarted from its last checkpoint, in the strategies
     that restart nodes (lo-fi); None: 2. Others refuse to pretend: they warn when it is set."""
-    placement: Literal["PACK", "SPREAD"] = "PACK"
-    """SPREAD: put the actors on different Ray nodes where possible; PACK: Ray's default, which
-    fills the driver's node first. In a sweep it is the strategy of each trial's reservation."""
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """The strategy of the one placement group a strategy's actors start in, together or not at
+    all: PACK fills as few Ray nodes as it can (one, where they fit); SPREAD puts them on different
+    Ray nodes where possible; STRICT_SPREAD on different nodes or not at all. DDP: Ray Train's
+    placement_strategy. In a sweep it is the strategy of each trial's reservation."""
+    hosts: list[str] | None = None
+    """The host of each actor, in order (node k, SPSA's joiners after the first nodes, stage k):
+    a Ray node's address (e.g. 10.0.0.2) or its node id; actor k's bundle is pinned there, and a
+    restarted actor comes back to it. One entry per actor each strategy of the run starts; None:
+    Ray chooses. See docs/clusters.md (pinning node k to the host that holds its data)."""
+    start_timeout_s: float | None = None
+    """Seconds to wait for a strategy's placement group before giving up with an error; None: 120
+    on the local Ray (it cannot grow), no limit on a joined cluster (it says what it waits for)."""
     wait_for_resources: bool = False
     """On a joined cluster, wait for resources no node has yet (an autoscaler that adds GPU nodes
     on demand) instead of stopping with an error."""

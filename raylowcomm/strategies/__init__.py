@@ -38,7 +38,21 @@ def from_dict(raw: dict) -> RunConfig:
     validate(cfg)
     for name in cfg.strategies:
         STRATEGIES[name].validate(cfg)
+        check_hosts(cfg, name)
     return cfg
+
+
+def check_hosts(cfg: RunConfig, name: str) -> None:
+    """nodes.hosts names one host per actor strategy `name` starts (its own bundles and Ray Train's)."""
+    hosts, s = cfg.nodes.hosts, STRATEGIES[name]
+    if hosts is None:
+        return
+    if not all(isinstance(h, str) and h for h in hosts):
+        raise ConfigError("nodes.hosts", hosts, "a list of Ray node addresses or node ids, one per actor")
+    count = len(s.bundles(cfg) + s.external_bundles(cfg))
+    if len(hosts) != count:
+        raise ConfigError("nodes.hosts", hosts, f"{name} starts {count} actors (its {s.count_field}, SPSA's "
+                          f"joiners after them): give one host per actor, not {len(hosts)}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -17,6 +17,7 @@ from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import RunConfig
 from raylowcomm.data import PreparedData
+from raylowcomm.execution import node_bundle
 from raylowcomm.finetune import FineTune, fine_tune_for
 from raylowcomm.models import ModelSpec
 from raylowcomm.progress import NoLiveProgress
@@ -163,11 +164,6 @@ def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, chec
         logger.warning("%s: nodes.max_restarts=%s does not apply: %s", strategy, cfg.nodes.max_restarts, restarts)
     if checkpoints and cfg.checkpoint_every is not None:
         logger.warning("%s: checkpoint_every=%s does not apply: %s", strategy, cfg.checkpoint_every, checkpoints)
-
-
-def node_bundle(cfg: RunConfig) -> dict[str, float]:
-    """What one node/stage actor asks Ray for (runtime.actor_options with cfg.nodes)."""
-    return {"CPU": cfg.nodes.cpus, **({"GPU": cfg.nodes.gpus} if cfg.nodes.gpus else {}), **cfg.nodes.resources}
 
 
 def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int,

@@ -39,6 +39,7 @@ from raylowcomm.common.seeding import node_seed
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import TrainSource
+from raylowcomm.execution import pin_bundles, resolve_hosts
 from raylowcomm.models import ModelSpec, state_dict_of
 from raylowcomm.progress import ProgressPoster
 from raylowcomm.storage import Storage
@@ -343,6 +344,10 @@ class Ddp(Strategy):
     def validate(cfg: RunConfig) -> None:
         if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
+        hosts = cfg.nodes.hosts or []
+        if any(h in hosts[:i - 1] for i, h in enumerate(hosts) if i and h != hosts[i - 1]):
+            raise ConfigError("nodes.hosts", hosts, "Ray Train numbers DDP's workers host by host: list each host's "
+                              "workers together (e.g. [A, A, B]), so rank k runs on nodes.hosts[k]")
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict]:
@@ -364,7 +369,8 @@ class Ddp(Strategy):
         return TorchTrainer(
             _train_worker, train_loop_config={"loop": loop},
             scaling_config=ScalingConfig(num_workers=cfg.nodes.count, use_gpu=cfg.nodes.gpus > 0,
-                                         resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement),
+                                         resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement,
+                                         label_selector=pin_bundles(cfg.nodes.count, resolve_hosts(cfg.nodes.hosts))),
             torch_config=TorchConfig(backend=backend),
             run_config=TrainRunConfig(name=self.name, storage_path=ctx.storage.uri_of(f"{self.name}/ray_train"),
                                       failure_config=FailureConfig(max_failures=cfg.restarts),

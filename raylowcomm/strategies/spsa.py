@@ -227,7 +227,7 @@ class Spsa(Strategy):
         self.validate(cfg, steps)
         if opts.include:
             trainable_parameters(ctx.model, opts.include)  # fails here, not in an actor, if nothing matches
-        with NodeGroup(SpsaNode, cfg, Ledger()) as group:
+        with NodeGroup(SpsaNode, cfg, Ledger(), bundles=self.bundles(cfg)) as group:  # joiners' slots too
             return SpsaRun(ctx, group, steps).run()
 
 

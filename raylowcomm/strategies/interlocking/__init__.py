@@ -235,7 +235,7 @@ class Interlocking(Strategy):
             balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus)
         modules = split_model(model, family, K, balance, opts.split)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
-        with (NodeGroup(StageActor, cfg, Ledger()) as group,
+        with (NodeGroup(StageActor, cfg, Ledger(), bundles=self.bundles(cfg)) as group,
               group.stop_on_death("interlocking stage", "each stage holds layers no other has")):
             self._load(group, modules, heads, source, ctx.data.train, cfg, family)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)

@@ -184,7 +184,7 @@ class Lofi(Strategy):
         clock, ledger = TrainClock(), Ledger()
         ctx.fresh_state(self.name)
         initial, watch = state_dict_of(ctx.model), Stopwatch()
-        with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts) as group:
+        with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts, bundles=self.bundles(cfg)) as group:
             with watch("start"):
                 weights_ref = group.put(initial, "setup", "initial_weights", copies=n)
                 group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
