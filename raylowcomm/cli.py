@@ -214,12 +214,16 @@ def _tune(args) -> int:
 
 
 def parse_seeds(text: str) -> list[int]:
-    """--seeds 0,1,2 -> [0, 1, 2]: distinct integers >= 0, in the order given."""
+    """--seeds 0,1,2 -> [0, 1, 2]: distinct integers in [0, 2**31), in the order given."""
     from raylowcomm.config import ConfigError
+    from raylowcomm.config.checks import SEED_LIMIT, SEED_RULE
 
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
+    if not all(p.isascii() and p.isdigit() for p in parts):  # isdigit() alone takes '²', which int() refuses
         raise ConfigError("--seeds", text, "give seeds as integers >= 0 separated by commas, e.g. --seeds 0,1,2")
+    # the length first: int() refuses a string of thousands of digits
+    if any(len(p.lstrip("0")) > len(str(SEED_LIMIT)) or int(p) >= SEED_LIMIT for p in parts):
+        raise ConfigError("--seeds", text, SEED_RULE)
     seeds = [int(p) for p in parts]
     if len(set(seeds)) != len(seeds):
         raise ConfigError("--seeds", text, "each seed once: a repeated seed repeats the same run")

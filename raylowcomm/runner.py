@@ -15,6 +15,7 @@ import ray
 import yaml
 
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config.checks import check_seed
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.env import quiet_loaders, set_hub_defaults
 from raylowcomm.execution import check_placement, resolve_hosts
@@ -163,6 +164,8 @@ def run_seeds(
     from raylowcomm.seedstats import summarize
 
     out = Path(out_dir or cfg.out_dir)
+    for seed in seeds:  # all of them before the first runs
+        check_seed("seeds", seed)
     if resume:
         check_seeds_resumable(cfg, seeds, out)
     per_seed: dict[int, list[dict]] = {}
@@ -285,14 +288,18 @@ def _write_records(ctx: RunContext, records: list[dict]) -> None:
     ctx.storage.write_json("results.json", records)
 
 
-def check_cluster_fits(cfg: RunConfig, demands: dict[str, list[dict]] | None = None) -> None:
+def check_cluster_fits(
+    cfg: RunConfig, demands: dict[str, list[dict]] | None = None, groups: list[list[dict]] | None = None
+) -> None:
     """Every strategy's actors must fit the cluster: on the local Ray, which cannot grow, asking
     for more CPUs, GPUs or custom resources than it has stops the run now (ConfigError naming the
     field) instead of waiting forever; on a joined cluster, which may autoscale, it is a warning,
     and the actor layer says what it waits for while it waits, unless no node has the resource
     at all (a GPU run on a CPU-only cluster): that stops too, unless nodes.wait_for_resources.
     `demands`: what must fit at once, by who asks (default: each strategy's own bundles; a sweep
-    passes a trial's whole reservation)."""
+    passes a trial's whole reservation); `groups`: the placement groups those bundles start in,
+    each placed by nodes.placement on its own (default: one per demand; a trial's Ray Train run
+    has a group of its own beside the trial's)."""
     import os
 
     capacity = [n["Resources"] for n in ray.nodes() if n["Alive"]]
@@ -302,7 +309,7 @@ def check_cluster_fits(cfg: RunConfig, demands: dict[str, list[dict]] | None = N
         demands = {
             name: STRATEGIES[name].bundles(cfg) + STRATEGIES[name].external_bundles(cfg) for name in cfg.strategies
         }
-    for bundles in demands.values():  # STRICT_SPREAD over too few nodes, too much pinned to one
+    for bundles in groups or demands.values():  # STRICT_SPREAD over too few nodes, too much pinned to one
         check_placement(bundles, cfg.nodes.placement, node_ids if len(bundles) == len(node_ids or ()) else None,
                         local=not os.environ.get("RAY_ADDRESS"))
     for name, bundles in demands.items():

@@ -125,7 +125,8 @@ class PromptClassification(ImageClassification):
         ids, mask = (t.to(self.device) for t in trim_padding(batch["input_ids"], batch["attention_mask"]))
         # The decoder and output embeddings of the LM, asked of the model itself: an adapter wrapper passes both
         # through to the LM it adapts, so this task never needs to know whether one is there.
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model  # older transformers
+        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
         # right padding: the prompt ends at the last attended position of each row
         last = hidden[torch.arange(len(ids), device=hidden.device), mask.sum(1) - 1]
         head = model.get_output_embeddings()

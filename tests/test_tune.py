@@ -53,6 +53,8 @@ def write_sweep(tmp_path: Path, **changes) -> Path:
         ({"mode": "maximum"}, "'mode'"),
         ({"set": {"strategies": ["lofi", "ddp"]}}, "e.g. lofi/id_accuracy"),
         ({"set": {"nodes.placement": "STRICT"}}, "nodes.placement"),
+        ({"set": {"nodes.hosts": ["10.0.0.2", "10.0.0.3"]}}, "nodes.hosts: pinning is for a run, not a sweep"),
+        ({"space": {"nodes.hosts": {"choice": [["10.0.0.2", "10.0.0.3"]]}}}, "nodes.hosts: pinning is for a run"),
         (
             {"set": {"strategies": ["lofi", "ddp"]}, "metric": "lofi/id_accuracy", "columns": ["shift_accuracy"]},
             "columns[0] = 'shift_accuracy'",

@@ -3,15 +3,31 @@ strategy's `validate` checks its own options after)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from raylowcomm import catalog
 from raylowcomm.config.schema import ConfigError, DataConfig, RunConfig
 
+SEED_LIMIT = 2**31
+"""Seeds (`seed`, `--seeds`) are integers in [0, 2**31): a node's per-step seed is (seed * 1000 + node)
+* 1_000_003 + step (raylowcomm.common.seeding), which torch.manual_seed takes only below 2**64;
+2**31 keeps it there for any node count and step count a run can have (past about 1.8e10 it overflows)."""
+SEED_RULE = (
+    f"seeds are integers in [0, 2**31 = {SEED_LIMIT}): each node's per-step seed, (seed * 1000 + node)"
+    " * 1000003 + step, must fit the 64 bits torch.manual_seed takes"
+)
+
 
 def _positive(name, value, allow_zero=False):
     if value is not None and (value < 0 or (value == 0 and not allow_zero)):
         raise ConfigError(name, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def check_seed(name: str, seed) -> None:
+    """`seed`, or one seed of a multi-seed run: an integer in [0, SEED_LIMIT)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(name, seed, SEED_RULE)
 
 
 def own_data_name(data: DataConfig) -> str:
@@ -95,6 +111,10 @@ def _check_numbers(cfg: RunConfig) -> None:
     _positive("nodes.cpus", cfg.nodes.cpus)
     _positive("nodes.gpus", cfg.nodes.gpus, allow_zero=True)
     _positive("nodes.max_restarts", cfg.nodes.max_restarts, allow_zero=True)
+    timeout = cfg.nodes.start_timeout_s
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError("nodes.start_timeout_s", timeout,
+                          "seconds, a finite number > 0, or null (120 locally, no limit on a cluster)")
     for key, amount in cfg.nodes.resources.items():
         if key.upper() in ("CPU", "GPU", "MEMORY"):
             raise ConfigError(f"nodes.resources.{key}", amount, "set CPUs and GPUs with nodes.cpus / nodes.gpus")
@@ -114,6 +134,7 @@ def _check_numbers(cfg: RunConfig) -> None:
     _positive("data.image_size", cfg.data.image_size)
     _positive("data.max_length", cfg.data.max_length)
     _positive("log_every", cfg.log_every)
+    check_seed("seed", cfg.seed)
     _positive("checkpoint_every", cfg.checkpoint_every)
     if cfg.eval_every < 0:
         raise ConfigError("eval_every", cfg.eval_every, "an integer >= 0 (0: evaluate at the end only)")

@@ -228,8 +228,9 @@ def _prompt(data: DataConfig, preset, task: str, classes) -> tuple[str, tuple[st
 
 def describe_data(cfg: RunConfig) -> DataPlan:
     """What the data is (columns, kind, task, classes) from schemas, first rows and the columns the
-    run reads (their labels, their empty cells) only: bad input is a ConfigError naming its field,
-    before the model loads or any actor starts."""
+    run reads only: every row of those columns (data.files' and, with node_files_on_driver, each
+    node file's, streamed) is checked for empty cells, and the labels give the classes. Bad input
+    is a ConfigError naming its field, before the model loads or any actor starts."""
     data = cfg.data
     preset = catalog.DATASETS.get(data.name) if data.source is None else None
     pool, nodes = _pool(data, preset), _node_files(data, preset)

@@ -366,11 +366,14 @@ class Ddp(Strategy):
         from ray.train.torch import TorchConfig, TorchTrainer
 
         cfg = ctx.cfg
+        pins = {}  # ScalingConfig takes label_selector from Ray 2.53 on: only a pinned run needs one
+        if cfg.nodes.hosts:
+            pins["label_selector"] = pin_bundles(cfg.nodes.count, resolve_hosts(cfg.nodes.hosts))
         return TorchTrainer(
             _train_worker, train_loop_config={"loop": loop},
             scaling_config=ScalingConfig(num_workers=cfg.nodes.count, use_gpu=cfg.nodes.gpus > 0,
                                          resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement,
-                                         label_selector=pin_bundles(cfg.nodes.count, resolve_hosts(cfg.nodes.hosts))),
+                                         **pins),
             torch_config=TorchConfig(backend=backend),
             run_config=TrainRunConfig(name=self.name, storage_path=ctx.storage.uri_of(f"{self.name}/ray_train"),
                                       failure_config=FailureConfig(max_failures=cfg.restarts),

@@ -16,6 +16,7 @@ the forward passes run (`forwards`, also on every curve point).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import struct
 import time
@@ -206,9 +207,13 @@ class Spsa(Strategy):
         except ValueError as err:
             raise ConfigError("spsa.samples", o.samples, f"with spsa.step: {o.step}: {err}") from None
         try:
-            mask_threshold(o.density)
+            keep = mask_threshold(o.density)
         except ValueError as err:
             raise ConfigError("spsa.density", o.density, str(err)) from None
+        if keep != 256 * o.density:  # the mask keeps round(256 * density) / 256 of the weights
+            low, high = math.floor(256 * o.density), math.ceil(256 * o.density)
+            raise ConfigError("spsa.density", o.density, f"a multiple of 1/256 in [1/256, 1]: the nearest are "
+                                                         f"{low / 256} ({low}/256) and {high / 256} ({high}/256)")
         for i, pattern in enumerate(o.include or []):
             try:
                 re.compile(pattern)
@@ -250,6 +255,8 @@ class SpsaRun:
         if self.ctx.resume and self.storage.exists(DRIVER_STATE):
             state = self.storage.read_json(DRIVER_STATE)
             self.ledger.merge(Ledger.from_dict(state["ledger"]))
+            # a state written before forwards were counted: every node-step published made node_forwards
+            state.setdefault("forwards", state["samples"] // self.cfg.optim.batch_size * self.node_forwards)
             for key in DRIVER_COUNTS:
                 setattr(self, key, state[key])
             self.records = {int(k): v for k, v in state["records"].items()}

@@ -109,6 +109,11 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         cfg = from_dict(raw)
     except ConfigError as err:
         raise SweepError(f"sweep file {path}: base config with 'set' and --set: {err}") from None
+    if cfg.nodes.hosts is not None or any(k.split(".")[:2] == ["nodes", "hosts"] for k in spec.space):
+        raise SweepError(
+            f"sweep file {path}: nodes.hosts: pinning is for a run, not a sweep (concurrent trials would share "
+            "each pinned host): leave it unset"
+        )
     for section in ("model", "data"):  # user paths stay relative to where the sweep was started
         value = raw.get(section, {}).get("path")
         if value is not None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config import RunConfig
 from raylowcomm.strategies import STRATEGIES, from_dict
 from raylowcomm.tune.summary import plot_sweep
 from raylowcomm.tune.sweep import TRIAL_DRIVER_BUNDLE, Sweep, SweepConfig, SweepError, with_values
@@ -142,12 +142,9 @@ def _concurrency(sweep: Sweep) -> int | None:
     from raylowcomm.runner import check_cluster_fits
 
     configs = [from_dict(with_values(sweep.raw, {k: v})) for k, values in sweep.samples.items() for v in values]
-    pinned = next((c.nodes.hosts for c in [sweep.cfg, *configs] if c.nodes.hosts is not None), None)
-    if pinned is not None:  # concurrent trials would share each pinned host
-        raise ConfigError("nodes.hosts", pinned, "pinning is for a run, not a sweep: leave it unset")
     cfg = max(configs, key=lambda c: sum(_cpus(b) for b in trial_bundles(c)))
     inside, outside = trial_bundles(cfg)
-    check_cluster_fits(cfg, {"a trial": inside + outside})
+    check_cluster_fits(cfg, {"a trial": inside + outside}, groups=[inside, outside] if outside else [inside])
     need, cluster = _cpus(inside) + _cpus(outside), ray.cluster_resources().get("CPU", 0)
     if _cpus(outside) and need:  # Ray Train reserves outside the trials: leave it room
         fit = max(1, int(cluster // need))
