@@ -38,6 +38,7 @@ def test_defaults_and_overrides(tmp_path):
         ({"lofi": {"compress": "int4", "exchange": "driver"}}, "lofi.exchange"),  # compressed rounds go node to node
         ({"lofi": {"compress": "topk", "topk_fraction": 0}}, "lofi.topk_fraction"),
         ({"lofi": {"compress": "int8", "compress_block": 0}}, "lofi.compress_block"),
+        ({"lofi": {"compress": "int4", "compress_block": 65537}}, "lofi.compress_block"),  # padding on every node
         ({"lofi": {"compress": "int4", "soup": "greedy"}, "data": {"val_size": 50}}, "lofi.compress"),
         ({"lofi": {"exchange": "peers", "soup": "greedy"}, "data": {"val_size": 50}}, "lofi.exchange"),
         ({"lofi": {"compress": "int4"}, "model": {"lora": {"r": 4}}}, "lofi.compress"),  # peer rounds: full weights
@@ -82,6 +83,10 @@ def test_exponent_floats_without_a_dot_are_floats(tmp_path):
         ("spsa", {"nodes": {"max_restarts": 3}}, "nodes.max_restarts=3 does not apply"),
         ("lofi", {"checkpoint_every": 10, "nodes": {"max_restarts": 3}}, None),  # lo-fi checkpoints and restarts
         ("spsa", {"checkpoint_every": 10}, None),  # SPSA joiners start from its checkpoints
+        ("lofi", {"lofi": {"compress_block": 128}}, "lofi.compress_block=128 does not apply"),  # compress: none
+        ("lofi", {"lofi": {"topk_fraction": 0.1}}, "lofi.topk_fraction=0.1 does not apply"),
+        ("lofi", {"lofi": {"error_feedback": False}}, "lofi.error_feedback=False does not apply"),
+        ("lofi", {"lofi": {"compress": "int4", "compress_block": 128, "error_feedback": False}}, None),
     ],
 )
 def test_options_a_strategy_does_not_offer_are_said(caplog, strategy, field, warned):

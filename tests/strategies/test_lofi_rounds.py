@@ -6,15 +6,21 @@ import time
 
 import psutil
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
+from raylowcomm.actors import ActorDied
+from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.core.compression import layout_of, make_codec
 from raylowcomm.models import state_dict_of
-from raylowcomm.strategies.lofi.rounds import floats
+from raylowcomm.strategies.lofi import rounds
+from raylowcomm.strategies.lofi.rounds import PeerRounds, floats
 from tests.strategies.test_lofi import run_lofi, tiny_config
 
-ROUND_KINDS = {"train/control", "train/train_stats", "train/outer_gradients", "train/payload_refs", "train/verify_hash"}
+ROUND_KINDS = {"train/control", "train/train_stats", "train/outer_gradients", "train/round_replies", "train/round_args",
+               "train/verify_hash"}
+REF = 28  # an ObjectRef crosses as its binary id
 
 
 def payload_bytes(ctx, codec: str) -> int:
@@ -40,10 +46,17 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
     size = payload_bytes(ctx, "int4")
     assert size < payload_bytes(ctx, "none") / 5
     assert kinds["train/outer_gradients"] == rounds * n * (n - 1) * size
+    # the small messages of each round are booked as they cross: each node's reply (its ref and payload size)
+    # and what every node is sent (the round, the N refs, the weights), sized as the actor layer sizes them
+    replies = rounds * n * (REF + payload_nbytes(size))
+    args = sum(n * (payload_nbytes(r) + n * REF + payload_nbytes([1.0] * n)) for r in range(1, rounds + 1))
+    assert kinds["train/round_replies"] == replies and kinds["train/round_args"] == args
+    rounds_total = rec["comm"]["by_phase"]["train"] - kinds["train/control"] - kinds["train/train_stats"]
+    assert rounds_total == rounds * n * (n - 1) * size + replies + args + kinds["train/verify_hash"]
     assert kinds["final/outer_gradients"] == n * size  # the final average: N payloads, not N models
     assert kinds["train/verify_hash"] > 0  # every round was hash-checked (a mismatch raises)
     fetched = rec["details"]["driver_fetched"]["train"]
-    assert fetched["tensors"] == 0 and 0 < fetched["bytes"] < 100 * rounds * n
+    assert fetched["tensors"] == 0 and fetched["bytes"] == replies < 100 * rounds * n
     # every node's round file holds the same global model, bit for bit, and its own nonzero residual
     files = round_files(tmp_path / "state")
     globals_ = [{k: v for k, v in f.items() if k.startswith("global.")} for f in files]
@@ -72,6 +85,24 @@ def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_toler
         if a[name].is_floating_point():
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-4)
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
+
+
+def test_a_payload_lost_with_its_node_mid_exchange_names_the_node_and_the_round(monkeypatch):
+    """A node restarted between send_delta and apply_round holds no payload; a peer finds the payload's owner
+    dead. Either way the round ends with ActorDied naming the node and the round, not a TypeError."""
+    restarted = PeerRounds()
+    restarted.rank, restarted.rounds, restarted.payload = 0, 2, None
+    with pytest.raises(ActorDied, match=r"lofi node 0 died during averaging round 3's exchange.*--resume"):
+        restarted.apply_round(3, [[None], [None]], [1.0, 1.0])
+
+    def owner_died(ref):
+        raise ray.exceptions.OwnerDiedError("00" * 28, "", "")
+
+    monkeypatch.setattr(rounds.ray, "get", owner_died)
+    peer = PeerRounds()
+    peer.rank, peer.rounds, peer.payload = 1, 2, {}
+    with pytest.raises(ActorDied, match=r"lofi node 0 died during averaging round 3's exchange"):
+        peer.apply_round(3, [[None], [None]], [1.0, 1.0])
 
 
 def _kill_a_node_after_the_first_round(state_dir, killed: list):

@@ -37,6 +37,9 @@ from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
 
+MAX_COMPRESS_BLOCK = 65536
+"""lofi.compress_block's upper bound: every node pads each tensor to whole blocks."""
+
 
 @dataclass
 class LofiConfig:
@@ -75,7 +78,7 @@ class LofiConfig:
     topk_fraction: float = 0.01
     """compress: topk: the fraction of each tensor's entries sent."""
     compress_block: int = 64
-    """Entries per bf16 scale for int8/int4/topk values."""
+    """Entries per bf16 scale for int8/int4/topk values (at most 65536)."""
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
@@ -167,8 +170,10 @@ class Lofi(Strategy):
                                                            "set lofi.exchange: peers (or auto)")
         if not 0 < o.topk_fraction <= 1:
             raise ConfigError("lofi.topk_fraction", o.topk_fraction, "must be in (0, 1]")
-        if o.compress_block < 1:
-            raise ConfigError("lofi.compress_block", o.compress_block, "must be >= 1")
+        if not 1 <= o.compress_block <= MAX_COMPRESS_BLOCK:
+            raise ConfigError("lofi.compress_block", o.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
+        if o.compress == "none":
+            Lofi._warn_unused_codec(o)
         if not rounds.uses_peers(o):
             return
         field = "lofi.compress" if o.compress != "none" else "lofi.exchange"
@@ -178,6 +183,15 @@ class Lofi(Strategy):
                                             "set lofi.compress: none and lofi.exchange: driver (or auto)")
         if o.soup == "greedy":
             raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
+
+    @staticmethod
+    def _warn_unused_codec(o: LofiConfig) -> None:
+        """The codec's options, set away from their defaults with compress: none, are said, not ignored."""
+        defaults = LofiConfig()
+        for name in ("topk_fraction", "compress_block", "error_feedback"):
+            if getattr(o, name) != getattr(defaults, name):
+                logger.warning("lofi: lofi.%s=%s does not apply: lofi.compress is none (outer gradients "
+                               "cross uncompressed)", name, getattr(o, name))
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
@@ -210,8 +224,6 @@ class Lofi(Strategy):
                 trained = self._train(ctx, group, plan, outer, initial, first)
             return self._finish(ctx, group, plan, outer, trained, clock, watch)
 
-    GLOBAL = rounds.GLOBAL
-
     @staticmethod
     def _resume_peers(group: NodeGroup) -> int:
         """Peer rounds: every node restored its round state itself; the run continues after their round."""
@@ -225,22 +237,15 @@ class Lofi(Strategy):
     def _resume_round(self, ctx: RunContext, group: NodeGroup, outer, plan: Plan) -> int:
         """The averaging round a resumed run continues at: nodes whose checkpoint predates the last
         global model saved in storage load it (the others have it already)."""
-        if not ctx.storage.exists(self.GLOBAL):
+        if not ctx.storage.exists(rounds.GLOBAL):
             return 0
-        tensors, meta = ctx.storage.load_tensors(self.GLOBAL)
-        state = {k[7:]: v for k, v in tensors.items() if k.startswith("global.")}
+        state, momentum, _, done = rounds.read_round(ctx.storage, rounds.GLOBAL)
         if outer is not None:
-            outer.state, outer.buf = state, {k[9:]: v for k, v in tensors.items() if k.startswith("momentum.")}
+            outer.state, outer.buf = state, momentum
         plan.average.rebase(state)
-        group.call("load_weights", group.put(state, "train", "resume_global_weights", copies=len(group)), meta["round"])
-        logger.info("[lofi] resuming after averaging round %d", meta["round"])
-        return meta["round"]
-
-    def _save_global(self, ctx: RunContext, state: dict, outer, rounds: int) -> None:
-        tensors = {f"global.{k}": v for k, v in state.items()}
-        if outer is not None:
-            tensors.update({f"momentum.{k}": v for k, v in outer.buf.items()})
-        ctx.storage.save_tensors(self.GLOBAL, tensors, {"round": rounds})
+        group.call("load_weights", group.put(state, "train", "resume_global_weights", copies=len(group)), done)
+        logger.info("[lofi] resuming after averaging round %d", done)
+        return done
 
     def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, first: int = 0) -> dict:
         """The rounds from round `first`: train to each boundary with no communication, average
@@ -278,7 +283,7 @@ class Lofi(Strategy):
                 average = average_nodes(group, plan, "train")
                 average = outer.step(average) if outer is not None else average
                 plan.average.rebase(average)
-                self._save_global(ctx, average, outer, i + 1)
+                rounds.write_round(ctx.storage, rounds.GLOBAL, i + 1, average, outer.buf if outer is not None else None)
                 group.call("load_weights", group.put(average, "train", "global_weights", copies=n), i + 1)
                 train_s += round_clock.elapsed()
         return {"rounds": trained, "train_s": train_s, "snapshots": snapshots, "fetched": fetched}

@@ -13,7 +13,10 @@ What a node keeps for its rounds is checkpointed beside its model checkpoint (`r
 before it: the last global model, the outer momentum and the error-feedback residual (float64). A
 node restarted from its checkpoints continues exactly; one that died between the two writes finds
 the newer round in its round file and loads that round's global model. Node 0 also writes the global
-model and momentum to `lofi/global.safetensors`, the run's result so far.
+model and momentum to `lofi/global.safetensors`, the run's result so far. One format for both
+(`write_round` / `read_round`), which the driver's star rounds use for the global file too. A node
+that dies between putting its payload and applying the round takes the payload with it: the round
+ends with `ActorDied` naming the node and the round (`died_during`).
 
 The final average (compressed runs): each node sends its last Δ (with its residual) to the driver,
 which decodes them from the shared start, the last global model, into the result: N payloads of a
@@ -27,8 +30,8 @@ import logging
 import ray
 import torch
 
-from raylowcomm.actors import check_replicas, count_tensors
-from raylowcomm.common.ledger import Ledger
+from raylowcomm.actors import ActorDied, check_replicas, count_tensors
+from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
 
@@ -95,6 +98,23 @@ def round_path(rank: int) -> str:
     return f"lofi/checkpoints/node{rank}_round.safetensors"
 
 
+def write_round(storage, path: str, round_: int, state: dict, momentum: dict | None = None,
+                residual: dict | None = None) -> None:
+    """A round's state as one safetensors file: `global.*`, `momentum.*` (with an outer step) and
+    `residual.*` (a node's error feedback), with the round number; `read_round` reads it back."""
+    parts = {"global": state, "momentum": momentum or {}, "residual": residual or {}}
+    tensors = {f"{part}.{k}": v for part, values in parts.items() for k, v in values.items()}
+    storage.save_tensors(path, tensors, {"round": round_})
+
+
+def read_round(storage, path: str) -> tuple[dict, dict, dict, int]:
+    """(global, momentum, residual, round) as `write_round` wrote them (empty parts where it had none)."""
+    tensors, meta = storage.load_tensors(path)
+    parts = {p: {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")}
+             for p in ("global", "momentum", "residual")}
+    return parts["global"], parts["momentum"], parts["residual"], meta["round"]
+
+
 class PeerRounds:
     """A lo-fi node's side of peer rounds (mixed into `LofiNode`; it has `model`, `rank`, `cfg`,
     `storage`, `rounds`, `weights()`, `_load` and `_save`)."""
@@ -115,16 +135,14 @@ class PeerRounds:
             self._restore_round()
 
     def _restore_round(self) -> None:
-        tensors, meta = self.storage.load_tensors(round_path(self.rank))
-        part = {p: {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")}
-                for p in ("global", "momentum", "residual")}
-        self._set_global(part["global"], part["momentum"])
-        self.codec.load_residual(part["residual"])
-        if meta["round"] > self.rounds:  # died after writing its round file, before its checkpoint
-            self._load({**self.weights(), **self.global_state}, meta["round"])
-            self.rounds = meta["round"]
+        state, momentum, residual, round_ = read_round(self.storage, round_path(self.rank))
+        self._set_global(state, momentum)
+        self.codec.load_residual(residual)
+        if round_ > self.rounds:  # died after writing its round file, before its checkpoint
+            self._load({**self.weights(), **self.global_state}, round_)
+            self.rounds = round_
             self._save(self.step)
-        self.log(f"round state restored at averaging round {meta['round']}")
+        self.log(f"round state restored at averaging round {round_}")
 
     def _set_global(self, state: dict, momentum: dict) -> None:
         self.global_state.update(state)
@@ -154,10 +172,12 @@ class PeerRounds:
 
     def apply_round(self, round_: int, refs: list[list], weights: list[float]) -> None:
         """Fetch the peers' payloads, average them in node order, take the outer step and load the new
-        global model; checkpoint it (round file first). A node that has this round already keeps it."""
+        global model; checkpoint it (round file first). A node that has this round already keeps it.
+        A node restarted since it sent its payload, or a peer's payload lost with its owner, ends the
+        round with ActorDied naming the node: the payload died with it."""
         if round_ <= self.rounds:
             return
-        payloads = [self.payload if k == self.rank else ray.get(ref[0]) for k, ref in enumerate(refs)]
+        payloads = [self._payload_of(k, ref[0], round_) for k, ref in enumerate(refs)]
         mean = self.codec.average(payloads, weights)
         if self.outer is not None:
             self.global_state = self.outer.step_delta(mean)
@@ -170,33 +190,49 @@ class PeerRounds:
         self.rounds = round_
         self._save(self.step)
 
+    def _payload_of(self, k: int, ref, round_: int) -> Payload:
+        if k == self.rank and self.payload is None:
+            raise ActorDied(died_during(k, round_))
+        if k == self.rank:
+            return self.payload
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ObjectLostError as err:  # OwnerDiedError among them
+            raise ActorDied(died_during(k, round_)) from err
+
     def _save_round(self, round_: int) -> None:
-        tensors = {f"global.{k}": v for k, v in self.global_state.items()}
-        if self.outer is not None:
-            tensors.update({f"momentum.{k}": v for k, v in self.outer.buf.items()})
+        momentum = self.outer.buf if self.outer is not None else None
         if self.rank == 0:
-            self.storage.save_tensors(GLOBAL, tensors, {"round": round_})
-        tensors.update({f"residual.{k}": v for k, v in self.codec.residual().items()})
-        self.storage.save_tensors(round_path(self.rank), tensors, {"round": round_})
+            write_round(self.storage, GLOBAL, round_, self.global_state, momentum)
+        write_round(self.storage, round_path(self.rank), round_, self.global_state, momentum, self.codec.residual())
 
     def round_of(self) -> int:
         return self.rounds
 
 
+def died_during(node: int, round_: int) -> str:
+    """Why a round cannot finish: the payload a node put in the object store died with the node."""
+    return (f"lofi node {node} died during averaging round {round_}'s exchange: its payload died with it; "
+            "rerun with --resume")
+
+
 def exchange_round(group, round_: int, until: int, weights: list[float], fetched: dict) -> None:
     """One peer round from the driver: the nodes put their payloads, the driver hands every node the
-    refs, the nodes average and step, the driver checks their parameter hashes. What the driver reads
-    back (refs and sizes, no tensor) is counted in `fetched`; the ledger books each payload's packed
-    bytes once per receiving peer, and the refs sent to every node."""
+    refs, the nodes average and step, the driver checks their parameter hashes. The ledger books each
+    payload's packed bytes once per receiving peer (`outer_gradients`), each node's reply (its ref and
+    size, `round_replies`: also counted in `fetched`, no tensor) and what every node is sent (round,
+    the N refs and the weights, `round_args`). An ObjectRef crosses as its binary id."""
     n, ledger = len(group), group.ledger
     sent = group.call("send_delta", phase="train")
     refs = [ref for ref, _ in sent]
-    fetched["bytes"] += sum(len(r[0].binary()) + 8 for r in refs)
+    replies = sum(len(ref[0].binary()) + payload_nbytes(nbytes) for ref, nbytes in sent)
+    fetched["bytes"] += ledger.record("train", "round_replies", replies)
     fetched["tensors"] += count_tensors(sent)
     for _, nbytes in sent:
         ledger.record("train", "outer_gradients", nbytes, copies=n - 1)
-    ledger.record("train", "payload_refs", sum(len(r[0].binary()) for r in refs), copies=n)
-    group.call("apply_round", round_, refs, weights, phase="train")
+    args = payload_nbytes(round_) + sum(len(r[0].binary()) for r in refs) + payload_nbytes(weights)
+    ledger.record("train", "round_args", args, copies=n)
+    group.call("apply_round", round_, refs, weights, phase="train")  # a lost payload: ActorDied (`died_during`)
     check_replicas(dict(zip(group.keys(), group.handles())), until, ledger)
 
 
@@ -218,9 +254,8 @@ def load_global(storage, ledger: Ledger, initial: dict, params: set[str], opts) 
     momentum where there is an outer step."""
     state, momentum = dict(initial), None
     if storage.exists(GLOBAL):
-        tensors, _ = storage.load_tensors(GLOBAL)
-        state.update({k[7:]: v for k, v in tensors.items() if k.startswith("global.")})
-        momentum = {k[9:]: v for k, v in tensors.items() if k.startswith("momentum.")}
+        last, momentum, _, _ = read_round(storage, GLOBAL)
+        state.update(last)
         ledger.send("final", "global_model", floats(state))
     if opts.outer_optimizer != "nesterov":
         return state, None
