@@ -6,19 +6,16 @@ from transformers import BertConfig, BertForSequenceClassification
 from raylowcomm.tasks import TextClassification, trim_padding
 
 
+def tiny_bert(layers: int, labels: int) -> BertForSequenceClassification:
+    """A small random BERT classifier in eval mode (the caller seeds torch first)."""
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=labels)
+    return BertForSequenceClassification(config).eval()
+
+
 def test_trimmed_padding_gives_the_full_width_logits():
     torch.manual_seed(0)
-    model = BertForSequenceClassification(
-        BertConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=2,
-        )
-    ).eval()
+    model = tiny_bert(layers=2, labels=2)
     lengths = [5, 9, 3, 7]
     ids = torch.zeros(4, 32, dtype=torch.long)
     mask = torch.zeros(4, 32, dtype=torch.long)
@@ -34,17 +31,7 @@ def test_trimmed_padding_gives_the_full_width_logits():
 
 def test_text_is_scored_shortest_first_with_the_same_metrics():
     torch.manual_seed(1)
-    model = BertForSequenceClassification(
-        BertConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=2,
-        )
-    ).eval()
+    model = tiny_bert(layers=1, labels=2)
     n, width = 40, 24
     lengths = torch.randint(2, width, (n,))
     mask = (torch.arange(width) < lengths[:, None]).long()
@@ -108,17 +95,7 @@ def test_images_are_normalised_with_the_models_mean_and_std():
 
 def test_text_pairs_are_scored_with_their_token_types():
     torch.manual_seed(2)
-    model = BertForSequenceClassification(
-        BertConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            num_labels=3,
-        )
-    ).eval()
+    model = tiny_bert(layers=1, labels=3)
     ids = torch.randint(1, 100, (3, 10))
     mask = torch.tensor([[1] * 6 + [0] * 4, [1] * 8 + [0] * 2, [1] * 5 + [0] * 5])
     types = torch.tensor(

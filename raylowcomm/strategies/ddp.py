@@ -39,7 +39,7 @@ from raylowcomm.common.seeding import node_seed
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import TrainSource
-from raylowcomm.execution import pin_bundles, resolve_hosts
+from raylowcomm.execution import node_bundle, pin_bundles, resolve_hosts
 from raylowcomm.models import ModelSpec, state_dict_of
 from raylowcomm.progress import ProgressPoster
 from raylowcomm.storage import Storage
@@ -50,7 +50,6 @@ from raylowcomm.strategies.base import (
     curve_point,
     eval_points,
     finish_record,
-    node_bundle,
 )
 from raylowcomm.tasks import mean_metrics
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps

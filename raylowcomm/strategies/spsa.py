@@ -37,6 +37,7 @@ from raylowcomm.core.zo.estimators import check_step_rule, forwards_per_step, me
 from raylowcomm.core.zo.perturb import mask_threshold, trainable_parameters
 from raylowcomm.core.zo.replay import Replica
 from raylowcomm.data import TrainSource
+from raylowcomm.execution import node_bundle
 from raylowcomm.models import state_dict_of
 from raylowcomm.runtime import wire_nbytes
 from raylowcomm.storage import Storage
@@ -47,7 +48,6 @@ from raylowcomm.strategies.base import (
     curve_point,
     eval_points,
     finish_record,
-    node_bundle,
     warn_unused,
 )
 from raylowcomm.tasks import mean_metrics

@@ -36,6 +36,7 @@ from raylowcomm.core.interlock.splitting import (
     untie_lm_head,
 )
 from raylowcomm.data import TrainSource
+from raylowcomm.execution import node_bundle
 from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
 from raylowcomm.strategies.base import (
     RunContext,
@@ -44,7 +45,6 @@ from raylowcomm.strategies.base import (
     curve_point,
     eval_points,
     finish_record,
-    node_bundle,
     warn_unused,
 )
 from raylowcomm.strategies.interlocking.stage import StageActor
