@@ -177,11 +177,11 @@ class ActorDied(RuntimeError):
     pass
 
 
-def check_replicas(nodes: dict, step: int, ledger: Ledger) -> str:
+def check_replicas(nodes: dict, step: int, ledger: Ledger, phase: str = "train") -> str:
     """The replicas' common exact parameter hash; ReplicaMismatch naming the step and the
     nodes of each differing group otherwise."""
     hashes = dict(zip(nodes, ray.get([n.hash.remote() for n in nodes.values()])))
-    ledger.record("train", "verify_hash", sum(len(h) for h in hashes.values()))
+    ledger.record(phase, "verify_hash", sum(len(h) for h in hashes.values()))
     groups: dict[str, list[int]] = {}
     for k, h in hashes.items():
         groups.setdefault(h, []).append(k)
@@ -343,9 +343,13 @@ class NodeGroup:
                          what="eval_metrics" if ledger is None else None)
 
     def evaluate_all(self, phase: str = "final") -> list[dict]:
-        for k in self.actors:
+        return self.evaluate_nodes(self.keys(), phase, "node_metrics")
+
+    def evaluate_nodes(self, keys: list[int], phase: str = "final", what: str = "eval_metrics") -> list[dict]:
+        """Metrics of the models actors `keys` hold, scored where they live, in key order."""
+        for k in keys:
             self._book_eval_sets(k, "setup")
-        return self.call("evaluate", [self._eval_ref], phase=phase, what="node_metrics")
+        return self.call("evaluate", [self._eval_ref], phase=phase, what=what, keys=keys)
 
     def gather(self, calls: dict[int, ray.ObjectRef]) -> tuple[dict[int, object], list[int]]:
         """Results of calls keyed by actor, and the actors that died meanwhile (the caller books

@@ -53,7 +53,8 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
     assert kinds["train/round_replies"] == replies and kinds["train/round_args"] == args
     rounds_total = rec["comm"]["by_phase"]["train"] - kinds["train/control"] - kinds["train/train_stats"]
     assert rounds_total == rounds * n * (n - 1) * size + replies + args + kinds["train/verify_hash"]
-    assert kinds["final/outer_gradients"] == n * size  # the final average: N payloads, not N models
+    # the final average is one more round: each payload to each peer, and the N payloads to the driver
+    assert kinds["final/outer_gradients"] == n * (n - 1) * size + n * size
     assert kinds["train/verify_hash"] > 0  # every round was hash-checked (a mismatch raises)
     fetched = rec["details"]["driver_fetched"]["train"]
     assert fetched["tensors"] == 0 and fetched["bytes"] == replies < 100 * rounds * n
@@ -68,6 +69,31 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
     # the nodes' own models stay sound: BatchNorm statistics cross uncompressed, so no variance turns negative
     assert all(math.isfinite(node["metrics"]["id_loss"]) for node in rec["nodes"])
     assert rec["metrics"]["id_accuracy"] > 0.2
+
+
+def test_after_peer_rounds_bn_recalibration_and_scoring_send_no_model(ray_session, tmp_path):
+    """The final round leaves the average on every node (and, decoded from the same payloads, on the
+    driver: its hash is checked against the nodes'); the nodes measure BatchNorm statistics of what they
+    hold and score it, so the only model-sized crossing of the final phase is the driver's one read of
+    the last global model. The driver's result is the nodes' average with the combined statistics."""
+    ctx, rec = run_lofi(tiny_config(average_every=8, compress="int4", bn_recalibrate=True), tmp_path)
+    kinds, n = rec["comm"]["by_kind"], 2
+    final = {k[len("final/"):] for k in kinds if k.startswith("final/")}
+    assert final == {"global_model", "outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats",
+                     "bn_statistics", "combined_bn_statistics", "node_metrics", "eval_metrics", "node_info"}
+    model = payload_nbytes(floats(state_dict_of(ctx.model)))
+    assert kinds["final/global_model"] == model  # read once, from storage
+    size = payload_bytes(ctx, "int4")
+    small = rec["comm"]["by_phase"]["final"] - kinds["final/global_model"] - kinds["final/outer_gradients"]
+    assert kinds["final/outer_gradients"] == n * n * size and small < model / 4  # BN statistics, metrics
+    assert "average_without_bn_recalibration" in rec["details"]
+    result = load_file(rec["weights"])
+    node0 = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
+    params = [k for k, _ in ctx.model.named_parameters()]
+    # node 0 checkpointed the average at the final round; the driver's result is the same average
+    assert all(torch.equal(result[k], node0[f"model.{k}"]) for k in params)
+    bn = [k for k in result if k.endswith("running_var")]
+    assert bn and any(not torch.equal(result[k], node0[f"model.{k}"]) for k in bn)  # recalibrated since
 
 
 def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_tolerance(ray_session, tmp_path):

@@ -37,6 +37,10 @@ from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
 
+COLLECTION_KINDS = ("outer_gradients", "global_model", "round_replies", "round_args", "verify_hash")
+"""What the final collection of peer rounds books (besides the star's `plan.average.what`): a curve
+point's bytes include one such collection."""
+
 MAX_COMPRESS_BLOCK = 65536
 """lofi.compress_block's upper bound: every node pads each tensor to whole blocks."""
 
@@ -217,7 +221,7 @@ class Lofi(Strategy):
             outer = OuterNesterov(initial, params, opts.outer_lr, opts.outer_momentum) \
                 if opts.outer_optimizer == "nesterov" and not rounds.uses_peers(opts) else None  # peers: the nodes'
             if rounds.uses_peers(opts):
-                first = self._resume_peers(group) if ctx.resume else 0
+                first = self._resume_peers(group, plan) if ctx.resume else 0
             else:
                 first = self._resume_round(ctx, group, outer, plan) if ctx.resume else 0
             with watch("train"):
@@ -225,12 +229,15 @@ class Lofi(Strategy):
             return self._finish(ctx, group, plan, outer, trained, clock, watch)
 
     @staticmethod
-    def _resume_peers(group: NodeGroup) -> int:
+    def _resume_peers(group: NodeGroup, plan: Plan) -> int:
         """Peer rounds: every node restored its round state itself; the run continues after their round."""
         done = group.call("round_of", phase="train")
         if len(set(done)) > 1:
             raise RuntimeError(f"lo-fi nodes resumed at different averaging rounds {done}: the run was stopped "
                                "during a round's exchange, which a resume does not repair; start it afresh")
+        if done[0] >= len(plan.boundaries):
+            raise RuntimeError(f"lo-fi's final round ({done[0]}) had finished when the run stopped: the average is in "
+                               f"storage ({rounds.GLOBAL}); start afresh to score it again")
         logger.info("[lofi] resuming after averaging round %d (peer rounds)", done[0])
         return done[0]
 
@@ -295,33 +302,30 @@ class Lofi(Strategy):
             node_metrics = group.evaluate_all()
         infos = group.call("info", phase="final", what="node_info")
         metric, on_all = make_task(ctx.data.task).metric, cfg.data.eval_on_nodes
-        collect_clock = TrainClock()
+        collect_clock, held = TrainClock(), rounds.uses_peers(opts)  # held: the nodes hold the average
         average, to_score, soup_kept = self._collect(ctx, group, plan, metric, node_metrics)
         collect_s = collect_clock.elapsed()
         watch.add("collect", collect_s)
         if outer is not None:
             average = outer.step(average)
         details = {"steps_per_node": plan.steps, "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
-                   "soup_nodes": soup_kept, "exchange": "peers" if rounds.uses_peers(opts) else "driver"}
-        if rounds.uses_peers(opts):  # what the driver read back during training: refs and sizes, no tensor
+                   "soup_nodes": soup_kept, "exchange": "peers" if held else "driver"}
+        if held:  # what the driver read back during training: refs and sizes, no tensor
             details["driver_fetched"] = {"train": trained["fetched"]}
         with watch("curve"):
             curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
                                          sum(ledger.bytes_by_kind.get(f"final/{what}", 0) for what in
-                                             (plan.average.what, "outer_gradients", "global_model")))
+                                             (plan.average.what, *COLLECTION_KINDS)))
         if opts.bn_recalibrate and batchnorm_layers(ctx.model):
-            details["average_without_bn_recalibration"] = mean_metrics(group.score_weights(average, "final", on_all))
+            details["average_without_bn_recalibration"] = mean_metrics(self._score(group, plan, average, on_all, held))
             bn_clock = TrainClock()
-            ref = group.put(average, "final", "averaged_weights_for_bn", copies=n)
-            stats = group.call("bn_statistics", ref, opts.bn_batches, phase="final", what="bn_statistics")
-            average.update(combine_bn_statistics(stats))
+            self._recalibrate_bn(group, average, opts.bn_batches, held)
             bn_s = bn_clock.elapsed()
             collect_s += bn_s
             watch.add("bn_recalibrate", bn_s)
             to_score = average  # recalibrated statistics: the merged model itself
         with watch("score_average"):
-            # scored where the device is, not on the driver
-            per_node = group.score_weights(to_score, "final", on_all, sent=plan.average.sent(to_score))
+            per_node = self._score(group, plan, to_score, on_all, held)
         metrics = mean_metrics(per_node)
         if on_all:  # the test rows are the nodes': each scored the average on its own
             details["average_on_nodes"] = per_node
@@ -339,16 +343,36 @@ class Lofi(Strategy):
                              train_s=trained["train_s"], infos=infos, weights=average, curve=curve, nodes=nodes,
                              details=details, curve_wall_s=trained["train_s"] + collect_s)
 
+    @staticmethod
+    def _score(group: NodeGroup, plan: Plan, state: dict, on_all: bool, held: bool) -> list[dict]:
+        """Metrics of the average, scored where the device is, not on the driver: by the nodes that hold
+        it after peer rounds (nothing sent), else sent to them."""
+        if held:
+            return group.evaluate_nodes(group.keys() if on_all else group.keys()[:1])
+        return group.score_weights(state, "final", on_all, sent=plan.average.sent(state))
+
+    @staticmethod
+    def _recalibrate_bn(group: NodeGroup, average: dict, batches: int | None, held: bool) -> None:
+        """BatchNorm statistics of the average measured on every node's shard, combined into `average`;
+        after peer rounds the nodes measure the average they hold and load the combined statistics."""
+        n = len(group)
+        ref = None if held else group.put(average, "final", "averaged_weights_for_bn", copies=n)
+        combined = combine_bn_statistics(group.call("bn_statistics", ref, batches, phase="final", what="bn_statistics"))
+        average.update(combined)
+        if held:
+            group.call("load_bn_statistics", group.put(combined, "final", "combined_bn_statistics", copies=n))
+
     def _collect(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
                  node_metrics: list[dict]) -> tuple[dict, object, list[int]]:
-        """The final average, what is sent to be scored of it, and the nodes in it. Peer rounds: from the
-        nodes' compressed Δ on the last global model (with the outer step there, if any)."""
+        """The final average, what is sent to be scored of it, and the nodes in it. Peer rounds: one more
+        round, the nodes' compressed Δ on the last global model (with the outer step there, if any),
+        which leaves the average on every node and the driver (`rounds.final_round`)."""
         opts, n = ctx.cfg.options["lofi"], len(group)
         if rounds.uses_peers(opts):
-            params = {k for k, _ in ctx.model.named_parameters()}
-            start, outer = rounds.load_global(ctx.storage, group.ledger, state_dict_of(ctx.model), params, opts)
-            average = rounds.final_average(group, opts, start, params, plan.weights, outer)
-            return average, average, list(range(n))
+            order = [k for k, _ in ctx.model.named_parameters()]
+            start, outer = rounds.load_global(ctx.storage, group.ledger, state_dict_of(ctx.model), set(order), opts)
+            average = rounds.final_round(group, opts, start, outer, plan, order, {"bytes": 0, "tensors": 0})
+            return average, None, list(range(n))
         if opts.soup == "greedy":
             average, soup_kept = self._greedy_soup(group, metric, node_metrics)
             return average, average, soup_kept

@@ -90,14 +90,21 @@ class LofiNode(Node, PeerRounds):
         if self.fine_tune.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
             self.optimizer = make_optimizer(self.cfg.optim, self.model)
 
-    def bn_statistics(self, state: dict, max_batches: int | None) -> tuple[dict, int]:
-        self._load(state, self.rounds + 1)
+    def bn_statistics(self, state: dict | None, max_batches: int | None) -> tuple[dict, int]:
+        """BatchNorm statistics of `state` (the driver's average) on this node's shard, or with None of
+        the model this node holds (after peer rounds' final round: the average itself)."""
+        if state is not None:
+            self._load(state, self.rounds + 1)
         per_epoch = steps_per_epoch(num_examples(self.shard), self.cfg.optim.batch_size)
         n = min(per_epoch, max_batches or per_epoch)
         batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
         stats, count = measure_bn_statistics(self.model, batches, self.task.forward)
         stats = self.fine_tune.plain_names(stats)  # the average's names
         return {k: v.cpu() for k, v in stats.items()}, count  # nothing device-resident goes to the driver
+
+    def load_bn_statistics(self, stats: dict) -> None:
+        """The combined BatchNorm statistics, into the model this node holds (it is scored next)."""
+        self.model.load_state_dict(stats, strict=False)
 
     def examples(self) -> int:
         return num_examples(self.shard)

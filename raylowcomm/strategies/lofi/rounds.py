@@ -18,9 +18,12 @@ model and momentum to `lofi/global.safetensors`, the run's result so far. One fo
 that dies between putting its payload and applying the round takes the payload with it: the round
 ends with `ActorDied` naming the node and the round (`died_during`).
 
-The final average (compressed runs): each node sends its last Δ (with its residual) to the driver,
-which decodes them from the shared start, the last global model, into the result: N payloads of a
-few MB instead of N models.
+The final average is one more round (`final_round`): the nodes exchange their last Δ (with their
+residuals) as in training and every node ends holding the average, hash-checked; the driver fetches
+the same N payloads and decodes them from the shared start (the last round's global model, read
+once from `storage`, or the pretrained weights where no round ran) into the result, and checks that
+its hash is the nodes'. BatchNorm recalibration and scoring then run on the model the nodes hold:
+no model crosses for them.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import logging
 import ray
 import torch
 
-from raylowcomm.actors import ActorDied, check_replicas, count_tensors
+from raylowcomm.actors import ActorDied, ReplicaMismatch, check_replicas, count_tensors
 from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
+from raylowcomm.core.zo.replay import parameter_hash
 
 logger = logging.getLogger(__name__)
 
@@ -166,10 +170,6 @@ class PeerRounds:
         payload = self.encode_delta()
         return [ray.put(payload)], payload.nbytes
 
-    def final_delta(self) -> Payload:
-        """The last Δ, for the driver's final average."""
-        return self.encode_delta()
-
     def apply_round(self, round_: int, refs: list[list], weights: list[float]) -> None:
         """Fetch the peers' payloads, average them in node order, take the outer step and load the new
         global model; checkpoint it (round file first). A node that has this round already keeps it.
@@ -216,36 +216,49 @@ def died_during(node: int, round_: int) -> str:
             "rerun with --resume")
 
 
-def exchange_round(group, round_: int, until: int, weights: list[float], fetched: dict) -> None:
+def exchange_round(group, round_: int, until: int, weights: list[float], fetched: dict,
+                   phase: str = "train") -> tuple[list, str]:
     """One peer round from the driver: the nodes put their payloads, the driver hands every node the
-    refs, the nodes average and step, the driver checks their parameter hashes. The ledger books each
-    payload's packed bytes once per receiving peer (`outer_gradients`), each node's reply (its ref and
-    size, `round_replies`: also counted in `fetched`, no tensor) and what every node is sent (round,
-    the N refs and the weights, `round_args`). An ObjectRef crosses as its binary id."""
+    refs, the nodes average and step, the driver checks their parameter hashes; returns the refs and
+    the common hash. The ledger books each payload's packed bytes once per receiving peer
+    (`outer_gradients`), each node's reply (its ref and size, `round_replies`: also counted in
+    `fetched`, no tensor) and what every node is sent (round, the N refs and the weights,
+    `round_args`). An ObjectRef crosses as its binary id."""
     n, ledger = len(group), group.ledger
-    sent = group.call("send_delta", phase="train")
+    sent = group.call("send_delta", phase=phase)
     refs = [ref for ref, _ in sent]
     replies = sum(len(ref[0].binary()) + payload_nbytes(nbytes) for ref, nbytes in sent)
-    fetched["bytes"] += ledger.record("train", "round_replies", replies)
+    fetched["bytes"] += ledger.record(phase, "round_replies", replies)
     fetched["tensors"] += count_tensors(sent)
     for _, nbytes in sent:
-        ledger.record("train", "outer_gradients", nbytes, copies=n - 1)
+        ledger.record(phase, "outer_gradients", nbytes, copies=n - 1)
     args = payload_nbytes(round_) + sum(len(r[0].binary()) for r in refs) + payload_nbytes(weights)
-    ledger.record("train", "round_args", args, copies=n)
-    group.call("apply_round", round_, refs, weights, phase="train")  # a lost payload: ActorDied (`died_during`)
-    check_replicas(dict(zip(group.keys(), group.handles())), until, ledger)
+    ledger.record(phase, "round_args", args, copies=n)
+    group.call("apply_round", round_, refs, weights, phase=phase)  # a lost payload: ActorDied (`died_during`)
+    return refs, check_replicas(dict(zip(group.keys(), group.handles())), until, ledger, phase)
 
 
-def final_average(group, opts, start: dict, params: set[str], weights: list[float], outer: OuterNesterov | None,
-                  phase: str = "final") -> dict:
-    """The driver's final average from the nodes' last compressed Δ: start − Δ̄ over the floating-point
-    tensors (then the outer step, if any); the rest as `start` has it. Fetching the payloads is booked."""
-    payloads = dict(group.stream("final_delta", phase=phase, what="outer_gradients"))
-    mean = DeltaCodec(opts, start, params).average([payloads[k] for k in group.keys()], weights)
-    average = dict(start)
-    for k, d in mean.items():
-        average[k] = (start[k].to(torch.float64) - d).to(start[k].dtype)
-    return outer.step(average) if outer is not None else average
+def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str],
+                fetched: dict) -> dict:
+    """The final average, as one more round: every node ends holding it (hash-checked), and the
+    driver decodes the same N payloads from `start` (with `outer`, the momentum there) into its own
+    copy, start − Δ̄ (or the outer step on Δ̄) over the floating-point tensors, the rest as `start`
+    has it. Its parameters must hash as the nodes' do: one average, not two."""
+    params = set(param_order)
+    refs, nodes_hash = exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final")
+    payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")
+    mean = DeltaCodec(opts, start, params).average(payloads, plan.weights)
+    if outer is not None:
+        average = dict(outer.step_delta(mean))
+    else:
+        average = dict(start)
+        for k, d in mean.items():
+            average[k] = (start[k].to(torch.float64) - d).to(start[k].dtype)
+    mine = parameter_hash([(k, average[k]) for k in param_order])
+    if mine != nodes_hash:
+        raise ReplicaMismatch(f"lo-fi's final average on the driver (hash {mine[:16]}) differs from the nodes' "
+                              f"(hash {nodes_hash[:16]})")
+    return average
 
 
 def load_global(storage, ledger: Ledger, initial: dict, params: set[str], opts) -> tuple[dict, OuterNesterov | None]:
