@@ -311,8 +311,12 @@ def _dict_rows(items: list[dict]) -> list[str]:
 
 def benchmark_section(name: str, data: Any) -> list[str]:
     """Any benchmark JSON as markdown, without knowing its shape: lists of records become tables,
-    a dict of records a table keyed by name, scalars one line, anything else compact JSON."""
+    a dict of records a table keyed by name, scalars one line, anything else compact JSON; the
+    images a `plots` list names (files beside the JSON, in DIR/benchmarks) are shown first."""
     lines = [f"### {name}", ""]
+    if isinstance(data, dict) and isinstance(data.get("plots"), list):  # image files beside the JSON
+        lines += [f"![{plot}](benchmarks/{plot})" for plot in data["plots"]] + [""]
+        data = {k: v for k, v in data.items() if k != "plots"}
     if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
         return lines + _dict_rows(data) + [""]
     if not isinstance(data, dict):

@@ -201,3 +201,9 @@ def test_cli_report(bench: Path, tmp_path: Path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert main(["report", str(bench), "--target-fraction", "1.5"]) == 2
+
+
+def test_a_benchmarks_plots_are_shown_above_its_tables():
+    lines = report.benchmark_section("dial", {"plots": ["dial_mnist.png"], "runs": [{"setting": "ddp", "id": 0.9}]})
+    assert lines[2] == "![dial_mnist.png](benchmarks/dial_mnist.png)"
+    assert not any("plots" in line for line in lines) and any("ddp" in line for line in lines)
