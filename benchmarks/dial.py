@@ -5,7 +5,8 @@
 
 Every (workload, setting, seed) is one `raylowcomm run` of the workload's example with the
 setting's overrides, into OUT_DIR/dial/<workload>/<setting>/seed_<s>; a run whose results.json is
-there already is read, not repeated, so the benchmark can be stopped and started again. First
+there already is read, not repeated (a failed one is run again), so the benchmark can be stopped and
+started again. First
 every setting runs on `--seeds`; then the settings on the accuracy-per-byte frontier (no other
 setting has both fewer bytes and a higher mean ID accuracy), and DDP, run on `--frontier-seeds`
 too. Prints a table per workload (mean and 95% Student-t interval over the seeds that ran, bytes
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from raylowcomm.runner import run
@@ -62,6 +64,8 @@ def measure(out: Path, workload: str, setting: str, seed: int) -> dict:
     """One run's figures: read from its results.json, or run it first."""
     where = run_dir(out, workload, setting, seed)
     path = where / "results.json"
+    if path.is_file() and any("error" in rec for rec in json.loads(path.read_text())):
+        shutil.rmtree(where)  # a failed run (its actors were killed, say) runs again, from the start
     if not path.is_file():
         cfg = load_config(WORKLOADS[workload], [*SETTINGS[setting], f"seed={seed}"])
         logger.info("dial: %s %s seed %d -> %s", workload, setting, seed, where)
