@@ -18,14 +18,11 @@ from tests.strategies.test_lofi_rounds import _kill_a_node_after_the_first_round
 
 
 def fragment_bytes(ctx, fragments: int, codec: str = "int4") -> list[int]:
-    """Each fragment's payload from the formula: its parameters in `codec`, its BatchNorm statistics as float32."""
+    """Each fragment's payload from the formula (parameters in `codec`, BatchNorm statistics as float32), the
+    fragments cut by the same formula's bytes per tensor."""
     state, params = floats(state_dict_of(ctx.model)), {k for k, _ in ctx.model.named_parameters()}
-    sizes = []
-    for names in streaming.split({k: v.numel() for k, v in state.items()}, fragments):
-        packed = make_codec(codec).payload_nbytes(layout_of({k: state[k] for k in names if k in params}))
-        sizes.append(packed + make_codec("none").payload_nbytes(layout_of({k: state[k] for k in names
-                                                                            if k not in params})))
-    return sizes
+    size = {k: make_codec(codec if k in params else "none").payload_nbytes(layout_of({k: v})) for k, v in state.items()}
+    return [sum(size[k] for k in names) for names in streaming.split(size, fragments)]
 
 
 def test_fragments_are_contiguous_balanced_and_cover_every_tensor_once():

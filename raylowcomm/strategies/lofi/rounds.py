@@ -79,6 +79,10 @@ class DeltaCodec:
     def nbytes(self) -> int:
         return sum(codec.payload_nbytes(layout) for codec, layout in self.parts)
 
+    def sizes(self) -> dict[str, int]:
+        """Each tensor's packed bytes in a payload: what fragments are balanced by."""
+        return {k: codec.packed_nbytes(spec) for codec, layout in self.parts for k, spec in layout.items()}
+
     def encode(self, delta: dict) -> Payload:
         """Δ (float64, over all tensors or one fragment's) → payload; the none codec sends Δ in the
         weights' own dtype, rounded here."""
@@ -147,7 +151,8 @@ class PeerRounds:
         params = {k for k, _ in self.model.named_parameters()}
         self.codec = DeltaCodec(opts, initial, params)
         self.global_state = {k: v.detach().cpu().clone() for k, v in floats(initial).items()}
-        self.fragments = streaming.split({k: v.numel() for k, v in self.global_state.items()}, opts.fragments)
+        sizes = self.codec.sizes()
+        self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments)
         self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
         self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
             if opts.outer_optimizer == "nesterov" else None

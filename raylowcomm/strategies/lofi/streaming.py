@@ -2,8 +2,8 @@
 steps (`lofi.fragments`), each exchange overlapped with training (`lofi.overlap`).
 
 Fragments: the tensors that cross (the floating-point state, in state-dict order) cut into F
-contiguous groups of about equal size (`split`): every node and the driver cut their own model the
-same way. With H = average_every, fragment f syncs at the steps t ≡ (f+1)·H/F (mod H), 0 < t < T
+contiguous groups of about equal packed bytes (`split`, by the codec's formula): every node cuts its
+own model the same way. With H = average_every, fragment f syncs at the steps t ≡ (f+1)·H/F (mod H), 0 < t < T
 (T: the last step), where the final round syncs all of them at once (`schedule`); F = 1 is one sync
 every H steps, as before. Each sync sends that fragment's Δ only, with its own error feedback and
 outer momentum (both per tensor), so a sync carries about 1/F of the bytes.
