@@ -177,10 +177,10 @@ class ActorDied(RuntimeError):
     pass
 
 
-def check_replicas(nodes: dict, step: int, ledger: Ledger, phase: str = "train") -> str:
-    """The replicas' common exact parameter hash; ReplicaMismatch naming the step and the
-    nodes of each differing group otherwise."""
-    hashes = dict(zip(nodes, ray.get([n.hash.remote() for n in nodes.values()])))
+def check_replicas(nodes: dict, step: int, ledger: Ledger, phase: str = "train", method: str = "hash") -> str:
+    """The replicas' common exact parameter hash (or what their `method` hashes); ReplicaMismatch
+    naming the step and the nodes of each differing group otherwise."""
+    hashes = dict(zip(nodes, ray.get([getattr(n, method).remote() for n in nodes.values()])))
     ledger.record(phase, "verify_hash", sum(len(h) for h in hashes.values()))
     groups: dict[str, list[int]] = {}
     for k, h in hashes.items():

@@ -30,7 +30,7 @@ from raylowcomm.core.compression import CODECS
 from raylowcomm.finetune import NodeAverage
 from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, curve_point, eval_points, finish_record
-from raylowcomm.strategies.lofi import rounds
+from raylowcomm.strategies.lofi import rounds, streaming
 from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.tasks import make_task, mean_metrics
 from raylowcomm.training import total_steps
@@ -86,6 +86,13 @@ class LofiConfig:
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
+    fragments: int = 1
+    """Peer rounds (Streaming DiLoCo): fragment f of this many syncs alone at the steps ≡ (f+1)·H/fragments
+    (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""
+    overlap: int = 0
+    """Peer rounds: steps a node trains on while a round is in flight (at most average_every/fragments)."""
+    mix: float = 0.5
+    """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones."""
 
 
 def gather_nodes(group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args,
@@ -114,6 +121,10 @@ class Plan:
     snapshots: list[int]
     average: NodeAverage
     """How the nodes' states are gathered and combined (full weights, or adapters on their base)."""
+    fragments: list[int | None]
+    """The fragment each boundary's round syncs (ALL at the last; None throughout with one fragment)."""
+    landings: list[int] | None = None
+    """With lofi.overlap: the step at which the round sent at each boundary (but the last) lands."""
 
 
 def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int], average: NodeAverage) -> Plan:
@@ -121,10 +132,12 @@ def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int], averag
     every = opts.average_every
     if every is not None and opts.average_unit == "epochs":
         every *= steps_per_epoch(min(shard_sizes), cfg.optim.batch_size)
-    boundaries = list(range(every, steps, every)) + [steps] if every else [steps]
+    boundaries, fragments = streaming.schedule(every, opts.fragments, steps) if every else ([steps], [streaming.ALL])
     weights = [float(s) if opts.weighting == "examples" else 1.0 for s in shard_sizes]
     averaging = every is not None or opts.outer_optimizer != "none"
-    return Plan(steps, boundaries, averaging, weights, eval_points(cfg, steps), average)
+    return Plan(steps, boundaries, averaging, weights, eval_points(cfg, steps), average,
+                fragments if opts.fragments > 1 else [None] * len(boundaries),
+                streaming.landings(boundaries, opts.overlap) if opts.overlap else None)
 
 
 class Lofi(Strategy):
@@ -155,6 +168,7 @@ class Lofi(Strategy):
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
         Lofi._validate_exchange(cfg)
+        streaming.validate(cfg, rounds.uses_peers(o))
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
             raise ConfigError("lofi.outer_optimizer", o.outer_optimizer, "not offered with model.lora: set it to none")
@@ -163,6 +177,10 @@ class Lofi(Strategy):
         if adapters and o.average_every is not None and cfg.eval_every:
             raise ConfigError("eval_every", cfg.eval_every,
                               "a curve with model.lora and lofi.average_every is not offered: set eval_every: 0")
+
+    @staticmethod
+    def check(ctx: RunContext) -> None:
+        streaming.check(ctx.cfg.options["lofi"], ctx.model)
 
     @staticmethod
     def _validate_exchange(cfg: RunConfig) -> None:
@@ -231,13 +249,18 @@ class Lofi(Strategy):
     @staticmethod
     def _resume_peers(group: NodeGroup, plan: Plan) -> int:
         """Peer rounds: every node restored its round state itself; the run continues after their round."""
-        done = group.call("round_of", phase="train")
+        done, steps = zip(*group.call("round_of", phase="train"))
         if len(set(done)) > 1:
             raise RuntimeError(f"lo-fi nodes resumed at different averaging rounds {done}: the run was stopped "
                                "during a round's exchange, which a resume does not repair; start it afresh")
         if done[0] >= len(plan.boundaries):
             raise RuntimeError(f"lo-fi's final round ({done[0]}) had finished when the run stopped: the average is in "
                                f"storage ({rounds.GLOBAL}); start afresh to score it again")
+        sent_at = plan.boundaries[done[0]]
+        if max(steps) > sent_at:  # lofi.overlap: trained past the send of a round that never landed
+            raise RuntimeError(f"lo-fi nodes trained to steps {list(steps)}, past step {sent_at} where round "
+                               f"{done[0] + 1} was sent: the run stopped while that exchange was in flight "
+                               "(lofi.overlap), which a resume does not repair; start it afresh")
         logger.info("[lofi] resuming after averaging round %d (peer rounds)", done[0])
         return done[0]
 
@@ -263,10 +286,14 @@ class Lofi(Strategy):
         train_s, trained, snapshots, fetched = 0.0, [], [], {"bytes": 0, "tensors": 0}
         for i, until in enumerate(plan.boundaries[first:], first):
             last = i == len(plan.boundaries) - 1
-            ledger.send("setup" if i == 0 else "train", "control", until, copies=n)
+            landing = rounds.landing(plan, i) if peers else []  # the round in flight lands in this call
+            ledger.send("setup" if i == 0 else "train", "control", [until, *landing] if landing else until, copies=n)
             due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
             sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            trained.append(group.call("train", until, due, phase="final" if last else "train", what="train_stats"))
+            trained.append(group.call("train", until, due, *landing, phase="final" if last else "train",
+                                      what="train_stats"))
+            if landing:
+                rounds.check_global(group, until, ledger, "final" if last else "train")
             for s in due:  # a node restarted from a later checkpoint than s has no time for it: the others tell
                 times = [r["snapshot_s"][s] for r in trained[-1] if s in r["snapshot_s"]]
                 if times:
@@ -283,7 +310,8 @@ class Lofi(Strategy):
                     ledger.send("train", "recovery_refetch", ctx.data.train)
             if not last and peers:
                 round_clock = TrainClock()
-                rounds.exchange_round(group, i + 1, until, plan.weights, fetched)
+                rounds.exchange_round(group, i + 1, until, plan.weights, fetched, fragment=plan.fragments[i],
+                                      overlap=plan.landings is not None)
                 train_s += round_clock.elapsed()
             elif not last:
                 round_clock = TrainClock()

@@ -51,13 +51,19 @@ class LofiNode(Node, PeerRounds):
     def _snapshot_path(self, step: int) -> str:
         return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
 
-    def train(self, until: int, snapshot_at: list[int]) -> dict:
+    def train(self, until: int, snapshot_at: list[int], landing: list | None = None) -> dict:
         """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
-        training time so far in this call (saving the snapshot is not training)."""
+        training time so far in this call (saving the snapshot is not training). `landing`: [round,
+        step] of the peer round in flight (lofi.overlap), landed at that step (after a checkpoint of
+        the weights it merges into: a restart in between merges again from there)."""
         clock, snaps, snapshot_s = TrainClock(), set(snapshot_at), {}
+        self.expect_landing(landing)
 
         def on_step(step):
-            if step % self.cfg.checkpoint_steps == 0 or step == until:
+            if landing is not None and step == landing[1] and landing[0] > self.rounds:
+                self._save(step)
+                self.land(landing[0], step)
+            elif step % self.cfg.checkpoint_steps == 0 or step == until:
                 self._save(step)
             if step in snaps:
                 snapshot_s[step] = clock.elapsed()

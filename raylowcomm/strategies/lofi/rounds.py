@@ -6,8 +6,9 @@ the payload itself. The driver passes the N ObjectRefs on (it never fetches a pa
 training); every node fetches its peers' payloads, decodes and averages them in node order
 (`core.compression.average_decoded`: the same bits on every node), applies the outer step (plain:
 θ_global − Δ̄; or `OuterNesterov`) and loads the new global model. The driver then checks the
-replicas' exact parameter hash. Integer tensors (BatchNorm's `num_batches_tracked`) do not cross:
-each node keeps its own count (the same on every node, as every node runs the same steps).
+exact hash of every node's global model (`global_hash`). Integer tensors (BatchNorm's
+`num_batches_tracked`) do not cross: each node keeps its own count (the same on every node, as every
+node runs the same steps).
 
 What a node keeps for its rounds is checkpointed beside its model checkpoint (`round_path`), written
 before it: the last global model, the outer momentum and the error-feedback residual (float64). A
@@ -17,6 +18,10 @@ model and momentum to `lofi/global.safetensors`, the run's result so far. One fo
 (`write_round` / `read_round`), which the driver's star rounds use for the global file too. A node
 that dies between putting its payload and applying the round takes the payload with it: the round
 ends with `ActorDied` naming the node and the round (`died_during`).
+
+With `lofi.fragments` a round sends and lands one fragment's tensors only, and with `lofi.overlap` it
+lands during the next `train` call (`streaming`): the round file then also records which fragment
+its round synced and the mix it was merged with, so a restart merges it again the same way.
 
 The final average is one more round (`final_round`): the nodes exchange their last Δ (with their
 residuals) as in training and every node ends holding the average, hash-checked; the driver fetches
@@ -38,6 +43,8 @@ from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
 from raylowcomm.core.zo.replay import parameter_hash
+from raylowcomm.strategies.lofi import streaming
+from raylowcomm.strategies.lofi.streaming import ALL
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +79,17 @@ class DeltaCodec:
     def nbytes(self) -> int:
         return sum(codec.payload_nbytes(layout) for codec, layout in self.parts)
 
+    def sizes(self) -> dict[str, int]:
+        """Each tensor's packed bytes in a payload: what fragments are balanced by."""
+        return {k: codec.packed_nbytes(spec) for codec, layout in self.parts for k, spec in layout.items()}
+
     def encode(self, delta: dict) -> Payload:
-        """Δ (float64) → payload; the none codec sends Δ in the weights' own dtype, rounded here."""
+        """Δ (float64, over all tensors or one fragment's) → payload; the none codec sends Δ in the
+        weights' own dtype, rounded here."""
         payload = Payload()
         for i, (codec, layout) in enumerate(self.parts):
-            part = {k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k] for k, spec in layout.items()}
+            part = {k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k]
+                    for k, spec in layout.items() if k in delta}
             if part:
                 payload.update(self.feedback[i].encode(part) if self.feedback else codec.encode(part))
         return payload
@@ -85,8 +98,9 @@ class DeltaCodec:
         """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order."""
         mean = {}
         for codec, layout in self.parts:
-            if layout:
-                parts = [Payload({k: p[k] for k in layout}) for p in payloads]
+            names = [k for k in layout if k in payloads[0]]  # one fragment's, or all
+            if names:
+                parts = [Payload({k: p[k] for k in names}) for p in payloads]
                 mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
         return mean
 
@@ -103,12 +117,13 @@ def round_path(rank: int) -> str:
 
 
 def write_round(storage, path: str, round_: int, state: dict, momentum: dict | None = None,
-                residual: dict | None = None) -> None:
+                residual: dict | None = None, **meta) -> None:
     """A round's state as one safetensors file: `global.*`, `momentum.*` (with an outer step) and
-    `residual.*` (a node's error feedback), with the round number; `read_round` reads it back."""
+    `residual.*` (a node's error feedback), per tensor, so per fragment too; with the round number
+    (and `meta`: which fragment the round synced, how it was mixed in); `read_round` reads it back."""
     parts = {"global": state, "momentum": momentum or {}, "residual": residual or {}}
     tensors = {f"{part}.{k}": v for part, values in parts.items() for k, v in values.items()}
-    storage.save_tensors(path, tensors, {"round": round_})
+    storage.save_tensors(path, tensors, {"round": round_, **meta})
 
 
 def read_round(storage, path: str) -> tuple[dict, dict, dict, int]:
@@ -119,22 +134,32 @@ def read_round(storage, path: str) -> tuple[dict, dict, dict, int]:
     return parts["global"], parts["momentum"], parts["residual"], meta["round"]
 
 
+def round_meta(storage, path: str) -> dict:
+    """What `write_round` wrote besides the tensors: the round, and the fragment it synced (ALL where
+    the file predates fragments) and the mix it was merged with."""
+    return {"fragment": ALL, "mix": 0.0, **storage.load_tensors(path)[1]}
+
+
 class PeerRounds:
     """A lo-fi node's side of peer rounds (mixed into `LofiNode`; it has `model`, `rank`, `cfg`,
-    `storage`, `rounds`, `weights()`, `_load` and `_save`)."""
+    `storage`, `rounds`, `step`, `weights()`, `_load` and `_save`)."""
 
     def init_rounds(self, initial: dict) -> None:
-        """Codec, error feedback, the global model (`initial` to begin with) and outer step; then what
-        this node's round file holds, if it has one (a restart, or a resumed run)."""
+        """Codec, error feedback, the global model (`initial` to begin with), its fragments and outer
+        step; then what this node's round file holds, if it has one (a restart, or a resumed run)."""
         opts = self.cfg.options["lofi"]
         params = {k for k, _ in self.model.named_parameters()}
         self.codec = DeltaCodec(opts, initial, params)
         self.global_state = {k: v.detach().cpu().clone() for k, v in floats(initial).items()}
+        sizes = self.codec.sizes()
+        self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments)
+        self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
         self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
             if opts.outer_optimizer == "nesterov" else None
         if self.outer is not None:
             self.global_state = self.outer.state  # one copy, moved by the outer step
         self.payload: Payload | None = None
+        self.exchange: streaming.Exchange | None = None
         if self.storage.exists(round_path(self.rank)):
             self._restore_round()
 
@@ -142,8 +167,9 @@ class PeerRounds:
         state, momentum, residual, round_ = read_round(self.storage, round_path(self.rank))
         self._set_global(state, momentum)
         self.codec.load_residual(residual)
-        if round_ > self.rounds:  # died after writing its round file, before its checkpoint
-            self._load({**self.weights(), **self.global_state}, round_)
+        if round_ > self.rounds:  # died after writing its round file, before its checkpoint: merge again
+            meta = round_meta(self.storage, round_path(self.rank))
+            self._merge(meta["fragment"], meta["mix"], round_)
             self.rounds = round_
             self._save(self.step)
         self.log(f"round state restored at averaging round {round_}")
@@ -154,60 +180,105 @@ class PeerRounds:
             self.outer.state = self.global_state
             self.outer.buf.update(momentum)
 
-    def _delta(self) -> dict:
-        """Δ = θ_global − θ_k in float64 over the floating-point tensors (exact for float32 weights)."""
-        mine = floats(self.weights())
-        return {k: g.to(torch.float64) - mine[k].to(torch.float64) for k, g in self.global_state.items()}
+    def _names(self, fragment: int) -> list[str]:
+        return list(self.global_state) if fragment == streaming.ALL else self.fragments[fragment]
 
-    def encode_delta(self) -> Payload:
+    def _delta(self, fragment: int = streaming.ALL) -> dict:
+        """Δ = θ_global − θ_k in float64 over the fragment's floating-point tensors (exact for float32 weights)."""
+        mine = floats(self.weights())
+        return {k: self.global_state[k].to(torch.float64) - mine[k].to(torch.float64) for k in self._names(fragment)}
+
+    def encode_delta(self, fragment: int = streaming.ALL) -> Payload:
         """This node's payload: Δ plus what compression dropped before (error feedback)."""
-        self.payload = self.codec.encode(self._delta())
+        self.payload = self.codec.encode(self._delta(fragment))
         return self.payload
 
-    def send_delta(self) -> tuple[list, int]:
-        """Encode Δ and put it in the object store from here: ([its ObjectRef], its packed bytes); the
-        ref travels in a list so that nobody resolves it on the way."""
-        payload = self.encode_delta()
+    def send_delta(self, fragment: int = streaming.ALL) -> tuple[list, int]:
+        """Encode Δ (of one fragment, or all) and put it in the object store from here: ([its
+        ObjectRef], its packed bytes); the ref travels in a list so that nobody resolves it on the way."""
+        payload = self.encode_delta(fragment)
         return [ray.put(payload)], payload.nbytes
 
-    def apply_round(self, round_: int, refs: list[list], weights: list[float]) -> None:
+    def apply_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
         """Fetch the peers' payloads, average them in node order, take the outer step and load the new
-        global model; checkpoint it (round file first). A node that has this round already keeps it.
+        global fragment; checkpoint it (round file first). A node that has this round already keeps it.
         A node restarted since it sent its payload, or a peer's payload lost with its owner, ends the
         round with ActorDied naming the node: the payload died with it."""
-        if round_ <= self.rounds:
-            return
-        payloads = [self._payload_of(k, ref[0], round_) for k, ref in enumerate(refs)]
-        mean = self.codec.average(payloads, weights)
+        if round_ > self.rounds:
+            self._land(round_, fragment, self._average(round_, refs, weights, self.payload), 0.0, self.step)
+
+    def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int) -> None:
+        """`apply_round` overlapped (lofi.overlap): fetch and average in a thread and return at once;
+        `train` lands it at the step the driver names."""
+        if round_ > self.rounds:
+            payload = self.payload
+            self.exchange = streaming.Exchange(round_, fragment, lambda: self._average(round_, refs, weights, payload))
+
+    def expect_landing(self, landing: list | None) -> None:
+        """Before training on: the exchange that lands in this call must be in flight here; a node
+        restarted since it began holds none (its payload died with it)."""
+        if landing is not None and landing[0] > self.rounds and (self.exchange is None
+                                                                  or self.exchange.round != landing[0]):
+            raise ActorDied(died_during(self.rank, landing[0]))
+
+    def land(self, round_: int, step: int) -> None:
+        """The exchange in flight lands (waiting for it if it has not): step and mix (`lofi.mix`)."""
+        exchange, self.exchange = self.exchange, None
+        self._land(round_, exchange.fragment, exchange.result(), self.mix, step)
+
+    def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None) -> dict:
+        payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
+        return self.codec.average(payloads, weights)
+
+    def _land(self, round_: int, fragment: int, mean: dict, mix: float, step: int) -> None:
+        """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint."""
         if self.outer is not None:
             self.global_state = self.outer.step_delta(mean)
         else:
-            for k, g in self.global_state.items():
-                self.global_state[k] = (g.to(torch.float64) - mean[k]).to(g.dtype)
+            for k, d in mean.items():
+                g = self.global_state[k]
+                self.global_state[k] = (g.to(torch.float64) - d).to(g.dtype)
         self.payload = None
-        self._save_round(round_)
-        self._load({**self.weights(), **self.global_state}, round_)
+        self._save_round(round_, fragment, mix)
+        self._merge(fragment, mix, round_)
         self.rounds = round_
-        self._save(self.step)
+        self._save(step)
 
-    def _payload_of(self, k: int, ref, round_: int) -> Payload:
-        if k == self.rank and self.payload is None:
+    def _merge(self, fragment: int, mix: float, round_: int) -> None:
+        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global."""
+        mine = self.weights()
+        if mix == 0.0:
+            new = {k: self.global_state[k] for k in self._names(fragment)}
+        else:
+            new = {k: (mix * mine[k].to(torch.float64) + (1 - mix) * self.global_state[k].to(torch.float64))
+                   .to(mine[k].dtype) for k in self._names(fragment)}
+        self._load({**mine, **new}, round_)
+
+    def _payload_of(self, k: int, ref, round_: int, mine: Payload | None) -> Payload:
+        if k == self.rank and mine is None:
             raise ActorDied(died_during(k, round_))
         if k == self.rank:
-            return self.payload
+            return mine
         try:
             return ray.get(ref)
         except ray.exceptions.ObjectLostError as err:  # OwnerDiedError among them
             raise ActorDied(died_during(k, round_)) from err
 
-    def _save_round(self, round_: int) -> None:
+    def _save_round(self, round_: int, fragment: int, mix: float) -> None:
         momentum = self.outer.buf if self.outer is not None else None
         if self.rank == 0:
             write_round(self.storage, GLOBAL, round_, self.global_state, momentum)
-        write_round(self.storage, round_path(self.rank), round_, self.global_state, momentum, self.codec.residual())
+        write_round(self.storage, round_path(self.rank), round_, self.global_state, momentum, self.codec.residual(),
+                    fragment=fragment, mix=mix)
 
-    def round_of(self) -> int:
-        return self.rounds
+    def global_hash(self) -> str:
+        """Exact hash of this node's global model: what every replica must agree on (its own weights
+        differ from its peers' between a fragment's syncs)."""
+        return parameter_hash(list(self.global_state.items()))
+
+    def round_of(self) -> tuple[int, int]:
+        """The rounds this node has landed and the step it has trained to."""
+        return self.rounds, self.step
 
 
 def died_during(node: int, round_: int) -> str:
@@ -216,16 +287,19 @@ def died_during(node: int, round_: int) -> str:
             "rerun with --resume")
 
 
-def exchange_round(group, round_: int, until: int, weights: list[float], fetched: dict,
-                   phase: str = "train") -> tuple[list, str]:
-    """One peer round from the driver: the nodes put their payloads, the driver hands every node the
-    refs, the nodes average and step, the driver checks their parameter hashes; returns the refs and
-    the common hash. The ledger books each payload's packed bytes once per receiving peer
-    (`outer_gradients`), each node's reply (its ref and size, `round_replies`: also counted in
-    `fetched`, no tensor) and what every node is sent (round, the N refs and the weights,
-    `round_args`). An ObjectRef crosses as its binary id."""
+def exchange_round(group, round_: int, until: int, weights: list[float], fetched: dict, phase: str = "train",
+                   fragment: int | None = None, overlap: bool = False) -> tuple[list, str | None]:
+    """One peer round from the driver: the nodes put their payloads (of `fragment`, or all), the
+    driver hands every node the refs, the nodes average and step, the driver checks their global
+    models' hashes; returns the refs and the common hash. With `overlap` the nodes only begin the
+    round (it lands during their next `train`, checked after it: `check_global`), and no hash yet.
+    The ledger books each payload's packed bytes once per receiving peer (`outer_gradients`), each
+    node's reply (its ref and size, `round_replies`: also counted in `fetched`, no tensor) and what
+    every node is sent (round, the N refs and the weights, and the fragment where there are
+    several, `round_args`). An ObjectRef crosses as its binary id."""
     n, ledger = len(group), group.ledger
-    sent = group.call("send_delta", phase=phase)
+    part = [] if fragment is None else [fragment]
+    sent = group.call("send_delta", *part, phase=phase)
     refs = [ref for ref, _ in sent]
     replies = sum(len(ref[0].binary()) + payload_nbytes(nbytes) for ref, nbytes in sent)
     fetched["bytes"] += ledger.record(phase, "round_replies", replies)
@@ -233,9 +307,23 @@ def exchange_round(group, round_: int, until: int, weights: list[float], fetched
     for _, nbytes in sent:
         ledger.record(phase, "outer_gradients", nbytes, copies=n - 1)
     args = payload_nbytes(round_) + sum(len(r[0].binary()) for r in refs) + payload_nbytes(weights)
-    ledger.record(phase, "round_args", args, copies=n)
-    group.call("apply_round", round_, refs, weights, phase=phase)  # a lost payload: ActorDied (`died_during`)
-    return refs, check_replicas(dict(zip(group.keys(), group.handles())), until, ledger, phase)
+    ledger.record(phase, "round_args", args + 2 * sum(payload_nbytes(f) for f in part), copies=n)
+    if overlap:
+        group.call("begin_round", round_, refs, weights, *part, phase=phase)
+        return refs, None
+    group.call("apply_round", round_, refs, weights, *part, phase=phase)  # a lost payload: ActorDied (`died_during`)
+    return refs, check_global(group, until, ledger, phase)
+
+
+def check_global(group, step: int, ledger: Ledger, phase: str = "train") -> str:
+    """The nodes' common global-model hash (`PeerRounds.global_hash`); ReplicaMismatch otherwise."""
+    return check_replicas(dict(zip(group.keys(), group.handles())), step, ledger, phase, method="global_hash")
+
+
+def landing(plan, i: int) -> list:
+    """`train`'s extra argument for the call up to boundary i where rounds overlap: [round, step] of
+    the exchange sent at boundary i − 1, which lands in that call (none before the first boundary)."""
+    return [[i, plan.landings[i - 1]]] if plan.landings is not None and i > 0 else []
 
 
 def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str],
@@ -243,7 +331,7 @@ def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, par
     """The final average, as one more round: every node ends holding it (hash-checked), and the
     driver decodes the same N payloads from `start` (with `outer`, the momentum there) into its own
     copy, start − Δ̄ (or the outer step on Δ̄) over the floating-point tensors, the rest as `start`
-    has it. Its parameters must hash as the nodes' do: one average, not two."""
+    has it. Its floating-point tensors must hash as the nodes' global models do: one average, not two."""
     params = set(param_order)
     refs, nodes_hash = exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final")
     payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")
@@ -254,7 +342,7 @@ def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, par
         average = dict(start)
         for k, d in mean.items():
             average[k] = (start[k].to(torch.float64) - d).to(start[k].dtype)
-    mine = parameter_hash([(k, average[k]) for k in param_order])
+    mine = parameter_hash(list(floats(average).items()))  # what `global_hash` hashes on every node
     if mine != nodes_hash:
         raise ReplicaMismatch(f"lo-fi's final average on the driver (hash {mine[:16]}) differs from the nodes' "
                               f"(hash {nodes_hash[:16]})")

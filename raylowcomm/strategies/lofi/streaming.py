@@ -1,0 +1,121 @@
+"""Streaming DiLoCo (Douillard et al. 2025) for lo-fi's peer rounds: fragments synced at staggered
+steps (`lofi.fragments`), each exchange overlapped with training (`lofi.overlap`).
+
+Fragments: the tensors that cross (the floating-point state, in state-dict order) cut into F
+contiguous groups of about equal packed bytes (`split`, by the codec's formula): every node cuts its
+own model the same way. With H = average_every, fragment f syncs at the steps t ≡ (f+1)·H/F (mod H), 0 < t < T
+(T: the last step), where the final round syncs all of them at once (`schedule`); F = 1 is one sync
+every H steps, as before. Each sync sends that fragment's Δ only, with its own error feedback and
+outer momentum (both per tensor), so a sync carries about 1/F of the bytes.
+
+Overlap τ: the fragment sent at step t lands at step t + τ (or at the next sync, if that comes
+first): meanwhile the node trains on, a background thread fetching and averaging its peers'
+payloads (`Exchange`). When it lands the node takes the outer step on the global fragment, then
+mixes it into its own weights, θ_local ← α·θ_local + (1−α)·θ_global (α: `lofi.mix`), keeping part
+of the τ steps made in flight; with τ = 0 the node takes the global fragment as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from raylowcomm.config import ConfigError, RunConfig
+
+logger = logging.getLogger(__name__)
+
+ALL = -1
+"""The fragment index of a round that syncs every fragment (the final round)."""
+
+
+def split(sizes: dict[str, int], count: int) -> list[list[str]]:
+    """Names cut into `count` contiguous groups of about equal total size, in the given order: a new
+    group starts once the running total reaches the next multiple of total/count (and while enough
+    names are left for the groups still to come). Needs at least `count` names."""
+    names = list(sizes)
+    if not 1 <= count <= len(names):
+        raise ValueError(f"cannot cut {len(names)} tensors into {count} fragments")
+    total, groups, running = sum(sizes.values()), [[]], 0
+    for i, name in enumerate(names):
+        left = len(names) - i  # names not yet placed, this one included
+        due = len(groups) < count and groups[-1] and (running >= total * len(groups) / count
+                                                      or left == count - len(groups))
+        if due:
+            groups.append([])
+        groups[-1].append(name)
+        running += sizes[name]
+    return groups
+
+
+def schedule(every: int, fragments: int, steps: int) -> tuple[list[int], list[int]]:
+    """The sync steps (then `steps`, the final round) and the fragment each one syncs (ALL for the
+    final round): fragment f at (f+1)·every/fragments + j·every below `steps`."""
+    offsets = [(f + 1) * every // fragments for f in range(fragments)]
+    events = sorted((t, f) for f, offset in enumerate(offsets) for t in range(offset, steps, every))
+    return [t for t, _ in events] + [steps], [f for _, f in events] + [ALL]
+
+
+def landings(boundaries: list[int], overlap: int) -> list[int]:
+    """The step at which the exchange sent at each boundary (but the last) lands: τ steps later, or at
+    the next boundary if that comes first (no two exchanges are in flight at once)."""
+    return [min(t + overlap, nxt) for t, nxt in zip(boundaries, boundaries[1:])]
+
+
+class Exchange:
+    """A round's exchange in flight on a node: `fetch()` (fetching and averaging the peers' payloads)
+    runs in a thread while the node trains; `result()` waits for it and returns its value or raises
+    its error."""
+
+    def __init__(self, round_: int, fragment: int, fetch):
+        self.round, self.fragment = round_, fragment
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fetch,), name=f"lofi-round-{round_}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fetch) -> None:
+        try:
+            self._value = fetch()
+        except BaseException as err:  # re-raised in the training thread by result()
+            self._error = err
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def validate(cfg: RunConfig, peers: bool) -> None:
+    """lofi.fragments, overlap and mix: in range, and with what they need (`peers`: peer rounds, every H steps)."""
+    o = cfg.options["lofi"]
+    if o.fragments < 1:
+        raise ConfigError("lofi.fragments", o.fragments, "must be >= 1 (1: the whole model every round)")
+    if o.overlap < 0:
+        raise ConfigError("lofi.overlap", o.overlap, "must be a number of steps >= 0")
+    if not 0 <= o.mix <= 1:
+        raise ConfigError("lofi.mix", o.mix, "must be in [0, 1]")
+    for field, value, on in (("lofi.fragments", o.fragments, o.fragments > 1), ("lofi.overlap", o.overlap, o.overlap)):
+        if not on:
+            continue
+        if not peers:
+            raise ConfigError(field, value, "needs peer rounds: set lofi.compress (int8, int4, topk) or "
+                                            "lofi.exchange: peers")
+        if o.average_every is None or o.average_unit != "steps":
+            raise ConfigError(field, value, "needs rounds every H steps: set lofi.average_every and "
+                                            "lofi.average_unit: steps")
+    if o.fragments > 1 and o.average_every % o.fragments:
+        raise ConfigError("lofi.fragments", o.fragments, f"must divide lofi.average_every ({o.average_every})")
+    gap = o.average_every // o.fragments if o.average_every else 0
+    if o.overlap and o.overlap > gap:
+        raise ConfigError("lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): "
+                                                     "one round in flight at a time")
+    if not o.overlap and o.mix != 0.5:
+        logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
+
+
+def check(opts, model) -> None:
+    """More fragments than tensors that cross cannot be cut."""
+    count = sum(1 for v in model.state_dict().values() if v.is_floating_point())
+    if opts.fragments > count:
+        raise ConfigError("lofi.fragments", opts.fragments, f"the model has {count} floating-point tensors to cut: "
+                                                            f"set at most {count}")

@@ -1,0 +1,131 @@
+"""Streaming DiLoCo in lo-fi's peer rounds: fragments synced at staggered steps, exchanges overlapped with training."""
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from raylowcomm.actors import ActorDied
+from raylowcomm.core.compression import layout_of, make_codec
+from raylowcomm.models import state_dict_of
+from raylowcomm.strategies.lofi import streaming
+from raylowcomm.strategies.lofi.rounds import PeerRounds, floats
+from tests.strategies.test_lofi import run_lofi, tiny_config
+from tests.strategies.test_lofi_rounds import _kill_a_node_after_the_first_round, payload_bytes, round_files
+
+
+def fragment_bytes(ctx, fragments: int, codec: str = "int4") -> list[int]:
+    """Each fragment's payload from the formula (parameters in `codec`, BatchNorm statistics as float32), the
+    fragments cut by the same formula's bytes per tensor."""
+    state, params = floats(state_dict_of(ctx.model)), {k for k, _ in ctx.model.named_parameters()}
+    size = {k: make_codec(codec if k in params else "none").payload_nbytes(layout_of({k: v})) for k, v in state.items()}
+    return [sum(size[k] for k in names) for names in streaming.split(size, fragments)]
+
+
+def test_fragments_are_contiguous_balanced_and_cover_every_tensor_once():
+    sizes = {f"t{i}": n for i, n in enumerate([100, 3, 3, 50, 50, 1, 90, 2])}
+    for count in range(1, len(sizes) + 1):
+        groups = streaming.split(sizes, count)
+        assert len(groups) == count and all(groups) and sum(groups, []) == list(sizes)  # in order, each once
+    assert streaming.split(sizes, 1) == [list(sizes)]
+    halves = [sum(sizes[k] for k in g) for g in streaming.split(sizes, 2)]
+    assert halves == [156, 143]  # the cut falls where the running total passes half of 299
+    with pytest.raises(ValueError):
+        streaming.split(sizes, 9)
+
+
+def test_each_fragment_syncs_once_per_h_at_its_staggered_step():
+    every, frags, steps = 12, 3, 50
+    boundaries, fragments = streaming.schedule(every, frags, steps)
+    assert boundaries[-1] == steps and fragments[-1] == streaming.ALL  # the final round: every fragment
+    events = list(zip(boundaries[:-1], fragments[:-1]))
+    assert all(t % every == (f + 1) * every // frags % every for t, f in events)  # t ≡ (f+1)·H/F (mod H)
+    for start in range(0, steps - every, every):  # every window of H steps syncs each fragment once
+        assert sorted(f for t, f in events if start < t <= start + every) == list(range(frags))
+    # one fragment: a round every H steps, as before fragments
+    assert streaming.schedule(8, 1, 32) == ([8, 16, 24, 32], [0, 0, 0, streaming.ALL])
+    # a round lands τ steps after it is sent, or at the next boundary if that comes first
+    assert streaming.landings([4, 8, 12, 14], 3) == [7, 11, 14]
+
+
+def test_an_exchange_in_flight_does_not_block_and_its_error_surfaces_where_it_lands():
+    release = threading.Event()
+    began = time.perf_counter()
+    exchange = streaming.Exchange(3, 1, lambda: release.wait(30) and {"w": torch.ones(2)})
+    assert time.perf_counter() - began < 1.0 and exchange.round == 3 and exchange.fragment == 1
+    release.set()
+    assert torch.equal(exchange.result()["w"], torch.ones(2))
+
+    def lost():
+        raise ActorDied("lofi node 1 died during averaging round 3's exchange")
+
+    with pytest.raises(ActorDied, match="node 1 died"):
+        streaming.Exchange(3, 0, lost).result()
+    restarted = PeerRounds()  # restarted since the round began: nothing in flight, its payload died with it
+    restarted.rank, restarted.rounds, restarted.exchange = 0, 2, None
+    with pytest.raises(ActorDied, match="lofi node 0 died during averaging round 3's exchange"):
+        restarted.expect_landing([3, 14])
+    restarted.expect_landing([2, 10])  # landed before it died: nothing to wait for
+
+
+def _global_parts(files):
+    return [{k: v for k, v in f.items() if k.startswith("global.")} for f in files]
+
+
+def _meta(path):
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()["raylowcomm"]
+
+
+def test_two_fragments_book_one_fragment_per_sync_and_overlap_keeps_the_bytes_and_the_global_model(ray_session,
+                                                                                                   tmp_path):
+    """H = 8, F = 2 over 32 steps: fragment 0 syncs at 4, 12, 20, 28 and fragment 1 at 8, 16, 24, then the final
+    round syncs both. Overlap τ = 2 lands each round 2 steps after it is sent: the same payload bytes, another
+    model (the delay is real), and every node still holds the same global model after each landing."""
+    n = 2
+    cfg = dict(average_every=8, compress="int4", fragments=2, bn_recalibrate=False)
+    ctx, plain = run_lofi(tiny_config(**cfg), tmp_path / "plain")
+    _, flying = run_lofi(tiny_config(**cfg, overlap=2, mix=0.5), tmp_path / "flying")
+    assert plain["details"]["averaging_steps"] == [4, 8, 12, 16, 20, 24, 28, 32]
+    sizes = fragment_bytes(ctx, 2)
+    full = payload_bytes(ctx, "int4")
+    assert sum(sizes) == full and max(sizes) < 0.6 * full  # a sync carries about half the model's payload
+    kinds = plain["comm"]["by_kind"]
+    assert kinds["train/outer_gradients"] == (4 * sizes[0] + 3 * sizes[1]) * n * (n - 1)
+    assert kinds["final/outer_gradients"] == n * (n - 1) * full + n * full  # the final round: both fragments
+    assert kinds["train/verify_hash"] == 7 * n * 64  # every sync's global model hash-checked on every node
+    for kind in ("outer_gradients", "round_replies", "round_args"):
+        assert flying["comm"]["by_kind"][f"train/{kind}"] == kinds[f"train/{kind}"], kind
+    # as many hash checks, one of them later: the last round lands during the final call to train
+    assert flying["comm"]["by_kind"]["train/verify_hash"] == 6 * n * 64
+    assert flying["comm"]["by_kind"]["final/verify_hash"] == kinds["final/verify_hash"] + n * 64
+    a, b = load_file(plain["weights"]), load_file(flying["weights"])
+    assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
+    for run in ("plain", "flying"):
+        files = round_files(tmp_path / run / "state")
+        g0, g1 = _global_parts(files)
+        assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+        assert all(f["residual.conv_stem.weight"].abs().sum() > 0 for f in files)
+    # the round files say what their last round synced and how it was merged: the final round, every fragment
+    assert '"fragment": -1' in _meta(tmp_path / "flying" / "state" / "lofi" / "checkpoints" / "node0_round.safetensors")
+
+
+@pytest.mark.slow
+def test_a_killed_node_resumes_mid_fragments_and_ends_equal_to_an_uninterrupted_run(ray_session, tmp_path):
+    cfg = tiny_config(average_every=8, compress="int4", fragments=2, outer_optimizer="nesterov", bn_recalibrate=False)
+    _, clean = run_lofi(cfg, tmp_path / "clean")
+    killed: list = []
+    killer = threading.Thread(target=_kill_a_node_after_the_first_round, args=(tmp_path / "killed" / "state", killed))
+    killer.start()
+    _, rec = run_lofi(cfg, tmp_path / "killed")
+    killer.join()
+    assert killed, "no node was killed"
+    restored = [t for node in rec["nodes"] for t in node["train"] if t["restored_from"] is not None]
+    assert restored and restored[0]["restored_from"] >= 4, "the node did not resume past the first round"
+    a, b = load_file(clean["weights"]), load_file(rec["weights"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for x, y in zip(round_files(tmp_path / "clean" / "state"), round_files(tmp_path / "killed" / "state")):
+        assert all(torch.equal(x[k], y[k]) for k in x)  # per-fragment residuals, momentum and global model alike
