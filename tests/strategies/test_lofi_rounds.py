@@ -23,10 +23,10 @@ ROUND_KINDS = {"train/control", "train/train_stats", "train/outer_gradients", "t
 REF = 28  # an ObjectRef crosses as its binary id
 
 
-def payload_bytes(ctx, codec: str) -> int:
-    """Parameters in `codec`, BatchNorm statistics as float32, from the formula alone."""
+def payload_bytes(ctx, codec: str, bn: bool = True) -> int:
+    """Parameters in `codec`, BatchNorm statistics (`bn`: they cross) as float32, from the formula alone."""
     state, params = state_dict_of(ctx.model), {k for k, _ in ctx.model.named_parameters()}
-    buffers = {k: v for k, v in floats(state).items() if k not in params}
+    buffers = {k: v for k, v in floats(state).items() if k not in params and bn}
     packed = make_codec(codec).payload_nbytes(layout_of({k: state[k] for k in params}))
     return packed + make_codec("none").payload_nbytes(layout_of(buffers))
 
@@ -75,15 +75,18 @@ def test_after_peer_rounds_bn_recalibration_and_scoring_send_no_model(ray_sessio
     """The final round leaves the average on every node (and, decoded from the same payloads, on the
     driver: its hash is checked against the nodes'); the nodes measure BatchNorm statistics of what they
     hold and score it, so the only model-sized crossing of the final phase is the driver's one read of
-    the last global model. The driver's result is the nodes' average with the combined statistics."""
+    the last global model. The driver's result is the nodes' average with the combined statistics. Since
+    the end recalibrates them, BatchNorm statistics never cross in a round: the payloads are weights only."""
     ctx, rec = run_lofi(tiny_config(average_every=8, compress="int4", bn_recalibrate=True), tmp_path)
     kinds, n = rec["comm"]["by_kind"], 2
+    size = payload_bytes(ctx, "int4", bn=False)
+    assert size < payload_bytes(ctx, "int4") and kinds["train/outer_gradients"] == 3 * n * (n - 1) * size
+    assert not any(k.endswith(("running_mean", "running_var")) for k in round_files(tmp_path / "state")[0])
     final = {k[len("final/"):] for k in kinds if k.startswith("final/")}
     assert final == {"global_model", "outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats",
                      "bn_statistics", "combined_bn_statistics", "node_metrics", "eval_metrics", "node_info"}
-    model = payload_nbytes(floats(state_dict_of(ctx.model)))
-    assert kinds["final/global_model"] == model  # read once, from storage
-    size = payload_bytes(ctx, "int4")
+    model = payload_nbytes({k: v.detach() for k, v in ctx.model.named_parameters()})
+    assert kinds["final/global_model"] == model  # read once, from storage: the weights that cross
     small = rec["comm"]["by_phase"]["final"] - kinds["final/global_model"] - kinds["final/outer_gradients"]
     assert kinds["final/outer_gradients"] == n * n * size and small < model / 4  # BN statistics, metrics
     assert "average_without_bn_recalibration" in rec["details"]

@@ -1,10 +1,11 @@
 """Averaging rounds that travel node to node (`lofi.exchange: peers`): outer gradients, compressed.
 
 At a round's boundary node k encodes Δ_k = θ_global − θ_k over what it sends (its floating-point
-state: weights and BatchNorm statistics) with `lofi.compress` and its error feedback, and `ray.put`s
-the payload itself. The driver passes the N ObjectRefs on (it never fetches a payload during
-training); every node fetches its peers' payloads, decodes and averages them in node order
-(`core.compression.average_decoded`: the same bits on every node), applies the outer step (plain:
+state: weights, and BatchNorm statistics unless the end recalibrates them, `crossing`) with
+`lofi.compress` and its error feedback, and `ray.put`s the payload itself. The driver passes the N
+ObjectRefs on (it never fetches a payload during training); every node fetches its peers' payloads,
+decodes and averages them in node order (`core.compression.average_decoded`: the same bits on
+every node), applies the outer step (plain:
 θ_global − Δ̄; or `OuterNesterov`) and loads the new global model. The driver then checks the
 exact hash of every node's global model (`global_hash`). Integer tensors (BatchNorm's
 `num_batches_tracked`) do not cross: each node keeps its own count (the same on every node, as every
@@ -58,18 +59,27 @@ def uses_peers(opts) -> bool:
 
 
 def floats(state: dict) -> dict:
-    """The tensors that cross in a round: the floating-point ones."""
     return {k: v for k, v in state.items() if v.is_floating_point()}
+
+
+BN_STATISTICS = (".running_mean", ".running_var")
+
+
+def crossing(state: dict, opts) -> dict:
+    """The tensors that cross in a round: the floating-point ones, but with `lofi.bn_recalibrate` not
+    the BatchNorm running statistics, which the end recomputes for the average anyway (training uses
+    batch statistics; each node keeps its own meanwhile). Without recalibration they cross, uncompressed."""
+    return {k: v for k, v in floats(state).items() if not (opts.bn_recalibrate and k.endswith(BN_STATISTICS))}
 
 
 class DeltaCodec:
     """How Δ crosses: the parameters with `lofi.compress`, each part with its own error feedback; the
-    floating-point buffers (BatchNorm statistics, a few kB) uncompressed, since a quantised running
-    variance can go below zero. One flat payload (name → bytes) holds both; every node and the driver
-    build the same parts from their own model."""
+    floating-point buffers that cross (BatchNorm statistics without recalibration) uncompressed, since
+    a quantised running variance can go below zero. One flat payload (name → bytes) holds both; every
+    node and the driver build the same parts from their own model."""
 
     def __init__(self, opts, state: dict, params: set[str]):
-        fl = floats(state)
+        fl = crossing(state, opts)
         codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
         self.parts = [(codec, layout_of({k: v for k, v in fl.items() if k in params})),
                       (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))]
@@ -150,7 +160,7 @@ class PeerRounds:
         opts = self.cfg.options["lofi"]
         params = {k for k, _ in self.model.named_parameters()}
         self.codec = DeltaCodec(opts, initial, params)
-        self.global_state = {k: v.detach().cpu().clone() for k, v in floats(initial).items()}
+        self.global_state = {k: v.detach().cpu().clone() for k, v in crossing(initial, opts).items()}
         sizes = self.codec.sizes()
         self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments)
         self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
@@ -342,7 +352,7 @@ def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, par
         average = dict(start)
         for k, d in mean.items():
             average[k] = (start[k].to(torch.float64) - d).to(start[k].dtype)
-    mine = parameter_hash(list(floats(average).items()))  # what `global_hash` hashes on every node
+    mine = parameter_hash(list(crossing(average, opts).items()))  # what `global_hash` hashes on every node
     if mine != nodes_hash:
         raise ReplicaMismatch(f"lo-fi's final average on the driver (hash {mine[:16]}) differs from the nodes' "
                               f"(hash {nodes_hash[:16]})")
@@ -357,7 +367,7 @@ def load_global(storage, ledger: Ledger, initial: dict, params: set[str], opts) 
     if storage.exists(GLOBAL):
         last, momentum, _, _ = read_round(storage, GLOBAL)
         state.update(last)
-        ledger.send("final", "global_model", floats(state))
+        ledger.send("final", "global_model", {**last, **{f"momentum.{k}": v for k, v in momentum.items()}})
     if opts.outer_optimizer != "nesterov":
         return state, None
     outer = OuterNesterov(state, params, opts.outer_lr, opts.outer_momentum)
