@@ -37,8 +37,9 @@ class StageWorker:
         """`task` turns a batch into (inputs, targets) and scores logits (raylowcomm.tasks)."""
         self.stage, self.micro_batches, self.last, self.task = stage, micro_batches, last, task
         self.dtype = next(p.dtype for p in stage.module.parameters() if p.is_floating_point())
-        self.steps_done, self.step_times = 0, []
-        # for the schedule model; *_wall: the whole actor call, object-store get and put included
+        self.steps_done, self.step_times, self.stepped_s = 0, [], 0.0
+        self.clock = time.perf_counter  # call_s's clock; a thread-CPU clock times calls on a shared machine
+        # for the schedule model; *_wall: the whole actor call, object-store get and put included, step left out
         self.call_s: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "step", "forward_wall",
                                                                 "backward_wall")}
         self._reset()
@@ -52,15 +53,17 @@ class StageWorker:
         self.busy_s, self.sent = 0.0, {"activations": [], "targets": [], "gradients": []}
 
     def _timed(self, kind: str, work):
-        start = time.perf_counter()
+        start, clock_start = time.perf_counter(), self.clock()
         out = work()
-        worked = time.perf_counter()
-        self.call_s[kind].append(worked - start)
+        worked, clock_worked = time.perf_counter(), self.clock()
+        self.call_s[kind].append(clock_worked - clock_start)
+        self.stepped_s = 0.0
         if self.stage.ready_to_step:
             self.stage.step()
             self.steps_done += 1
             self.step_times.append(time.perf_counter())
-            self.call_s["step"].append(self.step_times[-1] - worked)
+            self.stepped_s = self.step_times[-1] - worked
+            self.call_s["step"].append(self.clock() - clock_worked)
         self.busy_s += time.perf_counter() - start
         return out
 
@@ -152,7 +155,7 @@ class StageActor:
             else self._received(x_ref)
         h, early = self.worker.forward(step, mb, x, y)
         out = self._put((h, y), not self.worker.last), self._put(early, bool(early))
-        self.worker.call_s["forward_wall"].append(time.perf_counter() - start)
+        self.worker.call_s["forward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)
         return out
 
     def backward(self, step: int, mb: int, msg_ref):
@@ -160,7 +163,7 @@ class StageActor:
         start = time.perf_counter()
         up = self.worker.backward(step, mb, self._received(msg_ref)) if msg_ref is not None else None
         out = self._put(up, bool(up))
-        self.worker.call_s["backward_wall"].append(time.perf_counter() - start)
+        self.worker.call_s["backward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)
         return out
 
     def report(self) -> dict:
