@@ -134,14 +134,43 @@ def measure_costs(ctx: RunContext, batches: int = 3) -> tuple[list[StageCost], l
     return costs, plain
 
 
-def costs_from_record(rec: dict, measured: list[StageCost]) -> list[StageCost]:
-    """The run's own median per-call times (whole actor calls: object-store get and put included,
-    CPU contention too), message sizes from ``measured``."""
-    out = []
-    for node, cost in zip(rec["nodes"], measured):
-        m = node["median_call_s"]
-        out.append(StageCost(m["forward_wall"], m["backward_wall"] or 0.0, m["step"], cost.activation_bytes,
-                             cost.gradient_bytes))
+def costs_from_record(rec: dict, measured: list[StageCost] | None = None, wall: bool = True) -> list[StageCost]:
+    """The run's own median per-call times, CPU contention included: whole actor calls (``wall``:
+    object-store get and put included) or the stage work inside them; message sizes from
+    ``measured``, else from the record's `sent` bytes per message."""
+    out, sizes = [], _message_sizes(rec) if measured is None else [(c.activation_bytes, c.gradient_bytes)
+                                                                    for c in measured]
+    for node, (act, grad) in zip(rec["nodes"], sizes):
+        m, suffix = node["median_call_s"], "_wall" if wall else ""
+        out.append(StageCost(m["forward" + suffix], m["backward" + suffix] or 0.0, m["step"], act, grad))
+    return out
+
+
+def _message_sizes(rec: dict) -> list[tuple[int, int]]:
+    """(activation + targets, one head's gradient) bytes per stage from the record's training bytes:
+    every stage sends h of one shape, once per micro-batch, and the plan says how many gradients."""
+    d, kinds = rec["details"], rec["comm"]["by_kind"]
+    K, micro = d["stages"], d["batches"] * d["micro_batches"]
+    heads = sum(len(h) for plan in message_plan(K, d["n"], d["rule"]) for h in plan)
+    act = (kinds.get("train/activations", 0) + kinds.get("train/targets", 0)) // (micro * (K - 1))
+    grad = kinds.get("train/gradients", 0) // (micro * heads) if heads else 0
+    return [(act if k < K - 1 else 0, grad if k else 0) for k in range(K)]
+
+
+def as_ran(path: str) -> dict:
+    """A saved run (results.json) modelled with the per-call times it met, vs its measured steady
+    step time: how well the schedule alone explains it."""
+    rec = next(r for r in json.loads(Path(path).read_text()) if r["strategy"] == "interlocking")
+    d = rec["details"]
+    opts = argparse.Namespace(stages=d["stages"], n=d["n"], rule=d["rule"], micro_batches=d["micro_batches"],
+                              max_batches_ahead=2)
+    real = d["steady_step_time_s"]
+    out = {"real_steady_s": real}
+    for what, wall in (("work", False), ("wall", True)):
+        if all(node["median_call_s"].get("forward_wall") for node in rec["nodes"]) or not wall:
+            out[what] = predict(costs_from_record(rec, wall=wall), opts, None)["step_time_s"]
+            print(f"{path}: model on the run's {what} times {out[what]:.3f} s/step vs measured {real:.3f} "
+                  f"({(out[what] / real - 1) * 100:+.1f}%)")
     return out
 
 
@@ -155,6 +184,8 @@ def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12
 def real_run(ctx: RunContext, raw: dict, name: str) -> dict:
     cfg = from_dict(raw)
     rec = Interlocking().run(RunContext(cfg, ctx.model, ctx.spec, ctx.data, ctx.out_dir / name)).to_dict()
+    (ctx.out_dir / name).mkdir(parents=True, exist_ok=True)
+    (ctx.out_dir / name / "results.json").write_text(json.dumps([rec], default=str))  # for --as-ran
     d = rec["details"]
     return {"steady_step_time_s": d["steady_step_time_s"], "step_time_s": d["step_time_s"], "batches": d["batches"],
             "busy_fraction": d["busy_fraction"], "perplexity": rec["metrics"]["id_perplexity"],
@@ -267,7 +298,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="K=4 decoder layers per stage (SmolLM2 has 30)")
     ap.add_argument("--cores", type=float, default=2.0, help="cores the stages of a real run here share")
     ap.add_argument("--out", default="runs/interlocking_schedule.json")
+    ap.add_argument("--as-ran", nargs="+", metavar="RESULTS", help="only model saved runs (results.json) "
+                    "with the per-call times they met, and compare with their measured step time")
     args = ap.parse_args(argv)
+    if args.as_ran:
+        for path in args.as_ran:
+            as_ran(path)
+        return
     out = Path(args.out)
     ctx = prepare(from_dict(yaml.safe_load(EXAMPLE.read_text())), out.parent / (out.stem + "_runs"))
     if args.k2_steps or args.k4_steps:
