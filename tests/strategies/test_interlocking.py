@@ -2,12 +2,14 @@
 driver only ever handles refs and small dicts, and full runs report bytes, heads and weights."""
 
 import copy
+import itertools
 
 import pytest
 import ray
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch.nn import Linear
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from raylowcomm.actors import DriverFetches
@@ -16,7 +18,7 @@ from raylowcomm.common.batches import Source, batch_at, num_examples
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.core.interlock.heads import resnet_aux_heads
-from raylowcomm.core.interlock.routing import message_plan, reference_gradients
+from raylowcomm.core.interlock.routing import InterlockStage, message_plan, reference_gradients
 from raylowcomm.core.interlock.splitting import split_timm_resnet
 from raylowcomm.data import PreparedData
 from raylowcomm.models import ModelSpec
@@ -24,7 +26,7 @@ from raylowcomm.runner import prepare
 from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.interlocking import Interlocking, train_interlocked
-from raylowcomm.strategies.interlocking.stage import StageActor
+from raylowcomm.strategies.interlocking.stage import StageActor, StageWorker
 from raylowcomm.tasks import CausalLM, ImageClassification
 from tests.core.test_interlock import NUM_CLASSES, tiny_resnet
 
@@ -254,3 +256,27 @@ def test_validation_names_the_field():
             }
         )
     assert err.value.field_name == "model.family"
+
+
+def test_stage_worker_times_each_call_kind_for_the_schedule_model():
+    """K = 2, n = 2, 2 micro-batches, driven by hand; a clock that ticks once per reading makes
+    every timed piece exactly 1: the forward and backward lists get one entry per call, the
+    optimizer step its own entry (once per batch, in the call that completes the batch)."""
+    torch.manual_seed(0)
+    stages = [Linear(4, 4), Linear(4, 3)]
+    workers = []
+    for k, module in enumerate(stages):
+        stage = InterlockStage(k, 2, 2, "farthest", module, Linear(4, 3) if k == 0 else None, F.cross_entropy,
+                               lambda params: torch.optim.SGD(params, lr=0.1), micro_batches_per_step=2)
+        workers.append(StageWorker(stage, 2, k == 1, None))
+        ticks = itertools.count()
+        workers[-1].clock = lambda ticks=ticks: next(ticks)
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    for mb in range(2):
+        h, _ = workers[0].forward(0, mb, x, y)
+        _, early = workers[1].forward(0, mb, h, y)
+        assert workers[0].backward(0, mb, early) == {}
+    assert [w.steps_done for w in workers] == [1, 1]
+    assert {k: v for k, v in workers[0].call_s.items() if v} == {"forward": [1, 1], "backward": [1, 1], "step": [1]}
+    assert {k: v for k, v in workers[1].call_s.items() if v} == {"forward": [1, 1], "step": [1]}
+    assert workers[1].timing()["median_call_s"]["backward"] is None

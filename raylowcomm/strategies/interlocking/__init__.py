@@ -26,6 +26,7 @@ from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.interlock.heads import LOSS_OF_FAMILY, aux_heads
 from raylowcomm.core.interlock.routing import message_plan
+from raylowcomm.core.interlock.schedule import Call, batch_calls
 from raylowcomm.core.interlock.splitting import (
     is_hf_decoder,
     is_timm_cnn,
@@ -81,18 +82,15 @@ class InterlockingConfig:
 
 
 def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
-    """Submit every call of batch ``step`` in each actor's execution order (all forwards, then
-    one backward per incoming message kind); returns the report refs. Only refs change hands."""
-    emitted: list[list[list]] = [[[] for _ in range(micro_batches)] for _ in actors]  # [k][mb] -> refs
-    for mb in range(micro_batches):
-        x = None
-        for k, actor in enumerate(actors):
-            x, early = actor.forward.remote(step, mb, x)
-            emitted[k][mb].append(early)
-    for k in reversed(range(len(actors) - 1)):
-        for i in [i for i, heads in enumerate(plan[k + 1]) if heads]:
-            for mb in range(micro_batches):
-                emitted[k][mb].append(actors[k].backward.remote(step, mb, emitted[k + 1][mb][i]))
+    """Submit every call of batch ``step`` in the order of `batch_calls` (the schedule model replays
+    that same list); returns the report refs. Only refs change hands."""
+    refs: dict[Call, tuple] = {}  # call -> (ref of h for the next stage or None, ref of its upstream message)
+    for call in batch_calls(plan, micro_batches):
+        actor = actors[call.stage]
+        if call.kind == "forward":
+            refs[call] = actor.forward.remote(step, call.mb, refs[call.source][0] if call.source else None)
+        else:
+            refs[call] = (None, actor.backward.remote(step, call.mb, refs[call.source][1]))
     return [actor.report.remote() for actor in actors]
 
 

@@ -37,7 +37,11 @@ class StageWorker:
         """`task` turns a batch into (inputs, targets) and scores logits (raylowcomm.tasks)."""
         self.stage, self.micro_batches, self.last, self.task = stage, micro_batches, last, task
         self.dtype = next(p.dtype for p in stage.module.parameters() if p.is_floating_point())
-        self.steps_done, self.step_times = 0, []
+        self.steps_done, self.step_times, self.stepped_s = 0, [], 0.0
+        self.clock = time.perf_counter  # call_s's clock; a thread-CPU clock times calls on a shared machine
+        # for the schedule model; *_wall: the whole actor call, object-store get and put included, step left out
+        self.call_s: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "step", "forward_wall",
+                                                                "backward_wall")}
         self._reset()
 
     def inputs(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -48,13 +52,18 @@ class StageWorker:
     def _reset(self) -> None:
         self.busy_s, self.sent = 0.0, {"activations": [], "targets": [], "gradients": []}
 
-    def _timed(self, work):
-        start = time.perf_counter()
+    def _timed(self, kind: str, work):
+        start, clock_start = time.perf_counter(), self.clock()
         out = work()
+        worked, clock_worked = time.perf_counter(), self.clock()
+        self.call_s[kind].append(clock_worked - clock_start)
+        self.stepped_s = 0.0
         if self.stage.ready_to_step:
             self.stage.step()
             self.steps_done += 1
             self.step_times.append(time.perf_counter())
+            self.stepped_s = self.step_times[-1] - worked
+            self.call_s["step"].append(self.clock() - clock_worked)
         self.busy_s += time.perf_counter() - start
         return out
 
@@ -66,7 +75,7 @@ class StageWorker:
     def forward(self, step: int, mb: int, x: Tensor, y: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
         """(h for the next stage, the early upstream message {k: dL_k/dx_k}, maybe empty)."""
         mb_id = step * self.micro_batches + mb
-        h, early = self._timed(lambda: (self.stage.forward(mb_id, x, y), self.stage.backward(mb_id, {})))
+        h, early = self._timed("forward", lambda: (self.stage.forward(mb_id, x, y), self.stage.backward(mb_id, {})))
         if not self.last:
             self.sent["activations"].append(payload_nbytes(h))
             self.sent["targets"].append(payload_nbytes(y))
@@ -74,7 +83,7 @@ class StageWorker:
 
     def backward(self, step: int, mb: int, msg: dict[int, Tensor]) -> dict[int, Tensor]:
         """Use one downstream message {j: dL_j/dh_k}; the message for stage k − 1 (maybe empty)."""
-        return self._upstream(self._timed(lambda: self.stage.backward(step * self.micro_batches + mb, msg)))
+        return self._upstream(self._timed("backward", lambda: self.stage.backward(step * self.micro_batches + mb, msg)))
 
     @torch.no_grad()
     def evaluate(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict]:
@@ -98,8 +107,11 @@ class StageWorker:
         return out
 
     def timing(self) -> dict:
+        """Step count, median step interval, and the median seconds of a forward call, a backward
+        call (each without the optimizer step) and an optimizer step: the schedule model's inputs."""
         gaps = [b - a for a, b in zip(self.step_times, self.step_times[1:])]
-        return {"steps": self.steps_done, "median_step_interval_s": statistics.median(gaps) if gaps else None}
+        return {"steps": self.steps_done, "median_step_interval_s": statistics.median(gaps) if gaps else None,
+                "median_call_s": {kind: statistics.median(v) if v else None for kind, v in self.call_s.items()}}
 
 
 @ray.remote
@@ -138,15 +150,21 @@ class StageActor:
     def forward(self, step: int, mb: int, x_ref=None):
         """Forward micro-batch ``mb`` of batch ``step``; returns (ref of (h, targets) for stage
         k + 1, ref of the early upstream message {k: dL_k/dx_k} or None)."""
+        start = time.perf_counter()
         x, y = self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches)) if self.index == 0 \
             else self._received(x_ref)
         h, early = self.worker.forward(step, mb, x, y)
-        return self._put((h, y), not self.worker.last), self._put(early, bool(early))
+        out = self._put((h, y), not self.worker.last), self._put(early, bool(early))
+        self.worker.call_s["forward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)
+        return out
 
     def backward(self, step: int, mb: int, msg_ref):
         """Use one downstream message; returns the ref of the message for stage k − 1, or None."""
+        start = time.perf_counter()
         up = self.worker.backward(step, mb, self._received(msg_ref)) if msg_ref is not None else None
-        return self._put(up, bool(up))
+        out = self._put(up, bool(up))
+        self.worker.call_s["backward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)
+        return out
 
     def report(self) -> dict:
         return {"stage": self.index, **self.worker.report()}

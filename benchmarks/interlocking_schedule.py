@@ -1,0 +1,324 @@
+"""Interlocking on SmolLM2-135M through the pipeline-schedule model (core/interlock/schedule.py):
+K = 2 validated against a real run, K = 4 step times predicted for n = 1, 2, 4, and real K = 4
+runs (stages sharing this machine's CPUs: the loss is real, the step time is the model's).
+
+Each stage's calls are timed one stage at a time in this process (1 torch thread, the thread a
+1-CPU stage actor has; no Ray), in the order the driver submits them; the model then replays the
+actors' schedule with those times: each stage on its own core (`parallel`), or all of them sharing
+`--cores` cores (`shared`: how the real runs here ran). The real K = 2 run is the SmolLM2 example;
+the model is also fed that run's own per-call times (`as ran`). The K = 4 runs are n = K (end to
+end) for `--k4-steps` steps and n = 2 for as many steps as fit in the same predicted wall time.
+
+    python -m benchmarks.interlocking_schedule --out runs/interlocking_schedule.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from raylowcomm.common.batches import Source
+from raylowcomm.core.interlock.heads import LOSSES, aux_heads
+from raylowcomm.core.interlock.routing import InterlockStage, message_plan
+from raylowcomm.core.interlock.schedule import Link, StageCost, batch_calls, simulate
+from raylowcomm.core.interlock.splitting import split_model, untie_lm_head
+from raylowcomm.runner import prepare
+from raylowcomm.runtime import init_ray
+from raylowcomm.strategies import from_dict
+from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.interlocking import Interlocking
+from raylowcomm.strategies.interlocking.stage import StageWorker
+from raylowcomm.tasks import CausalLM
+from raylowcomm.training import make_optimizer
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "interlocking_smollm2_hamlet.yaml"
+LINK = Link(latency_s=0.005, bytes_per_s=125e6)
+"""5 ms + 1 Gbit/s per message: RAY_NOTES measured a 1 MB tensor through 2 local stages in 20-27 ms."""
+
+
+def smollm2_config(stages: int, n: int, rule: str, split: list[int] | None, steps: int, cpus: float,
+                   eval_every: int = 0) -> dict:
+    """The SmolLM2 example (examples/interlocking_smollm2_hamlet.yaml) with K, n, rule and split set."""
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["interlocking"].update(stages=stages, n=n, rule=rule, split=split)
+    raw["optim"]["max_steps"] = steps
+    raw["nodes"]["cpus"] = cpus
+    raw["eval_every"] = eval_every
+    return raw
+
+
+def build_workers(ctx: RunContext) -> tuple[list[StageWorker], Source]:
+    """The stages exactly as `Interlocking.run` builds them (untied head, split, aux heads, each its
+    own optimizer), as in-process workers, and stage 0's source of micro-batches."""
+    cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
+    model = copy.deepcopy(ctx.model).float().train()
+    untie_lm_head(model)
+    modules = split_model(model, "hf_causal_lm", opts.stages, opts.balance, opts.split)
+    heads = aux_heads(model, modules, "hf_causal_lm", None, opts.aux_widths, opts.aux_init_from_lm_head)
+    workers = []
+    for k, module in enumerate(modules):
+        stage = InterlockStage(k, opts.stages, opts.n, opts.rule, module, heads[k] if k < opts.stages - 1 else None,
+                               LOSSES["causal_lm"], lambda params: make_optimizer(cfg.optim, params),
+                               opts.micro_batches)
+        workers.append(StageWorker(stage, opts.micro_batches, k == opts.stages - 1, CausalLM()))
+    source = Source("tokens", None, ctx.eval_sets(), cfg.optim.batch_size, cfg.seed)
+    source.train = ctx.data.train.load(0, 1)
+    return workers, source
+
+
+def replay(workers: list[StageWorker], source: Source, plan, micro_batches: int, batches: int) -> dict:
+    """``batches`` batches through the workers, call by call in the driver's order, after one
+    warm-up batch whose times are dropped; returns the last batch's outputs by call."""
+    for step in range(batches + 1):
+        if step == 1:
+            for w in workers:
+                w.call_s = {kind: [] for kind in w.call_s}
+        out: dict = {}
+        for call in batch_calls(plan, micro_batches):
+            w = workers[call.stage]
+            if call.kind == "backward":
+                out[call] = (None, w.backward(step, call.mb, out[call.source][1]))
+                continue
+            x, y = w.inputs(source.micro_batch(step, call.mb, micro_batches)) if call.stage == 0 \
+                else out[call.source][0]
+            h, early = w.forward(step, call.mb, x, y)
+            out[call] = ((h, y), early)
+    return out
+
+
+def aux_head_share(w: StageWorker, h: torch.Tensor, y: torch.Tensor, repeats: int = 3) -> tuple[float, float]:
+    """(thread-CPU seconds of the aux head's loss forward + backward on ``h``, the head's share of
+    the stage's trained parameters): what a stage without an aux head would not spend."""
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        LOSSES["causal_lm"](w.stage.head(h.detach()), y).backward()
+        times.append(time.thread_time() - start)
+    w.stage.optimizer.zero_grad(set_to_none=True)
+    head = sum(p.numel() for p in w.stage.head.parameters())
+    return statistics.median(times), head / (head + sum(p.numel() for p in w.stage.params))
+
+
+def measure_costs(ctx: RunContext, batches: int = 3) -> tuple[list[StageCost], list[StageCost]]:
+    """Median thread-CPU seconds (what a call costs with a core to itself, even on a loaded machine)
+    of every stage's forward call, backward call and optimizer step, 1 torch thread, and message
+    sizes; second, the same stages without aux heads (their loss pass and share of the step removed)."""
+    opts, threads = ctx.cfg.options["interlocking"], torch.get_num_threads()
+    workers, source = build_workers(ctx)
+    for w in workers:
+        w.clock = time.thread_time
+    torch.set_num_threads(1)
+    try:
+        out = replay(workers, source, message_plan(opts.stages, opts.n, opts.rule), opts.micro_batches, batches)
+        first = {c.stage: out[c][0] for c in out if c.kind == "forward" and c.mb == 0}  # (h, y) per stage
+        shares = [aux_head_share(w, *first[k]) for k, w in enumerate(workers[:-1])] + [(0.0, 0.0)]
+    finally:
+        torch.set_num_threads(threads)
+    med = [{kind: statistics.median(v) if v else 0.0 for kind, v in w.call_s.items()} for w in workers]
+    sent = [{kind: statistics.median(v) if v else 0 for kind, v in w.sent.items()} for w in workers]
+    costs = [StageCost(m["forward"], m["backward"], m["step"], int(s["activations"] + s["targets"]),
+                       int(sent[k - 1]["activations"]) if k else 0) for k, (m, s) in enumerate(zip(med, sent))]
+    plain = [dataclasses.replace(c, forward_s=c.forward_s - head_s, step_s=c.step_s * (1 - share))
+             for c, (head_s, share) in zip(costs, shares)]
+    return costs, plain
+
+
+def costs_from_record(rec: dict, measured: list[StageCost] | None = None, wall: bool = True) -> list[StageCost]:
+    """The run's own median per-call times, CPU contention included: whole actor calls (``wall``:
+    object-store get and put included) or the stage work inside them; message sizes from
+    ``measured``, else from the record's `sent` bytes per message."""
+    out, sizes = [], _message_sizes(rec) if measured is None else [(c.activation_bytes, c.gradient_bytes)
+                                                                    for c in measured]
+    for node, (act, grad) in zip(rec["nodes"], sizes):
+        m, suffix = node["median_call_s"], "_wall" if wall else ""
+        out.append(StageCost(m["forward" + suffix], m["backward" + suffix] or 0.0, m["step"], act, grad))
+    return out
+
+
+def _message_sizes(rec: dict) -> list[tuple[int, int]]:
+    """(activation + targets, one head's gradient) bytes per stage from the record's training bytes:
+    every stage sends h of one shape, once per micro-batch, and the plan says how many gradients."""
+    d, kinds = rec["details"], rec["comm"]["by_kind"]
+    K, micro = d["stages"], d["batches"] * d["micro_batches"]
+    heads = sum(len(h) for plan in message_plan(K, d["n"], d["rule"]) for h in plan)
+    act = (kinds.get("train/activations", 0) + kinds.get("train/targets", 0)) // (micro * (K - 1))
+    grad = kinds.get("train/gradients", 0) // (micro * heads) if heads else 0
+    return [(act if k < K - 1 else 0, grad if k else 0) for k in range(K)]
+
+
+def as_ran(path: str) -> dict:
+    """A saved run (results.json) modelled with the per-call times it met, vs its measured steady
+    step time: how well the schedule alone explains it."""
+    rec = next(r for r in json.loads(Path(path).read_text()) if r["strategy"] == "interlocking")
+    d = rec["details"]
+    opts = argparse.Namespace(stages=d["stages"], n=d["n"], rule=d["rule"], micro_batches=d["micro_batches"],
+                              max_batches_ahead=2)
+    real = d["steady_step_time_s"]
+    out = {"real_steady_s": real}
+    for what, wall in (("work", False), ("wall", True)):
+        if all(node["median_call_s"].get("forward_wall") for node in rec["nodes"]) or not wall:
+            out[what] = predict(costs_from_record(rec, wall=wall), opts, None)["step_time_s"]
+            print(f"{path}: model on the run's {what} times {out[what]:.3f} s/step vs measured {real:.3f} "
+                  f"({(out[what] / real - 1) * 100:+.1f}%)")
+    return out
+
+
+def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12) -> dict:
+    tl = simulate(costs, message_plan(opts.stages, opts.n, opts.rule), opts.micro_batches, batches, LINK,
+                  opts.max_batches_ahead, cores)
+    return {"step_time_s": tl.step_time_s, "busy_fraction": [round(b, 3) for b in tl.busy_fraction],
+            "busiest_stage_s": max(tl.busy_s) / batches}  # per batch: no schedule of these calls steps faster
+
+
+def real_run(ctx: RunContext, raw: dict, name: str) -> dict:
+    cfg = from_dict(raw)
+    rec = Interlocking().run(RunContext(cfg, ctx.model, ctx.spec, ctx.data, ctx.out_dir / name)).to_dict()
+    (ctx.out_dir / name).mkdir(parents=True, exist_ok=True)
+    (ctx.out_dir / name / "results.json").write_text(json.dumps([rec], default=str))  # for --as-ran
+    d = rec["details"]
+    return {"steady_step_time_s": d["steady_step_time_s"], "step_time_s": d["step_time_s"], "batches": d["batches"],
+            "busy_fraction": d["busy_fraction"], "perplexity": rec["metrics"]["id_perplexity"],
+            "curve": [(p["step"], p["id_perplexity"]) for p in rec["curve"]], "record": rec}
+
+
+def context_for(ctx: RunContext, raw: dict) -> RunContext:
+    return RunContext(from_dict(raw), ctx.model, ctx.spec, ctx.data, ctx.out_dir)
+
+
+def k2_validation(ctx: RunContext, args) -> dict:
+    """Isolated costs → model (parallel, and sharing the cores) vs the real K = 2 example run."""
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["optim"]["max_steps"] = max(1, args.k2_steps)
+    k2 = context_for(ctx, raw)
+    opts = k2.cfg.options["interlocking"]
+    costs, _ = measure_costs(k2)
+    out = {"costs": [c.__dict__ for c in costs], "parallel": predict(costs, opts, None),
+           "shared": predict(costs, opts, args.cores), "loadavg_before": os.getloadavg()}
+    if args.k2_steps:
+        run = real_run(ctx, raw, "k2")
+        out["real"] = {k: v for k, v in run.items() if k != "record"}
+        out["as_ran"] = predict(costs_from_record(run["record"], costs), opts, None)
+    return out
+
+
+def k4_predictions(ctx: RunContext, args) -> dict:
+    """n = 1, 2, 4 (and end to end without aux heads: a plain pipeline), each stage on its own
+    core and all sharing ``args.cores``; ratios to end to end (n = 4, aux heads trained)."""
+    rows = {}
+    for n in (1, 2, 4):
+        k4 = context_for(ctx, smollm2_config(4, n, "farthest", args.split, 1, 0.5))
+        opts = k4.cfg.options["interlocking"]
+        costs, plain = measure_costs(k4)
+        rows[str(n)] = {"costs": [c.__dict__ for c in costs], "parallel": predict(costs, opts, None),
+                        "shared": predict(costs, opts, args.cores)}
+        if n == 4:
+            rows["4 plain"] = {"costs": [c.__dict__ for c in plain], "parallel": predict(plain, opts, None),
+                               "shared": predict(plain, opts, args.cores)}
+    for row in rows.values():
+        row["ratio_parallel"] = row["parallel"]["step_time_s"] / rows["4"]["parallel"]["step_time_s"]
+        row["ratio_shared"] = row["shared"]["step_time_s"] / rows["4"]["shared"]["step_time_s"]
+    return rows
+
+
+def k4_runs(ctx: RunContext, args, preds: dict) -> dict:
+    """n = 4 for k4_steps; n = 2 for the steps that fit in the same predicted (parallel) wall time,
+    scored at k4_steps too (equal steps)."""
+    t4, t2 = preds["4"]["parallel"]["step_time_s"], preds["2"]["parallel"]["step_time_s"]
+    s4, s2 = args.k4_steps, max(args.k4_steps, math.floor(args.k4_steps * t4 / t2))
+    runs = {}
+    for n, steps in ((4, s4), (2, s2)):
+        raw = smollm2_config(4, n, "farthest", args.split, steps, 0.5, eval_every=s4)
+        try:
+            run = real_run(ctx, raw, f"k4_n{n}")
+        except Exception as e:  # noqa: BLE001 - a stage killed for memory on a shared machine: say so, go on
+            runs[n] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        runs[n] = {k: v for k, v in run.items() if k != "record"}
+        runs[n]["shared_predicted_s"] = preds[str(n)]["shared"]["step_time_s"]
+    if any("error" in r for r in runs.values()):
+        return {"runs": runs}
+    at_s4 = dict(runs[2]["curve"]).get(s4, runs[2]["perplexity"])
+    return {"runs": runs, "equal_steps": {"steps": s4, "n4": runs[4]["perplexity"], "n2": at_s4},
+            "equal_predicted_wall": {"predicted_s": s4 * t4, "n4_steps": s4, "n2_steps": s2,
+                                     "n4": runs[4]["perplexity"], "n2": runs[2]["perplexity"]}}
+
+
+def print_tables(result: dict, args) -> None:
+    v = result["k2"]
+    print(f"\nK=2 SmolLM2 example (n=2 sum, 15+15 layers, 2 micro-batches of 2 x 64 tokens); load before "
+          f"{'/'.join(f'{x:.1f}' for x in v['loadavg_before'])}")
+    print(f"  model, isolated costs, own cores : {v['parallel']['step_time_s']:.3f} s/step")
+    print(f"  model, isolated costs, {args.cores:g} cores : {v['shared']['step_time_s']:.3f} s/step")
+    if "real" in v:
+        real = v["real"]["steady_step_time_s"]
+        for what in ("shared", "as_ran"):
+            p = v[what]["step_time_s"]
+            print(f"  model ({what:>6}) vs real steady {real:.3f} s/step: {p:.3f} s ({(p / real - 1) * 100:+.1f}%)")
+    print(f"\nK=4 SmolLM2, split {args.split}, rule farthest, 2 micro-batches; predicted step time, "
+          "link 5 ms + 1 Gbit/s")
+    print(f"{'n':>7}  {'own cores s':>11}  {'ratio':>5}  {f'{args.cores:g} cores s':>9}  {'ratio':>5}  "
+          "busiest stage s  busy (own cores)")
+    for n, row in result["k4"].items():
+        print(f"{n:>7}  {row['parallel']['step_time_s']:11.3f}  {row['ratio_parallel']:5.2f}  "
+              f"{row['shared']['step_time_s']:9.3f}  {row['ratio_shared']:5.2f}  "
+              f"{row['parallel']['busiest_stage_s']:15.3f}  "
+              f"{'/'.join(f'{b:.2f}' for b in row['parallel']['busy_fraction'])}")
+    if "k4_real" in result:
+        r = result["k4_real"]
+        for n, run in r["runs"].items():
+            if "error" in run:
+                print(f"  real n={n}: failed: {run['error']}")
+                continue
+            print(f"  real n={n}: {run['batches']} steps, steady {run['steady_step_time_s']:.3f} s/step on shared "
+                  f"cores (model {run['shared_predicted_s']:.3f}), perplexity {run['perplexity']:.2f}")
+        if "equal_steps" not in r:
+            return
+        eq, ew = r["equal_steps"], r["equal_predicted_wall"]
+        print(f"  equal steps ({eq['steps']}): perplexity n=2 {eq['n2']:.2f} vs end to end {eq['n4']:.2f}")
+        print(f"  equal predicted wall time ({ew['predicted_s']:.1f} s on own cores): n=2 after {ew['n2_steps']} "
+              f"steps {ew['n2']:.2f} vs end to end after {ew['n4_steps']} steps {ew['n4']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k2-steps", type=int, default=16, help="steps of the real K=2 run (0: none)")
+    ap.add_argument("--k4-steps", type=int, default=16, help="steps of the real K=4 end-to-end run (0: none)")
+    ap.add_argument("--split", type=lambda s: [int(x) for x in s.split(",")], default=[7, 8, 8, 7],
+                    help="K=4 decoder layers per stage (SmolLM2 has 30)")
+    ap.add_argument("--cores", type=float, default=2.0, help="cores the stages of a real run here share")
+    ap.add_argument("--out", default="runs/interlocking_schedule.json")
+    ap.add_argument("--as-ran", nargs="+", metavar="RESULTS", help="only model saved runs (results.json) "
+                    "with the per-call times they met, and compare with their measured step time")
+    args = ap.parse_args(argv)
+    if args.as_ran:
+        for path in args.as_ran:
+            as_ran(path)
+        return
+    out = Path(args.out)
+    ctx = prepare(from_dict(yaml.safe_load(EXAMPLE.read_text())), out.parent / (out.stem + "_runs"))
+    if args.k2_steps or args.k4_steps:
+        init_ray(num_cpus=2)
+    result: dict = {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps = [("k2", k2_validation), ("k4", k4_predictions)] + ([("k4_real", k4_runs)] if args.k4_steps else [])
+    for key, part in steps:  # saved after each part: a run killed (memory, on a shared machine) keeps the rest
+        result[key] = part(ctx, args) if key != "k4_real" else part(ctx, args, result["k4"])
+        gc.collect()
+        out.write_text(json.dumps({"args": vars(args), **result}, indent=2, default=str))
+    print_tables(result, args)
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

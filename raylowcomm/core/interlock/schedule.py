@@ -1,0 +1,170 @@
+"""A model of the interlocking pipeline's schedule, to predict step times the hardware at hand
+cannot run (K stages on K devices) from per-stage call times measured one stage at a time.
+
+It replays what the Ray stage actors do (raylowcomm.strategies.interlocking): the driver
+submits every call of a batch in :func:`batch_calls` order (it submits from this very list), an
+actor runs its calls one at a time in submission order, a call starts once its input message has
+arrived (its producer finished + the link's time for the bytes), and a stage's optimizer step
+runs inside its last call of the batch. The driver submits batch b once batch b − 1 −
+``max_ahead`` is complete. With ``cores`` set, the running calls share that many cores equally
+(processor sharing: the stages of a run on a small machine); without it every stage has its own
+device. Plain Python: no Ray, no torch (the routing plan is passed in)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Call:
+    """One actor call of a batch: a stage's forward of micro-batch ``mb``, or its backward on the
+    upstream message that ``source`` emitted (a forward's source is the previous stage's forward)."""
+
+    stage: int
+    kind: Literal["forward", "backward"]
+    mb: int
+    source: Call | None = None
+
+
+def batch_calls(plan: Sequence[Sequence[frozenset[int]]], micro_batches: int) -> list[Call]:
+    """Every call of one batch in the driver's submission order: all forwards (micro-batch by
+    micro-batch, stage by stage), then from the last-but-one stage up, one backward per non-empty
+    message that stage k + 1 emits (``plan``: routing.message_plan), micro-batch by micro-batch."""
+    K = len(plan)
+    emitted: list[list[list[Call]]] = [[[] for _ in range(micro_batches)] for _ in range(K)]  # [k][mb]
+    calls: list[Call] = []
+    for mb in range(micro_batches):
+        for k in range(K):
+            calls.append(Call(k, "forward", mb, calls[-1] if k else None))
+            emitted[k][mb].append(calls[-1])
+    for k in reversed(range(K - 1)):
+        for i in [i for i, heads in enumerate(plan[k + 1]) if heads]:
+            for mb in range(micro_batches):
+                calls.append(Call(k, "backward", mb, emitted[k + 1][mb][i]))
+                emitted[k][mb].append(calls[-1])
+    return calls
+
+
+def _message_heads(plan: Sequence[Sequence[frozenset[int]]], micro_batches: int) -> dict[Call, int]:
+    """How many heads' gradients each emitting call's upstream message carries."""
+    emitted: dict[tuple[int, int], int] = {}
+    heads: dict[Call, int] = {}
+    for call in batch_calls(plan, micro_batches):
+        i = emitted.get((call.stage, call.mb), 0)
+        heads[call] = len(plan[call.stage][i]) if i < len(plan[call.stage]) else 0
+        emitted[(call.stage, call.mb)] = i + 1
+    return heads
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds of one stage's calls with the device to itself, and what its messages weigh."""
+
+    forward_s: float
+    """A forward call: the stage, its own head's loss and the early (local) backward."""
+    backward_s: float = 0.0
+    """A backward call on one downstream message."""
+    step_s: float = 0.0
+    """The optimizer step, at the end of the stage's last call of a batch."""
+    activation_bytes: int = 0
+    """(h, targets) sent to stage k + 1 per micro-batch."""
+    gradient_bytes: int = 0
+    """One head's gradient dL_j/dx_k sent to stage k − 1 per micro-batch."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Time of one message between two stages: latency + bytes / bandwidth."""
+
+    latency_s: float = 0.0
+    bytes_per_s: float = math.inf
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + (nbytes / self.bytes_per_s if nbytes else 0.0)
+
+
+@dataclass
+class Timeline:
+    """Every call's (batch, call, start, end) and each stage's optimizer-step times."""
+
+    calls: list[tuple[int, Call, float, float]]
+    step_ends: list[list[float]]  # [stage][batch]
+    busy_s: list[float] = field(default_factory=list)
+
+    @property
+    def makespan_s(self) -> float:
+        return max(end for *_, end in self.calls)
+
+    @property
+    def step_time_s(self) -> float:
+        """Steady step time as the strategy's record measures it (details.steady_step_time_s): the
+        slowest stage's median interval between optimizer steps."""
+        return max(statistics.median(b - a for a, b in zip(ends, ends[1:])) for ends in self.step_ends)
+
+    @property
+    def busy_fraction(self) -> list[float]:
+        return [b / self.makespan_s for b in self.busy_s]
+
+
+def simulate(costs: Sequence[StageCost], plan: Sequence[Sequence[frozenset[int]]], micro_batches: int,
+             batches: int = 8, link: Link = Link(), max_ahead: int = 2, cores: float | None = None) -> Timeline:
+    """The schedule of ``batches`` batches (see the module docstring); ``plan`` is
+    ``routing.message_plan(K, n, rule)`` and ``costs`` one :class:`StageCost` per stage."""
+    K, order = len(costs), batch_calls(plan, micro_batches)
+    heads = _message_heads(plan, micro_batches)
+    last = {k: max(i for i, c in enumerate(order) if c.stage == k) for k in range(K)}
+    queues = [[(b, i) for b in range(batches) for i, c in enumerate(order) if c.stage == k] for k in range(K)]
+    index = {c: i for i, c in enumerate(order)}
+    done: dict[tuple[int, int], float] = {}
+
+    def work(b: int, i: int) -> float:
+        c, cost = order[i], costs[order[i].stage]
+        return (cost.forward_s if c.kind == "forward" else cost.backward_s) + (cost.step_s if i == last[c.stage] else 0)
+
+    def arrival(b: int, i: int) -> float | None:
+        """When call i of batch b may start, or None while that is not yet known."""
+        times = []
+        if b > max_ahead:  # the driver submits batch b after batch b - 1 - max_ahead is complete
+            ends = [done.get((b - 1 - max_ahead, last[k])) for k in range(K)]
+            times.append(None if None in ends else max(ends))
+        src = order[i].source
+        if src is not None:
+            end = done.get((b, index[src]))
+            nbytes = (costs[src.stage].activation_bytes if order[i].kind == "forward"
+                      else heads[src] * costs[src.stage].gradient_bytes)
+            times.append(None if end is None else end + link.seconds(nbytes))
+        return None if None in times else max(times, default=0.0)
+
+    t, pos, running, timeline = 0.0, [0] * K, {}, []
+    while any(p < len(q) for p, q in zip(pos, queues)) or running:
+        for k in range(K):
+            if k not in running and pos[k] < len(queues[k]):
+                at = arrival(*queues[k][pos[k]])
+                if at is not None and at <= t + _EPS:
+                    running[k] = (queues[k][pos[k]], t, work(*queues[k][pos[k]]))
+                    pos[k] += 1
+        waiting = [at for k in range(K) if k not in running and pos[k] < len(queues[k])
+                   if (at := arrival(*queues[k][pos[k]])) is not None]
+        if not running:
+            if not waiting:
+                raise RuntimeError("the schedule deadlocks: no call can start")
+            t = min(waiting)
+            continue
+        rate = 1.0 if cores is None else min(1.0, cores / len(running))
+        dt = min(min(left for *_, left in running.values()) / rate, min(waiting, default=math.inf) - t)
+        t += dt
+        for k, (key, start, left) in list(running.items()):
+            running[k] = (key, start, left - dt * rate)
+            if left - dt * rate <= _EPS:
+                done[key] = t
+                timeline.append((key[0], order[key[1]], start, t))
+                del running[k]
+    step_ends = [[done[(b, last[k])] for b in range(batches)] for k in range(K)]
+    busy = [sum(end - start for _, c, start, end in timeline if c.stage == k) for k in range(K)]
+    return Timeline(timeline, step_ends, busy)
