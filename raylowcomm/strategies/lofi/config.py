@@ -1,0 +1,59 @@
+"""lo-fi's options (`lofi:` in a config): what averages when, how rounds travel and what they compress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MAX_COMPRESS_BLOCK = 65536
+"""lofi.compress_block's upper bound: every node pads each tensor to whole blocks."""
+
+
+@dataclass
+class LofiConfig:
+    average_every: int | None = None
+    """Average and re-broadcast every this many `average_unit`s; None = lo-fi, once at the end."""
+    average_unit: Literal["steps", "epochs"] = "steps"
+    """What average_every counts: optimizer steps, or epochs of the smallest shard."""
+    outer_optimizer: Literal["none", "nesterov"] = "none"
+    """nesterov: DiLoCo's outer SGD with Nesterov momentum on the averaged update."""
+    outer_lr: float = 0.7
+    """The outer step's learning rate (outer_optimizer: nesterov; DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """The outer step's Nesterov momentum (DiLoCo's 0.9)."""
+    weighting: Literal["uniform", "examples"] = "uniform"
+    """uniform: every node counts the same in the average; examples: by its number of training examples."""
+    soup: Literal["uniform", "greedy"] = "uniform"
+    """greedy: add a node's model only if the held-out (data.val_size) score does not drop."""
+    bn_recalibrate: bool = True
+    """Recompute BatchNorm statistics of the average on every node's shard (BN models only)."""
+    bn_batches: int | None = None
+    """Batches per node for the BN statistics (None: one pass over the shard)."""
+    lora_average: Literal["delta", "factors"] = "delta"
+    """With model.lora, nodes send adapters only. delta: the exact average of what they learned,
+    base + mean_k (alpha/r)·B_k·A_k, merged; factors: mean(B)·mean(A), FedAvg of the factors, to compare.
+    After an averaging round every node merges the average into its base and restarts its adapters
+    from one seeded initialisation (a new one each round), so replicas start each round identical."""
+    exchange: Literal["auto", "driver", "peers"] = "auto"
+    """How averaging rounds travel. driver: full weights, every node to the driver and the average back
+    (a star); peers: each node puts its outer gradient Δ = θ_global − θ_k (encoded by `compress`) in the
+    object store, every node fetches its peers' and averages them itself, bit-identical (hash-checked),
+    and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
+    driver (as before). Not with model.lora or soup: greedy."""
+    compress: Literal["none", "int8", "int4", "topk"] = "none"
+    """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
+    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, 2-byte indices)."""
+    topk_fraction: float = 0.01
+    """compress: topk: the fraction of each tensor's entries sent."""
+    compress_block: int = 64
+    """Entries per bf16 scale for int8/int4/topk values (at most 65536)."""
+    error_feedback: bool = True
+    """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
+    node): nothing is lost, only delayed."""
+    fragments: int = 1
+    """Peer rounds (Streaming DiLoCo): fragment f of this many syncs alone at the steps ≡ (f+1)·H/fragments
+    (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""
+    overlap: int = 0
+    """Peer rounds: steps a node trains on while a round is in flight (at most average_every/fragments)."""
+    mix: float = 0.5
+    """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones."""
