@@ -35,6 +35,14 @@ def test_fragments_are_contiguous_balanced_and_cover_every_tensor_once():
     assert halves == [156, 143]  # the cut falls where the running total passes half of 299
     with pytest.raises(ValueError):
         streaming.split(sizes, 9)
+    # a module's tensors stay together: a layer's weight, bias and BatchNorm statistics sync at once
+    layers = {"conv.weight": 90, "bn.weight": 4, "bn.bias": 4, "bn.running_mean": 4, "bn.running_var": 4,
+              "head.weight": 100}
+    assert streaming.split(layers, 2) == [["conv.weight", "bn.weight", "bn.bias", "bn.running_mean",
+                                           "bn.running_var"], ["head.weight"]]
+    assert streaming.split(layers, 3) == [["conv.weight"], list(layers)[1:5], ["head.weight"]]
+    with pytest.raises(ValueError, match="3 modules"):
+        streaming.split(layers, 4)
 
 
 def test_each_fragment_syncs_once_per_h_at_its_staggered_step():
