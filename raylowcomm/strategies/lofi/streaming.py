@@ -121,7 +121,7 @@ def validate(cfg: RunConfig, peers: bool) -> None:
     if o.overlap and o.overlap > gap:
         raise ConfigError("lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): "
                                                      "one round in flight at a time")
-    if not o.overlap and o.mix != 0.5:
+    if not o.overlap and o.mix != type(o)().mix:  # set away from its default, not ignored in silence
         logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
 
 
