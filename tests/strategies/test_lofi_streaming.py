@@ -110,6 +110,9 @@ def test_two_fragments_book_one_fragment_per_sync_and_overlap_keeps_the_bytes_an
     # as many hash checks, one of them later: the last round lands during the final call to train
     assert flying["comm"]["by_kind"]["train/verify_hash"] == 6 * n * 64
     assert flying["comm"]["by_kind"]["final/verify_hash"] == kinds["final/verify_hash"] + n * 64
+    # each node says how long its training waited for each landing round (the delay the τ steps did not hide)
+    waits = [t["round_wait_s"] for node in flying["nodes"] for t in node["train"] if "round_wait_s" in t]
+    assert len(waits) == 7 * n and all(w >= 0 for w in waits)
     a, b = load_file(plain["weights"]), load_file(flying["weights"])
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
     for run in ("plain", "flying"):
