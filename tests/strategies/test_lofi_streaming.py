@@ -35,6 +35,14 @@ def test_fragments_are_contiguous_balanced_and_cover_every_tensor_once():
     assert halves == [156, 143]  # the cut falls where the running total passes half of 299
     with pytest.raises(ValueError):
         streaming.split(sizes, 9)
+    # a module's tensors stay together: a layer's weight, bias and BatchNorm statistics sync at once
+    layers = {"conv.weight": 90, "bn.weight": 4, "bn.bias": 4, "bn.running_mean": 4, "bn.running_var": 4,
+              "head.weight": 100}
+    assert streaming.split(layers, 2) == [["conv.weight", "bn.weight", "bn.bias", "bn.running_mean",
+                                           "bn.running_var"], ["head.weight"]]
+    assert streaming.split(layers, 3) == [["conv.weight"], list(layers)[1:5], ["head.weight"]]
+    with pytest.raises(ValueError, match="3 modules"):
+        streaming.split(layers, 4)
 
 
 def test_each_fragment_syncs_once_per_h_at_its_staggered_step():
@@ -102,6 +110,9 @@ def test_two_fragments_book_one_fragment_per_sync_and_overlap_keeps_the_bytes_an
     # as many hash checks, one of them later: the last round lands during the final call to train
     assert flying["comm"]["by_kind"]["train/verify_hash"] == 6 * n * 64
     assert flying["comm"]["by_kind"]["final/verify_hash"] == kinds["final/verify_hash"] + n * 64
+    # each node says how long its training waited for each landing round (the delay the τ steps did not hide)
+    waits = [t["round_wait_s"] for node in flying["nodes"] for t in node["train"] if "round_wait_s" in t]
+    assert len(waits) == 7 * n and all(w >= 0 for w in waits)
     a, b = load_file(plain["weights"]), load_file(flying["weights"])
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
     for run in ("plain", "flying"):

@@ -55,5 +55,5 @@ class LofiConfig:
     (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""
     overlap: int = 0
     """Peer rounds: steps a node trains on while a round is in flight (at most average_every/fragments)."""
-    mix: float = 0.5
+    mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones."""

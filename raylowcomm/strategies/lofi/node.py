@@ -55,14 +55,15 @@ class LofiNode(Node, PeerRounds):
         """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
         training time so far in this call (saving the snapshot is not training). `landing`: [round,
         step] of the peer round in flight (lofi.overlap), landed at that step (after a checkpoint of
-        the weights it merges into: a restart in between merges again from there)."""
-        clock, snaps, snapshot_s = TrainClock(), set(snapshot_at), {}
+        the weights it merges into: a restart in between merges again from there); how long training
+        waited for it is `round_wait_s` in what it returns."""
+        clock, snaps, snapshot_s, waited = TrainClock(), set(snapshot_at), {}, {}
         self.expect_landing(landing)
 
         def on_step(step):
             if landing is not None and step == landing[1] and landing[0] > self.rounds:
                 self._save(step)
-                self.land(landing[0], step)
+                waited["round_wait_s"] = self.land(landing[0], step)
             elif step % self.cfg.checkpoint_steps == 0 or step == until:
                 self._save(step)
             if step in snaps:
@@ -76,7 +77,8 @@ class LofiNode(Node, PeerRounds):
                             self.cfg.optim.batch_size, self.seed, hooks, precision=self.cfg.optim.precision,
                             device=self.device, group_seed=group_seed(self.cfg))
         self.step, restored, self.restored_from = until, self.restored_from, None
-        return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats}
+        return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats,
+                **waited}
 
     def snapshot(self, step: int) -> dict:
         return self.storage.load_tensors(self._snapshot_path(step))[0]

@@ -35,6 +35,7 @@ no model crosses for them.
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 import torch
@@ -231,10 +232,15 @@ class PeerRounds:
                                                                   or self.exchange.round != landing[0]):
             raise ActorDied(died_during(self.rank, landing[0]))
 
-    def land(self, round_: int, step: int) -> None:
-        """The exchange in flight lands (waiting for it if it has not): step and mix (`lofi.mix`)."""
+    def land(self, round_: int, step: int) -> float:
+        """The exchange in flight lands (waiting for it if it has not): step and mix (`lofi.mix`).
+        Returns how long training waited for it: 0 where the exchange was hidden behind the τ steps."""
         exchange, self.exchange = self.exchange, None
-        self._land(round_, exchange.fragment, exchange.result(), self.mix, step)
+        began = time.perf_counter()
+        mean = exchange.result()
+        waited = time.perf_counter() - began
+        self._land(round_, exchange.fragment, mean, self.mix, step)
+        return waited
 
     def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None) -> dict:
         payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]

@@ -2,11 +2,12 @@
 steps (`lofi.fragments`), each exchange overlapped with training (`lofi.overlap`).
 
 Fragments: the tensors that cross (the floating-point state, in state-dict order) cut into F
-contiguous groups of about equal packed bytes (`split`, by the codec's formula): every node cuts its
-own model the same way. With H = average_every, fragment f syncs at the steps t ≡ (f+1)·H/F (mod H), 0 < t < T
-(T: the last step), where the final round syncs all of them at once (`schedule`); F = 1 is one sync
-every H steps, as before. Each sync sends that fragment's Δ only, with its own error feedback and
-outer momentum (both per tensor), so a sync carries about 1/F of the bytes.
+contiguous groups of about equal packed bytes (`split`, by the codec's formula), never inside a
+module: every node cuts its own model the same way. With H = average_every, fragment f syncs at
+the steps t ≡ (f+1)·H/F (mod H), 0 < t < T (T: the last step), where the final round syncs all of
+them at once (`schedule`); F = 1 is one sync every H steps, as before. Each sync sends that
+fragment's Δ only, with its own error feedback and outer momentum (both per tensor), so a sync
+carries about 1/F of the bytes.
 
 Overlap τ: the fragment sent at step t lands at step t + τ (or at the next sync, if that comes
 first): meanwhile the node trains on, a background thread fetching and averaging its peers'
@@ -28,22 +29,33 @@ ALL = -1
 """The fragment index of a round that syncs every fragment (the final round)."""
 
 
+def module_of(name: str) -> str:
+    """The module a tensor belongs to: its name up to the last dot."""
+    return name.rsplit(".", 1)[0]
+
+
 def split(sizes: dict[str, int], count: int) -> list[list[str]]:
-    """Names cut into `count` contiguous groups of about equal total size, in the given order: a new
-    group starts once the running total reaches the next multiple of total/count (and while enough
-    names are left for the groups still to come). Needs at least `count` names."""
-    names = list(sizes)
-    if not 1 <= count <= len(names):
-        raise ValueError(f"cannot cut {len(names)} tensors into {count} fragments")
+    """Names cut into `count` contiguous groups of about equal total size, in the given order, never
+    inside a module (a layer's weight, bias and BatchNorm statistics sync together): a new group
+    starts at a module once the running total reaches the next multiple of total/count (or when only
+    as many modules are left as groups still to come). Needs at least `count` modules."""
+    modules: list[list[str]] = []
+    for name in sizes:
+        if modules and module_of(modules[-1][0]) == module_of(name):
+            modules[-1].append(name)
+        else:
+            modules.append([name])
+    if not 1 <= count <= len(modules):
+        raise ValueError(f"cannot cut {len(modules)} modules into {count} fragments")
     total, groups, running = sum(sizes.values()), [[]], 0
-    for i, name in enumerate(names):
-        left = len(names) - i  # names not yet placed, this one included
+    for i, names in enumerate(modules):
+        left = len(modules) - i  # modules not yet placed, this one included
         due = len(groups) < count and groups[-1] and (running >= total * len(groups) / count
                                                       or left == count - len(groups))
         if due:
             groups.append([])
-        groups[-1].append(name)
-        running += sizes[name]
+        groups[-1].extend(names)
+        running += sum(sizes[name] for name in names)
     return groups
 
 
@@ -109,13 +121,13 @@ def validate(cfg: RunConfig, peers: bool) -> None:
     if o.overlap and o.overlap > gap:
         raise ConfigError("lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): "
                                                      "one round in flight at a time")
-    if not o.overlap and o.mix != 0.5:
+    if not o.overlap and o.mix != type(o)().mix:  # set away from its default, not ignored in silence
         logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
 
 
 def check(opts, model) -> None:
-    """More fragments than tensors that cross cannot be cut."""
-    count = sum(1 for v in model.state_dict().values() if v.is_floating_point())
+    """More fragments than modules with tensors that cross cannot be cut."""
+    count = len({module_of(k) for k, v in model.state_dict().items() if v.is_floating_point()})
     if opts.fragments > count:
-        raise ConfigError("lofi.fragments", opts.fragments, f"the model has {count} floating-point tensors to cut: "
-                                                            f"set at most {count}")
+        raise ConfigError("lofi.fragments", opts.fragments, f"the model has {count} modules with floating-point "
+                                                            f"tensors to cut into fragments: set at most {count}")
