@@ -52,7 +52,7 @@ SETTINGS: dict[str, list[str]] = {
     "H4_topk1_F2": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.01",
                     "lofi.fragments=2"],
     "H4_topk1_ov1": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.01",
-                     "lofi.overlap=1"],
+                     "lofi.overlap=1", "lofi.mix=0"],
 }
 DEFAULT = {
     "mnist": ["ddp", "lofi", "lofi_int4", "H16_none", "H16_int8", "H16_int4", "H32_int4", "H8_int4", "H8_topk5",
