@@ -63,11 +63,12 @@ def start_process(cpus: float, gpus: float) -> str:
 
 
 def process_info() -> dict:
-    """Where an actor runs and how much memory it peaked at."""
+    """Where an actor runs and how much memory it peaked at (GPU memory: where it computed on one)."""
     context = ray.get_runtime_context() if ray.is_initialized() else None
     return {"host": socket.gethostname(), "ray_node_id": context.get_node_id() if context else None,
             "pid": os.getpid(), "placement_group": context.get_placement_group_id() if context else None,
-            "peak_rss_bytes": peak_rss_bytes()}
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None}
 
 
 def count_tensors(obj) -> int:
