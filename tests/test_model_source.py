@@ -128,3 +128,23 @@ def test_spsa_on_bf16_weights_keeps_replicas_bit_identical(ray_session, tmp_path
     assert len({v["hash"] for v in verified}) > 10, "bf16 steps still move the weights"
     saved = load_file(rec["weights"])
     assert {v.dtype for k, v in saved.items() if v.is_floating_point()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_lofi_lora_average_is_merged_and_saved_on_a_node_when_the_driver_holds_no_base(
+        ray_session, tmp_path, driver_cannot_load):
+    """lo-fi with adapters on a bf16 base, the driver never loading a weight: node 0 merges the exact
+    average on its base and writes model.safetensors itself; the driver only relays adapters."""
+    from raylowcomm.strategies import Lofi
+
+    cfg = text_config(["lofi"], model={"lora": {"r": 4, "alpha": 8}, "dtype": "bf16"})
+    cfg.data.train_size, cfg.optim.max_steps = 32, 2
+    ctx = prepare(cfg, tmp_path)
+    rec = Lofi().run(ctx).to_dict()
+    assert "error" not in rec and on_meta(ctx.architecture)
+    kinds = rec["comm"]["by_kind"]
+    assert kinds["final/adapters_to_save"] == kinds["final/adapters_to_score"] == kinds["final/node_adapters"]
+    saved = load_file(rec["weights"])
+    plain = {k for k, _ in ctx.architecture.state_dict().items() if ".lora_" not in k and "original_module" not in k}
+    assert len(saved) == len(plain) and saved["classifier.weight"].dtype == torch.float32
+    assert saved["bert.encoder.layer.0.attention.self.query.weight"].dtype == torch.bfloat16
