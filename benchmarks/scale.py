@@ -123,6 +123,7 @@ def run_child(model: str, strategy: str, steps: int, work: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
+    results = [r for r in results if "error" not in r]
     header = ["model", "params", "strategy", "weights MB", "driver peak MB", "node peak / weights",
               "setup B/node (w/o data recipe)", "data recipe B/node", "step s"]
     rows = [[r["size"], f"{r['params'] / 1e9:.2f}B", r["strategy"], f"{r['weight_bytes'] / MB:,.0f}",
@@ -140,33 +141,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="runs/bench/scale.json", help="the JSON to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--write", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    if args.write:
+        write_checkpoint(args.write, Path(args.work))
+        return None
     from raylowcomm import assets
 
-    results = []
+    results, path = [], Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="scale_") as tmp:
         for size in args.sizes:
-            model = assets.require("SmolLM2-135M") if size == "135M" else write_checkpoint(size, Path(tmp) / size)
+            model = assets.require("SmolLM2-135M") if size == "135M" else Path(tmp) / size
+            if size != "135M":  # in a process of its own: this one stays small while the runs go
+                subprocess.run([sys.executable, "-m", "benchmarks.scale", "--write", size, "--work", str(model)],
+                               check=True, cwd=Path(__file__).resolve().parent.parent)
             index = model / "model.safetensors.index.json"
             params = (json.loads(index.read_text())["metadata"]["total_size"] // 2 if index.exists()
                       else (model / "model.safetensors").stat().st_size // 4)  # the asset is fp32 on disk
             for strategy in args.strategies:
-                row = run_child(str(model), strategy, args.steps, Path(tmp) / f"run_{size}_{strategy}")
+                try:
+                    row = run_child(str(model), strategy, args.steps, Path(tmp) / f"run_{size}_{strategy}")
+                    print(f"  {size} {strategy}: driver peak {row['driver_peak_mb']:,.0f} MB, node peaks "
+                          f"{[round(p) for p in row['node_peak_mb']]} MB, step {row['step_s']:.1f} s", flush=True)
+                except RuntimeError as err:  # e.g. Ray's OOM killer on a shared machine: said, and the rest run
+                    row = {"error": str(err)[-2000:]}
+                    print(f"  {size} {strategy}: FAILED {str(err).splitlines()[0]}", flush=True)
                 row.update(size=size, strategy=strategy, params=params, weight_bytes=2 * params)
                 results.append(row)
-                print(f"  {size} {strategy}: driver peak {row['driver_peak_mb']:,.0f} MB, node peaks "
-                      f"{[round(p) for p in row['node_peak_mb']]} MB, step {row['step_s']:.1f} s", flush=True)
+                path.write_text(json.dumps({"benchmark": "scale", "steps": args.steps, "results": results}, indent=2))
             if size != "135M":
                 shutil.rmtree(model)
     print("\n" + table(results))
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": "scale", "steps": args.steps, "results": results}, indent=2))
     print(f"saved {path}")
 
 
