@@ -18,7 +18,7 @@ if [ "$GPUS" -lt 2 ]; then
   PER_NODE=0.5 BACKEND=gloo
   echo "only $GPUS GPU: both actors share it (nodes.gpus 0.5); DDP uses gloo (nccl needs a GPU per rank)"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 raylowcomm run examples/lora_smollm2.yaml --out "$OUT" \
   --set model.dtype=bf16 --set model.source=auto --set "nodes.gpus=$PER_NODE" --set "ddp.backend=$BACKEND" \
   --set optim.precision=bf16 --set spsa.verify_every=1

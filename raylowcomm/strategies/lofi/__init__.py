@@ -343,8 +343,9 @@ class Lofi(Strategy):
             per_node = group.score_weights(to_score, "final", on_all, sent=plan.average.sent(to_score))
         metrics = mean_metrics(per_node)
         if average is None:  # the base is on the nodes: node 0 merges the average and saves it
-            group.call("save_plain", group.put(to_score, "final", "adapters_to_save"), ctx.storage,
-                       f"{self.name}/model.safetensors", phase="final", keys=[0])
+            ledger.record("final", "adapters_to_save", plan.average.sent(to_score)[1])  # as scoring books them
+            group.call("save_plain", ray.put(to_score), ctx.storage, f"{self.name}/model.safetensors",
+                       phase="final", keys=[0])
         if on_all:  # the test rows are the nodes': each scored the average on its own
             details["average_on_nodes"] = per_node
         details["collect_s"], details["phases_s"] = collect_s, watch.parts
