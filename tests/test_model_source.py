@@ -148,3 +148,20 @@ def test_lofi_lora_average_is_merged_and_saved_on_a_node_when_the_driver_holds_n
     plain = {k for k, _ in ctx.architecture.state_dict().items() if ".lora_" not in k and "original_module" not in k}
     assert len(saved) == len(plain) and saved["classifier.weight"].dtype == torch.float32
     assert saved["bert.encoder.layer.0.attention.self.query.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_ddp_lora_on_a_bf16_base_keeps_both_ranks_identical_over_20_steps(ray_session, tmp_path):
+    """DDP over adapters on a bf16 MiniLM base, each rank loading the base itself: 20 steps of
+    all-reduced fp32 adapter gradients leave both ranks with one parameter hash."""
+    from raylowcomm.strategies import Ddp
+
+    cfg = text_config(["ddp"], model={"lora": {"r": 4, "alpha": 8}, "dtype": "bf16"})
+    cfg.data.train_size, cfg.optim.batch_size, cfg.optim.max_steps = 80, 2, 20
+    ctx = prepare(cfg, tmp_path)
+    rec = Ddp().run(ctx).to_dict()
+    assert "error" not in rec and rec["details"]["steps_per_worker"] == 20
+    hashes = [w["final_hash"] for w in rec["nodes"]]
+    assert len(hashes) == 2 and len(set(hashes)) == 1
+    assert hashes[0] != parameter_hash(list(ctx.model.named_parameters())), "the adapters trained"
+    assert rec["comm"]["by_kind"]["setup/model_recipe"] == 2 * payload_nbytes(ctx.recipe)

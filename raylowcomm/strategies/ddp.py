@@ -285,7 +285,8 @@ class _Rank:
         mine = {"rank": self.rank, "examples": examples, "allreduce_bytes": done["allreduce_bytes"],
                 "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size, "train_s": done["train_s"],
                 "resumed_from": self.start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None,
-                "entered_at": entered, "phases_s": self.watch.parts, "final_report_at": time.time()}
+                "entered_at": entered, "phases_s": self.watch.parts, "final_report_at": time.time(),
+                "final_hash": self.node.hash()}  # the replicas must agree: a reader compares them
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         metrics = {"workers": everyone, "gather_bytes": all_gather_nbytes(everyone, world),
