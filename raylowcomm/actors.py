@@ -26,10 +26,12 @@ from raylowcomm.common.timing import peak_rss_bytes
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.execution import Gang, node_bundle
-from raylowcomm.finetune import fine_tune_for
+from raylowcomm.finetune import ModelRecipe, fine_tune_for
 from raylowcomm.models import ModelSpec, build_architecture
 from raylowcomm.runtime import actor_options, device_for, setup_threads
+from raylowcomm.storage import Storage
 from raylowcomm.tasks import make_task, score_sets
+from raylowcomm.training import dedupe_shared
 
 logger = logging.getLogger("raylowcomm")
 
@@ -61,11 +63,12 @@ def start_process(cpus: float, gpus: float) -> str:
 
 
 def process_info() -> dict:
-    """Where an actor runs and how much memory it peaked at."""
+    """Where an actor runs and how much memory it peaked at (GPU memory: where it computed on one)."""
     context = ray.get_runtime_context() if ray.is_initialized() else None
     return {"host": socket.gethostname(), "ray_node_id": context.get_node_id() if context else None,
             "pid": os.getpid(), "placement_group": context.get_placement_group_id() if context else None,
-            "peak_rss_bytes": peak_rss_bytes()}
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None}
 
 
 def count_tensors(obj) -> int:
@@ -79,19 +82,23 @@ def count_tensors(obj) -> int:
 
 
 class Node:
-    """One node's process: its model (rebuilt from the spec, loaded with `weights`) and what trains
-    in it (`fine_tune`), its task on its device, and the evaluation sets it fetches once, at its
-    first evaluation."""
+    """One node's process: its model (loaded here by a `ModelRecipe`, or rebuilt from the spec and
+    loaded with the driver's `weights`) and what trains in it (`fine_tune`), its task on its device,
+    and the evaluation sets it fetches once, at its first evaluation."""
 
     label = "node"
 
-    def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec, weights: dict | None = None):
+    def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec,
+                 weights: dict | ModelRecipe | None = None):
         self.rank, self.cfg, self.spec = rank, cfg, spec
         self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
         self.fine_tune = fine_tune_for(spec)
-        self.model = self.fine_tune.wrap(build_architecture(spec)).to(self.device)
-        if weights is not None:
-            self.model.load_state_dict(weights)
+        if isinstance(weights, ModelRecipe):  # from model.path / the asset / the hub cache on this host
+            self.model = weights.load().to(self.device)
+        else:
+            self.model = self.fine_tune.wrap(build_architecture(spec)).to(self.device)
+            if weights is not None:
+                self.model.load_state_dict(weights)
         self.task = make_task(task, self.device)
         self.eval_sets: dict | None = None
         self.own_sets: dict = {}
@@ -122,6 +129,12 @@ class Node:
             self.eval_sets = ray.get(sets[0])
         chosen = {k: v for k, v in {**self.eval_sets, **self.own_sets}.items() if val or k != "val"}
         return score_sets(self.task, self._scratch, chosen, self.cfg.eval_rows)
+
+    def save_plain(self, payload, storage: Storage, rel: str) -> None:
+        """Plain weights from what the driver sent (the nodes' adapters: merged on this node's base),
+        saved at `rel` in `storage` by this node, which holds the base the driver does not."""
+        state = self.fine_tune.plain_state(payload, self.model)
+        storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in state.items()}))
 
     def hold_out(self, data, count: int) -> None:
         """With data.eval_on_nodes, keep this node's own held-out rows (read here) as its test set."""

@@ -9,6 +9,7 @@ adapters, and `raylowcomm.lora` (peft) is imported for LoRA runs only."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -18,7 +19,7 @@ from torch import nn
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ModelConfig
 from raylowcomm.core.averaging import StreamingAverage
-from raylowcomm.models import ModelSpec, build_architecture, load_base, state_dict_of
+from raylowcomm.models import ModelSpec, build_architecture, load_base, state_dict_of, weights_readable
 
 State = dict[str, torch.Tensor]
 
@@ -139,11 +140,36 @@ def fine_tune_for(spec: ModelSpec) -> FineTune:
     return LoraFineTune(spec)
 
 
-def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int) -> tuple[nn.Module, ModelSpec, object]:
+def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int,
+                    meta: bool = False) -> tuple[nn.Module, ModelSpec, object]:
     """(model, spec, tokenizer): the pretrained model as it trains. A new head is drawn from `seed`,
-    so it is the same on every node; with `cfg.lora` so are the adapters (base frozen)."""
-    model, spec, tokenizer = load_base(cfg, num_classes, seed)
+    so it is the same on every node; with `cfg.lora` so are the adapters (base frozen). `meta`: its
+    architecture on the meta device only (`models.load_base`): what the driver plans with."""
+    model, spec, tokenizer = load_base(cfg, num_classes, seed, meta=meta)
     return fine_tune_for(spec).wrap(model, seed), spec, tokenizer
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How a node loads the pretrained model itself, the data recipe's counterpart: the model
+    section, the number of classes and the seed. `load` is `load_pretrained` itself, so every node
+    (and a driver that loads) holds the same bits, new head and adapters included."""
+
+    cfg: ModelConfig
+    num_classes: int | None
+    seed: int
+
+    def load(self) -> nn.Module:
+        return load_pretrained(self.cfg, self.num_classes, self.seed)[0]
+
+    def readable(self) -> bool:
+        """Whether this host can load the weights (`models.weights_readable`)."""
+        return weights_readable(self.cfg)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether `model` holds no weights (the driver's plan of a model its nodes load)."""
+    return any(p.is_meta for p in model.parameters())
 
 
 def build_model(spec: ModelSpec) -> nn.Module:

@@ -12,6 +12,7 @@ what merging gives) names the same weights `<path>.weight`; `plain_key` maps one
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -76,9 +77,26 @@ def apply_lora(model: nn.Module, spec: ModelSpec, seed: int | None = None) -> nn
             wrapped = peft.get_peft_model(model, peft_config(spec.lora, spec.family, model))
     except ValueError as err:  # peft: no default for this architecture, or a name that matches nothing
         raise ConfigError("model.lora.target_modules", spec.lora.target_modules, str(err)) from None
+    _head_in_fp32(wrapped)
     if seed is not None:
         init_adapters(wrapped, seed)
     return wrapped
+
+
+def _head_in_fp32(model: nn.Module) -> None:
+    """On a bf16/fp16 base (model.dtype) what trains stays fp32: peft keeps the adapters fp32 and
+    casts their input itself (its autocast_adapter_dtype); the new head is made fp32 here and its
+    input cast to fp32 on the way in, so the logits and the loss are fp32 too."""
+    for module in model.modules():
+        if isinstance(module, peft.utils.ModulesToSaveWrapper):
+            head = module.modules_to_save[ADAPTER]
+            if any(p.dtype != torch.float32 for p in head.parameters()):
+                head.float()
+                head.register_forward_pre_hook(_to_fp32)
+
+
+def _to_fp32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
 
 def _lora_modules(model: nn.Module) -> list[tuple[str, LoraLayer]]:
@@ -312,6 +330,18 @@ def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str |
     return out
 
 
+def save_adapter(weights: State, model: nn.Module, out_dir: Path) -> Path:
+    """The adapter as peft writes it, from the adapters and head alone, on a copy of `model` whose
+    base is on the meta device (the driver of a run whose nodes loaded the weights): peft writes
+    the tensors that train, never the base."""
+    wrapped = copy.deepcopy(model)
+    wrapped.load_state_dict(weights, strict=False, assign=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(out_dir))
+    logger.info("saved the adapter to %s", out_dir)
+    return out_dir
+
+
 # --- the fine-tune ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -351,6 +381,8 @@ class LoraFineTune:
         DDP), and with model.merge the merged model (always the form of lo-fi's average, which is no
         longer one rank-r adapter)."""
         adapters = any(".lora_" in k for k in weights)
+        if adapters and any(p.is_meta for p in model.parameters()):  # the base is on the nodes (model.source)
+            return {"adapter_dir": str(save_adapter(weights, model, out_dir / "adapter"))}
         full = {**state_dict_of(model), **weights} if adapters else weights
         out = {}
         if adapters:

@@ -26,6 +26,11 @@ class ModelSpec:
     hf_config: object | None = None
     lora: LoraConfig | None = None
     """Train these LoRA adapters on the frozen architecture (`finetune.fine_tune_for` wraps it)."""
+    dtype: torch.dtype = torch.float32
+    """The weights' dtype (model.dtype); under LoRA the frozen base's only."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def model_source(cfg: ModelConfig) -> str:
@@ -140,11 +145,14 @@ def _check_fits(arch: str, num_classes: int | None, source: str, field: str, val
                                         f"{fix}")
 
 
-def load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
+def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool = False):
     """(model, spec, tokenizer): the pretrained architecture as loaded, a new head drawn from `seed`
-    (the same on every node); `finetune.load_pretrained` turns it into the model as it trains."""
+    (the same on every node); `finetune.load_pretrained` turns it into the model as it trains.
+    `meta`: the architecture on the meta device, from the config alone: names, shapes and dtypes
+    for the driver to plan with, no weight read or allocated."""
     check_model_files(cfg)
     torch.manual_seed(seed)
+    dtype = DTYPES[cfg.dtype]
     if cfg.family == "timm":
         import timm
 
@@ -157,10 +165,15 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
             if source is None:
                 raise ConfigError("model.path", None, f"pretrained '{arch}' needs local weights: set model.path to a "
                                                       "checkpoint file, or model.pretrained=false")
-        model = _timm_model(cfg, arch, num_classes, source)
-        return model, ModelSpec("timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora), None
+        if meta:
+            with torch.device("meta"):
+                model = timm.create_model(arch, pretrained=False, num_classes=num_classes)
+        else:
+            model = _timm_model(cfg, arch, num_classes, source)
+        spec = ModelSpec("timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora, dtype=dtype)
+        return model.to(dtype), spec, None
 
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     source = _resolve(cfg)
     if not Path(source).exists() and "/" not in source:
@@ -169,12 +182,31 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int):
     tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if cfg.family == "hf_classifier":
-        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_classes, dtype=torch.float32)
+    auto = AutoModelForSequenceClassification if cfg.family == "hf_classifier" else AutoModelForCausalLM
+    labels = {"num_labels": num_classes} if cfg.family == "hf_classifier" else {}
+    if meta:
+        with torch.device("meta"):
+            model = auto.from_config(AutoConfig.from_pretrained(source, **labels), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        model = auto.from_pretrained(source, dtype=dtype, **labels)
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model, ModelSpec(cfg.family, num_classes=num_classes, hf_config=model.config, lora=cfg.lora), tokenizer
+    spec = ModelSpec(cfg.family, num_classes=num_classes, hf_config=model.config, lora=cfg.lora, dtype=dtype)
+    return model, spec, tokenizer
+
+
+def weights_readable(cfg: ModelConfig) -> bool:
+    """Whether this host holds the weights `load_base` would read: model.path or a local folder,
+    a bundled asset already unpacked here, or a hub id in this host's hub cache (nodes stay off
+    the hub); timm without pretrained weights reads nothing."""
+    if cfg.path is not None or (cfg.name not in assets.ASSETS and Path(cfg.name).expanduser().exists()):
+        return Path(cfg.path or cfg.name).expanduser().exists()
+    if cfg.name in assets.ASSETS:
+        return assets.ASSETS[cfg.name].ready()
+    if cfg.family == "timm":
+        return not cfg.pretrained
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(cfg.name, "config.json"), str)
 
 
 def build_architecture(spec: ModelSpec) -> nn.Module:
@@ -188,8 +220,8 @@ def build_architecture(spec: ModelSpec) -> nn.Module:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         auto = AutoModelForSequenceClassification if spec.family == "hf_classifier" else AutoModelForCausalLM
-        model = auto.from_config(spec.hf_config, dtype=torch.float32)
-    return model
+        model = auto.from_config(spec.hf_config, dtype=spec.dtype)
+    return model.to(spec.dtype)
 
 
 def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,12 +19,12 @@ from raylowcomm.config.checks import check_seed
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.env import quiet_loaders, set_hub_defaults
 from raylowcomm.execution import check_placement, resolve_hosts
-from raylowcomm.finetune import load_pretrained
+from raylowcomm.finetune import ModelRecipe, load_pretrained
 from raylowcomm.models import image_preprocessing
 from raylowcomm.progress import LiveProgress, ProgressView
 from raylowcomm.runtime import init_ray
 from raylowcomm.storage import Storage
-from raylowcomm.strategies import STRATEGIES
+from raylowcomm.strategies import STRATEGIES, nodes_may_load
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.tensorboard import TensorBoardLog
 from raylowcomm.training import total_steps
@@ -39,14 +39,17 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     t0 = time.perf_counter()
     plan = describe_data(cfg)  # the data's columns, classes and task: bad input stops here, before the model loads
     t1 = time.perf_counter()
-    model, spec, tokenizer = load_pretrained(cfg.model, plan.num_classes, cfg.seed)
+    on_nodes = nodes_may_load(cfg)  # the driver plans with the architecture alone (on the meta device)
+    model, spec, tokenizer = load_pretrained(cfg.model, plan.num_classes, cfg.seed, meta=on_nodes)
+    recipe = ModelRecipe(cfg.model, plan.num_classes, cfg.seed) if on_nodes else None
     t2 = time.perf_counter()
     data = prepare_data(cfg, tokenizer, image_preprocessing(model), plan)
     timings.update(model_load_s=round(t2 - t1, 3), data_load_s=round(time.perf_counter() - t2 + t1 - t0, 3))
     sizes = data.train.sizes(cfg.nodes.count)  # None with node_files: the nodes know theirs
     if sizes:
         total_steps(cfg.optim, min(sizes))  # batch size vs shard size, checked now
-    ctx = RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume)
+    ctx = RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume,
+                     recipe=recipe)
     for name in cfg.strategies:
         STRATEGIES[name].check(ctx)  # options the loaded model or data cannot take
     out_dir.mkdir(parents=True, exist_ok=True)

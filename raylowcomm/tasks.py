@@ -64,7 +64,8 @@ class ImageClassification:
         return batch["labels"].to(self.device)
 
     def forward(self, model: nn.Module, batch) -> torch.Tensor:
-        return model(self.inputs(batch))
+        """Images in the weights' dtype (model.dtype), logits in fp32."""
+        return model(self.inputs(batch).to(next(model.parameters()).dtype)).float()
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         return F.cross_entropy(self.forward(model, batch), self.targets(batch))
@@ -131,7 +132,7 @@ class PromptClassification(ImageClassification):
         last = hidden[torch.arange(len(ids), device=hidden.device), mask.sum(1) - 1]
         head = model.get_output_embeddings()
         choices = batch["choice_ids"].to(self.device)
-        logits = torch.einsum("bh,bch->bc", last, head.weight[choices])
+        logits = torch.einsum("bh,bch->bc", last, head.weight[choices]).float()  # fp32 under a bf16 model.dtype
         return logits + head.bias[choices] if head.bias is not None else logits
 
 

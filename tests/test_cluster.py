@@ -102,6 +102,10 @@ def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
     assert sorted(nodes.values()) == sorted(cluster.addresses)
     used = {n["ray_node_id"] for n in record["nodes"]}
     assert used == set(nodes), f"actors ran on {used}, cluster nodes {nodes}"
+    # model.source auto asked the other host whether it can load the model (it draws it from the seed):
+    # the nodes loaded it themselves, only the recipe crossed
+    kinds = record["comm"]["by_kind"]
+    assert "setup/model_recipe" in kinds and "setup/initial_weights" not in kinds, sorted(kinds)
 
 
 def test_a_client_without_the_token_is_refused(make_cluster, tmp_path):

@@ -349,7 +349,7 @@ def test_node_local_files_never_reach_the_driver(ray_session, tmp_path, monkeypa
     assert len(bare) < 2048, f"the recipe without its tokenizer is {len(bare)} B"
     texts = [t for t, _ in decoded(ctx.data.eval_sets["test"], tokenizer, ctx.data.classes)]
     assert len(texts) == 30 and not any("nodeonly" in t for t in texts), "a training row in the driver's eval set"
-    setup_kinds = {"setup/initial_weights", "setup/eval_sets", "setup/data_recipe", "setup/control",
+    setup_kinds = {"setup/model_recipe", "setup/eval_sets", "setup/data_recipe", "setup/control",
                    "setup/shard_sizes"}
     for record in records:
         assert_ran(record, shift=False)

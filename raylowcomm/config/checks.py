@@ -95,10 +95,30 @@ def validate_lora(cfg: RunConfig) -> None:
         )
 
 
+FP32_UPDATES = ("lofi", "ddp", "interlocking")
+"""Strategies whose optimizer steps every weight it trains: those weights must be fp32."""
+
+
+def validate_dtype(cfg: RunConfig) -> None:
+    """model.dtype: bf16/fp16 weights under LoRA (the base is frozen; adapters and head stay fp32),
+    or for SPSA, which steps the weights by a shared rule on every replica alike. A gradient step
+    on bf16/fp16 weights loses updates below their resolution, and no fp32 master copy is kept."""
+    if cfg.model.dtype == "fp32" or cfg.model.lora is not None:
+        return
+    updating = [s for s in cfg.strategies if s in FP32_UPDATES]
+    if updating:
+        raise ConfigError("model.dtype", cfg.model.dtype,
+                          f"{', '.join(updating)} full fine-tuning updates every weight, which needs fp32 weights "
+                          "(steps smaller than a bf16/fp16 weight's resolution are lost): set model.lora to keep a "
+                          f"{cfg.model.dtype} base under fp32 adapters, or model.dtype: fp32 with "
+                          "optim.precision: bf16 for bf16 compute")
+
+
 def validate(cfg: RunConfig) -> None:
     """Fields every strategy shares; each strategy's `validate` checks its own options after. Your
     own data left unnamed is named after its source (data.name)."""
     validate_lora(cfg)
+    validate_dtype(cfg)
     _check_numbers(cfg)
     _check_data(cfg)
 

@@ -56,6 +56,15 @@ class ModelConfig:
     """Fine-tune LoRA adapters instead of every weight (None: full fine-tuning)."""
     merge: bool = False
     """With `lora`: save the merged model (adapters folded into the weights), not the adapter."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """The weights' own dtype (not optim.precision's autocast). With `lora`: the frozen base in it,
+    adapters and head fp32. Without: SPSA only (lo-fi, DDP and interlocking update every weight,
+    which needs fp32). See docs/models.md for what each combination keeps exact."""
+    source: Literal["auto", "nodes", "driver"] = "auto"
+    """Who loads the pretrained weights. nodes: each node from model.path / the asset / its hub
+    cache, only a recipe of a few KB crosses; driver: the driver loads them and sends them through
+    the object store; auto: nodes when every node can read the source and no strategy of the run
+    needs the weights on the driver (docs/models.md)."""
 
 
 @dataclass

@@ -39,7 +39,20 @@ def from_dict(raw: dict) -> RunConfig:
     for name in cfg.strategies:
         STRATEGIES[name].validate(cfg)
         check_hosts(cfg, name)
+    nodes_may_load(cfg)
     return cfg
+
+
+def nodes_may_load(cfg: RunConfig) -> bool:
+    """Whether the nodes may load the weights themselves (model.source nodes or auto): not where a
+    strategy of the run, or model.merge, needs them on the driver; model.source: nodes there is a
+    ConfigError. Whether every host can read them is asked later, once Ray runs (`RunContext`)."""
+    reasons = [r for name in cfg.strategies if (r := STRATEGIES[name].driver_weights(cfg))]
+    if cfg.model.merge:
+        reasons.append("model.merge merges the adapters into the base on the driver")
+    if cfg.model.source == "nodes" and reasons:
+        raise ConfigError("model.source", "nodes", f"{reasons[0]}: set model.source: auto (or driver)")
+    return cfg.model.source != "driver" and not reasons
 
 
 def check_hosts(cfg: RunConfig, name: str) -> None:

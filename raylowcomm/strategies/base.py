@@ -17,9 +17,9 @@ from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import RunConfig
 from raylowcomm.data import PreparedData
-from raylowcomm.execution import node_bundle
-from raylowcomm.finetune import FineTune, fine_tune_for
-from raylowcomm.models import ModelSpec
+from raylowcomm.execution import hosts_without, node_bundle
+from raylowcomm.finetune import FineTune, ModelRecipe, fine_tune_for, on_meta
+from raylowcomm.models import ModelSpec, state_dict_of
 from raylowcomm.progress import NoLiveProgress
 from raylowcomm.storage import Storage
 from raylowcomm.training import dedupe_shared
@@ -36,7 +36,9 @@ class RunContext:
     """Identical inputs for every strategy of a run: config, pretrained model, data."""
 
     cfg: RunConfig
-    model: nn.Module
+    architecture: nn.Module
+    """The model as it trains: with its weights, or (`recipe` given) on the meta device, its names,
+    shapes and dtypes only, the nodes loading the weights. Strategies plan with it; `model` has the weights."""
     spec: ModelSpec
     data: PreparedData
     out_dir: Path
@@ -52,8 +54,39 @@ class RunContext:
     """Where workers post their step and loss while they train (a progress.LiveProgress in a run,
     so the driver's view moves between calls): strategies hand `live.poster(k)` to worker k and
     call `live.expect(workers, steps)`; elsewhere (a sweep, tests) it gives no poster."""
+    recipe: ModelRecipe | None = None
+    """How the nodes load the model themselves (model.source); None: only the driver's weights."""
     fine_tune: FineTune = field(init=False)
     """What trains (every weight, or adapters), made once from `spec`: strategies ask it, not the model."""
+    source: str | None = field(init=False, default=None)
+    """Who loads the weights, "nodes" or "driver": decided at the first `initial_model`."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The model with its weights; where the driver held only its plan, they load here, now (a
+        caller that needs them on the driver: a test, a benchmark, a strategy's own check)."""
+        if on_meta(self.architecture) and self.recipe is not None:
+            logger.info("the driver loads the model's weights itself")
+            self.architecture = self.recipe.load()
+        return self.architecture
+
+    def initial_model(self) -> tuple[str, object]:
+        """What the nodes start from, with the ledger's name for it: the recipe by which they load the
+        weights themselves ("model_recipe", a few KB) or the driver's weights ("initial_weights")."""
+        if self.recipe is not None and self.nodes_load_weights():
+            return "model_recipe", self.recipe
+        return "initial_weights", state_dict_of(self.model)
+
+    def nodes_load_weights(self) -> bool:
+        """model.source: nodes, or auto where every host of the cluster can read the weights (asked
+        once, by a zero-CPU task on each host other than the driver's: `execution.hosts_without`)."""
+        if self.source is None:
+            missing = [] if self.cfg.model.source == "nodes" else hosts_without(self.recipe.readable)
+            self.source = "driver" if missing else "nodes"
+            if missing:
+                logger.info("model.source auto: %s cannot read the weights; the driver loads and sends them",
+                            ", ".join(missing))
+        return self.source == "nodes"
 
     def eval_sets(self, val: bool = True) -> dict[str, Split]:
         """The sets the driver holds: test, shift/<name>, and (unless `val` is False) val."""
@@ -131,6 +164,12 @@ class Strategy(ABC):
         """Raise ConfigError for option combinations this strategy cannot run."""
 
     @staticmethod
+    def driver_weights(cfg: RunConfig) -> str | None:
+        """Why this strategy needs the model's weights on the driver (model.source cannot be nodes),
+        or None: its nodes may load them themselves."""
+        return None
+
+    @staticmethod
     def check(ctx: RunContext) -> None:
         """Raise ConfigError for options the loaded model or data cannot take (e.g. a split into
         more stages than the model has blocks): `prepare` calls it before Ray or any actor starts."""
@@ -167,24 +206,26 @@ def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, chec
 
 
 def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int,
-                  samples: int, train_s: float, infos: list[dict], weights: dict, curve: list[dict] | None = None,
+                  samples: int, train_s: float, infos: list[dict], weights: dict | None,
+                  curve: list[dict] | None = None,
                   nodes: list[dict] | None = None, details: dict | None = None,
                   curve_wall_s: float | None = None, final_point: dict | None = None) -> RunRecord:
     """The end every strategy shares, once everything it needed has come back: the curve's last
     point is the final metrics with every byte sent (collecting the result included) at the
     training time (`curve_wall_s` where collecting counts too) with `final_point`'s entries (the
     strategy's own x-axes, such as SPSA's forwards), the weights are saved as
-    safetensors (and in the fine-tune's own forms: a LoRA adapter, OUT/<strategy>/adapter), and
-    peak memory is the largest of any actor's."""
+    safetensors (and in the fine-tune's own forms: a LoRA adapter, OUT/<strategy>/adapter; `weights`
+    None: a node saved them in storage already), and peak memory is the largest of any actor's."""
     wall_s = train_s if curve_wall_s is None else curve_wall_s
     curve = [*(curve or []), {**curve_point(step, wall_s, samples, ledger.total_bytes, metrics), **(final_point or {})}]
     details = details or {}
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name
     saving = time.perf_counter()
-    details.update(ctx.fine_tune.save_result(weights, ctx.model, ctx.out_dir / name, ctx.cfg.model.merge))
     rel = f"{name}/model.safetensors"
-    ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
+    if weights is not None:  # None: a node saved them there, where the base they need is
+        details.update(ctx.fine_tune.save_result(weights, ctx.architecture, ctx.out_dir / name, ctx.cfg.model.merge))
+        ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
     details.setdefault("phases_s", {})["save"] = round(time.perf_counter() - saving, 3)
     weights_path = ctx.storage.uri_of(rel)
     return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),

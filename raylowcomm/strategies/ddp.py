@@ -40,7 +40,7 @@ from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import TrainSource
 from raylowcomm.execution import node_bundle, pin_bundles, resolve_hosts
-from raylowcomm.models import ModelSpec, state_dict_of
+from raylowcomm.models import ModelSpec
 from raylowcomm.progress import ProgressPoster
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import (
@@ -75,7 +75,7 @@ class DdpLoop:
     spec: ModelSpec
     task: TaskSpec
     weights: ray.ObjectRef
-    """The initial weights, fetched by each worker."""
+    """The initial weights, or the `ModelRecipe` by which each worker loads them itself; fetched by each worker."""
     steps: int | None
     """None (data.node_files): the ranks agree on the smallest shard's."""
     storage: Storage
@@ -285,7 +285,8 @@ class _Rank:
         mine = {"rank": self.rank, "examples": examples, "allreduce_bytes": done["allreduce_bytes"],
                 "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size, "train_s": done["train_s"],
                 "resumed_from": self.start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None,
-                "entered_at": entered, "phases_s": self.watch.parts, "final_report_at": time.time()}
+                "entered_at": entered, "phases_s": self.watch.parts, "final_report_at": time.time(),
+                "final_hash": self.node.hash()}  # the replicas must agree: a reader compares them
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         metrics = {"workers": everyone, "gather_bytes": all_gather_nbytes(everyone, world),
@@ -383,10 +384,10 @@ class Ddp(Strategy):
         cfg, clock, ledger, n = ctx.cfg, TrainClock(), Ledger(), ctx.cfg.nodes.count
         backend = cfg.options["ddp"].backend.replace("auto", "nccl" if cfg.nodes.gpus > 0 else "gloo")
         ctx.fresh_state(self.name)
-        initial, sizes = state_dict_of(ctx.model), ctx.data.train.sizes(n)
+        (what, start), sizes = ctx.initial_model(), ctx.data.train.sizes(n)  # weights, or the recipe to load them
         steps = total_steps(cfg.optim, min(sizes)) if sizes else None  # None: node files, the workers agree on it
-        ledger.send("setup", "initial_weights", initial, copies=n)
-        ledger.send("setup", "ddp_initial_broadcast", initial, copies=n - 1)
+        ledger.send("setup", what, start, copies=n)
+        ledger.send("setup", "ddp_initial_broadcast", ctx.architecture.state_dict(), copies=n - 1)  # sizes only
         ledger.send("setup", "data_recipe", ctx.data.train, copies=n)  # how to read the data, not the data
         eval_sets = ctx.eval_sets(val=False)
         for split in eval_sets.values():  # rank 0 scores the curve and the final model
@@ -395,7 +396,7 @@ class Ddp(Strategy):
         ctx.live.expect(n, steps)
         earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
         trainer = self._trainer(ctx, backend, DdpLoop(
-            cfg=cfg, spec=ctx.spec, task=ctx.data.task, weights=ray.put(initial), steps=steps, storage=ctx.storage,
+            cfg=cfg, spec=ctx.spec, task=ctx.data.task, weights=ray.put(start), steps=steps, storage=ctx.storage,
             data=ctx.data.train, eval_sets=ray.put(eval_sets), progress=ctx.live.poster()))
         ctx.storage.delete(DATA_ERROR)  # a resumed run's earlier refusal
         before, fit_at = set(ray.util.placement_group_table()), time.time()

@@ -38,7 +38,6 @@ from raylowcomm.core.zo.perturb import mask_threshold, trainable_parameters
 from raylowcomm.core.zo.replay import Replica
 from raylowcomm.data import TrainSource
 from raylowcomm.execution import node_bundle
-from raylowcomm.models import state_dict_of
 from raylowcomm.runtime import wire_nbytes
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import (
@@ -231,7 +230,7 @@ class Spsa(Strategy):
         steps = opts.steps or (total_steps(cfg.optim, min(sizes)) if sizes else None)
         self.validate(cfg, steps)
         if opts.include:
-            trainable_parameters(ctx.model, opts.include)  # fails here, not in an actor, if nothing matches
+            trainable_parameters(ctx.architecture, opts.include)  # fails here, not in an actor, if nothing matches
         with NodeGroup(SpsaNode, cfg, Ledger(), bundles=self.bundles(cfg)) as group:  # joiners' slots too
             return SpsaRun(ctx, group, steps).run()
 
@@ -244,7 +243,7 @@ class SpsaRun:
         self.ledger, self.steps, self.codec = group.ledger, steps, self.opts.make_codec()
         self.slots = self.cfg.nodes.count + len(self.opts.join)
         self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0
-        self.weights_ref = None
+        self.weights_ref, self.start = None, None
         self.records, self.infos, self.verified, self.curve, self.samples, self.step0 = {}, {}, [], [], 0, {}
         self.forwards, self.node_forwards = 0, forwards_per_step(self.opts.estimator, self.opts.samples)
         self.per_step = {"payload": [], "wire": [], "control": [], "wall": []}
@@ -280,9 +279,10 @@ class SpsaRun:
         own shard (of `slots`) where it runs: only the recipe crosses."""
         initial = until is None or self.ctx.fine_tune.trainable_only()
         if initial:
-            if self.weights_ref is None:
-                self.weights_ref = ray.put(state_dict_of(self.ctx.model))
-            self.ledger.send(phase, "initial_weights", self.ctx.model.state_dict())
+            if self.weights_ref is None:  # the driver's weights, or the recipe the node loads them by
+                self.start = self.ctx.initial_model()
+                self.weights_ref = ray.put(self.start[1])
+            self.ledger.send(phase, *self.start)
         recipe = self.group.put(self.ctx.data.train, phase, "data_recipe")
         self.group.start(k, k, self.ctx.spec, self.ctx.data.task, recipe, self.slots, self.cfg, self.storage,
                          weights=self.weights_ref if initial else None, until=until)

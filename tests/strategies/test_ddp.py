@@ -39,7 +39,8 @@ def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
         curve[-1]["bytes"] == rec["comm"]["total_bytes"] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
     )
     assert all(a["wall_s"] < b["wall_s"] for a, b in zip(curve, curve[1:])) and curve[-1]["wall_s"] == rec["train_s"]
-    assert rec["comm"]["by_kind"]["setup/initial_weights"] == 2 * payload_nbytes(state_dict_of(ctx.model))
+    assert rec["comm"]["by_kind"]["setup/model_recipe"] == 2 * payload_nbytes(ctx.recipe)  # the nodes load it
+    assert rec["comm"]["by_kind"]["setup/ddp_initial_broadcast"] == payload_nbytes(state_dict_of(ctx.model))
     assert rec["comm"]["by_kind"]["setup/shard_sizes"] == all_gather_nbytes(
         [(w["examples"], None) for w in rec["nodes"]], 2
     )

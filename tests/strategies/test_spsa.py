@@ -141,7 +141,7 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     # all far below the ~250 B one ObjectRef would cost
     assert 2 * (samples + 4) + 2 * samples < det["wire_bytes_per_step"] < 64
     assert 0 < det["control_wire_bytes_per_step"] < 256, "step numbers and publisher lists, measured too"
-    assert by_kind["train/train_loss"] == 2 * 4 * steps and by_kind["setup/initial_weights"] > 0
+    assert by_kind["train/train_loss"] == 2 * 4 * steps and by_kind["setup/model_recipe"] > 0
     train_kinds = {k for k in by_kind if k.startswith("train/")}
     assert train_kinds == {
         "train/projected_grads",

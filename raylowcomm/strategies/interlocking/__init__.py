@@ -195,6 +195,10 @@ class Interlocking(Strategy):
                               "(model.lora: null)")
 
     @staticmethod
+    def driver_weights(cfg: RunConfig) -> str | None:
+        return "interlocking splits the model into its stages on the driver"
+
+    @staticmethod
     def check(ctx: RunContext) -> None:
         """The options against the loaded model and data: how many units (stem + blocks, or decoder
         layers) the model has and how many test rows time a measured split are known only now."""

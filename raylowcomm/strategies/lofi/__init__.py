@@ -101,6 +101,23 @@ class Lofi(Strategy):
         return [["  avg w/o BN recal", f"{bn[f'id_{metric}']:.4f}", shift]]
 
     @staticmethod
+    def driver_weights(cfg: RunConfig) -> str | None:
+        """What starts from, or merges into, weights the driver holds; one final average of adapters
+        is merged and saved on node 0, where the base is."""
+        o = cfg.options["lofi"]
+        if o.outer_optimizer != "none":
+            return "lofi.outer_optimizer steps the global model on the driver"
+        if rounds.uses_peers(o):
+            return "lo-fi peer rounds start from the driver's weights"
+        if cfg.model.lora is not None and o.average_every is not None:
+            return "lofi.average_every with model.lora merges each round's average into the base on the driver"
+        if cfg.model.lora is not None and cfg.eval_every:
+            return "eval_every with model.lora: lo-fi's curve merges snapshot averages into the base on the driver"
+        if cfg.model.lora is not None and cfg.model.family == "timm" and o.bn_recalibrate:
+            return "lofi.bn_recalibrate with model.lora recalibrates the merged average on the driver"
+        return None
+
+    @staticmethod
     def validate(cfg: RunConfig) -> None:
         o = cfg.options["lofi"]
         if o.average_every is not None and o.average_every <= 0:
@@ -127,7 +144,7 @@ class Lofi(Strategy):
 
     @staticmethod
     def check(ctx: RunContext) -> None:
-        streaming.check(ctx.cfg.options["lofi"], ctx.model)
+        streaming.check(ctx.cfg.options["lofi"], ctx.architecture)
 
     @staticmethod
     def _validate_exchange(cfg: RunConfig) -> None:
@@ -166,10 +183,11 @@ class Lofi(Strategy):
         cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
         clock, ledger = TrainClock(), Ledger()
         ctx.fresh_state(self.name)
-        initial, watch = state_dict_of(ctx.model), Stopwatch()
+        (what, start), watch = ctx.initial_model(), Stopwatch()
+        initial = start if what == "initial_weights" else None  # None: the nodes load the weights, not the driver
         with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts, bundles=self.bundles(cfg)) as group:
             with watch("start"):
-                weights_ref = group.put(initial, "setup", "initial_weights", copies=n)
+                weights_ref = group.put(start, "setup", what, copies=n)
                 group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
                 # how to read the data, not the data
                 recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
@@ -178,11 +196,12 @@ class Lofi(Strategy):
                                 ctx.live.poster(k))
                 group.ready()
             sizes = ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes")
-            plan = plan_rounds(cfg, opts, sizes, ctx.fine_tune.node_average(initial, ctx.model, opts.lora_average))
+            plan = plan_rounds(cfg, opts, sizes, ctx.fine_tune.node_average(initial, ctx.architecture,
+                                                                             opts.lora_average))
             ctx.live.expect(n, plan.steps)
             logger.info("[lofi] %d nodes x %d steps, averaging at steps %s", n, plan.steps,
                         plan.boundaries if plan.averaging else [plan.steps])
-            params = {k for k, _ in ctx.model.named_parameters()}
+            params = {k for k, _ in ctx.architecture.named_parameters()}
             outer = OuterNesterov(initial, params, opts.outer_lr, opts.outer_momentum) \
                 if opts.outer_optimizer == "nesterov" and not rounds.uses_peers(opts) else None  # peers: the nodes'
             if rounds.uses_peers(opts):
@@ -190,7 +209,7 @@ class Lofi(Strategy):
             else:
                 first = self._resume_round(ctx, group, outer, plan) if ctx.resume else 0
             with watch("train"):
-                trained = self._train(ctx, group, plan, outer, initial, first)
+                trained = self._train(ctx, group, plan, outer, start, first)
             return self._finish(ctx, group, plan, outer, trained, clock, watch)
 
     @staticmethod
@@ -224,7 +243,7 @@ class Lofi(Strategy):
         logger.info("[lofi] resuming after averaging round %d", done)
         return done
 
-    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial: dict, first: int = 0) -> dict:
+    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, outer, initial, first: int = 0) -> dict:
         """The rounds from round `first`: train to each boundary with no communication, average
         between rounds. Training time as DDP measures it: the nodes' own loop time (slowest node
         per round) plus the driver's averaging rounds; Ray call overhead is left out of both."""
@@ -291,7 +310,7 @@ class Lofi(Strategy):
             curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
                                          sum(ledger.bytes_by_kind.get(f"final/{what}", 0) for what in
                                              (plan.average.what, *COLLECTION_KINDS)))
-        if opts.bn_recalibrate and batchnorm_layers(ctx.model):
+        if opts.bn_recalibrate and batchnorm_layers(ctx.architecture):
             details["average_without_bn_recalibration"] = mean_metrics(self._score(group, plan, average, on_all, held))
             bn_clock = TrainClock()
             self._recalibrate_bn(group, average, opts.bn_batches, held)
@@ -302,6 +321,10 @@ class Lofi(Strategy):
         with watch("score_average"):
             per_node = self._score(group, plan, to_score, on_all, held)
         metrics = mean_metrics(per_node)
+        if average is None:  # the base is on the nodes: node 0 merges the average and saves it
+            ledger.record("final", "adapters_to_save", plan.average.sent(to_score)[1])  # as scoring books them
+            group.call("save_plain", ray.put(to_score), ctx.storage, f"{self.name}/model.safetensors",
+                       phase="final", keys=[0])
         if on_all:  # the test rows are the nodes': each scored the average on its own
             details["average_on_nodes"] = per_node
         details["collect_s"], details["phases_s"] = collect_s, watch.parts
@@ -351,9 +374,12 @@ class Lofi(Strategy):
         if opts.soup == "greedy":
             average, soup_kept = self._greedy_soup(group, metric, node_metrics)
             return average, average, soup_kept
-        # full weights: the average itself; adapters: the nodes', merged where they are scored
+        # full weights: the average itself; adapters: the nodes', merged where they are scored (and, where
+        # the driver holds no base, saved: None)
         to_score = gather_nodes(group, plan, "final")
-        return plan.average.combine(to_score), to_score, list(range(n))
+        merge_on_node = plan.average.what == "node_adapters" and ctx.nodes_load_weights()
+        average = None if merge_on_node else plan.average.combine(to_score)
+        return average, to_score, list(range(n))
 
     @staticmethod
     def _greedy_soup(group: NodeGroup, metric: str, node_metrics: list[dict]) -> tuple[dict, list[int]]:

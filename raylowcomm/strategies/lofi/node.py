@@ -23,9 +23,11 @@ class LofiNode(Node, PeerRounds):
 
     label = "lofi node"
 
-    def __init__(self, node: int, spec, task, weights: dict, data: TrainSource, cfg: RunConfig, storage: Storage,
+    def __init__(self, node: int, spec, task, weights, data: TrainSource, cfg: RunConfig, storage: Storage,
                  progress=None):
-        super().__init__(node, cfg, spec, task)
+        # weights: the initial state dict, or the recipe this node loads them by; a checkpoint may hold
+        # what trains only: the rest comes from them
+        super().__init__(node, cfg, spec, task, weights)
         self.progress = progress  # a progress.ProgressPoster where the driver watches live
         self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
         self.hold_out(data, cfg.nodes.count)
@@ -33,7 +35,6 @@ class LofiNode(Node, PeerRounds):
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
-        self.model.load_state_dict(weights)  # a checkpoint may hold what trains only: the rest comes from here
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
             meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
