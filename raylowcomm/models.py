@@ -105,13 +105,18 @@ def _resolve(cfg: ModelConfig) -> str:
     return cfg.name
 
 
+def _timm_field(cfg: ModelConfig) -> tuple[str, str, str]:
+    """(field, value, fix) of an error about a timm checkpoint that does not fit its architecture."""
+    field = "model.timm_arch" if cfg.timm_arch else "model.path" if cfg.path else "model.name"
+    return field, cfg.timm_arch or cfg.path or cfg.name, "set model.timm_arch to the checkpoint's architecture"
+
+
 def _timm_model(cfg: ModelConfig, arch: str, num_classes: int | None, source: str | None) -> nn.Module:
     """timm's `arch` with the checkpoint `source`'s weights (None: random); weights that do not fit
     it are an error naming the field, checked before timm loads them (see `_check_fits`)."""
     import timm
 
-    field = "model.timm_arch" if cfg.timm_arch else "model.path" if cfg.path else "model.name"
-    value, fix = cfg.timm_arch or cfg.path or cfg.name, "set model.timm_arch to the checkpoint's architecture"
+    field, value, fix = _timm_field(cfg)
     if source is None:
         return timm.create_model(arch, pretrained=False, num_classes=num_classes)
     _check_fits(arch, num_classes, source, field, value, fix)
@@ -165,7 +170,9 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
             if source is None:
                 raise ConfigError("model.path", None, f"pretrained '{arch}' needs local weights: set model.path to a "
                                                       "checkpoint file, or model.pretrained=false")
-        if meta:
+        if meta:  # the checkpoint's tensor names still checked here, before any node starts
+            if source is not None and Path(source).exists():
+                _check_fits(arch, num_classes, source, *_timm_field(cfg))
             with torch.device("meta"):
                 model = timm.create_model(arch, pretrained=False, num_classes=num_classes)
         else:
