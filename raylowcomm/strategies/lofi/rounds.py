@@ -218,7 +218,7 @@ class PeerRounds:
         if round_ > self.rounds:
             self._land(round_, fragment, self._average(round_, refs, weights, self.payload), 0.0, self.step)
 
-    def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int) -> None:
+    def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
         """`apply_round` overlapped (lofi.overlap): fetch and average in a thread and return at once;
         `train` lands it at the step the driver names."""
         if round_ > self.rounds:
