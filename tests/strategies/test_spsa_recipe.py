@@ -1,0 +1,96 @@
+"""The SmolLM2 SPSA example's recipe (python -m benchmarks.zo): it tunes exactly the final RMSNorm of a
+Llama-architecture causal LM, a step moves that tensor and nothing else, and the step equals a
+plain-torch reference of the two-point estimate through the prompt task's loss."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raylowcomm.core.zo.codec import codec_for
+from raylowcomm.core.zo.perturb import trainable_parameters
+from raylowcomm.core.zo.replay import Replica, SeedSchedule
+from raylowcomm.strategies import load_config
+from raylowcomm.tasks import PromptClassification
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "spsa_smollm2_rotten_tomatoes.yaml"
+torch.set_num_threads(1)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """SmolLM2's architecture at toy size: tied embeddings, RMSNorm, grouped-query attention."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def prompt_batch(seed: int = 1, rows: int = 8) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(rows, 10, dtype=torch.long)
+    mask[::2, 7:] = 0  # right padding on every other row
+    return {"input_ids": torch.randint(0, 64, (rows, 10), generator=g), "attention_mask": mask,
+            "choice_ids": torch.tensor([[5, 9]] * rows), "labels": torch.randint(0, 2, (rows,), generator=g)}
+
+
+def example_spsa():
+    return load_config(str(EXAMPLE), []).options["spsa"]
+
+
+def test_the_example_tunes_exactly_the_final_norm_of_a_llama():
+    names = [n for n, _ in trainable_parameters(tiny_llama(), example_spsa().include)]
+    assert names == ["model.norm.weight"]
+
+
+def test_a_step_of_the_recipe_is_the_reference_two_point_step_and_moves_nothing_else():
+    """One Replica step under the example's estimator, eps, lr and codec against plain torch: z from
+    the seed's generator (64 random bits per word, bit k of word i is element 64·i + k: +1 if set),
+    g = (L(θ+εz) − L(θ−εz))/2ε with the prompt task's loss, θ ← θ − lr·decode(encode(g))·z."""
+    o = example_spsa()
+    assert (o.estimator, o.step, o.samples, o.perturbation) == ("two_point", "plain", 1, "rademacher")
+    model, task, batch = tiny_llama(), PromptClassification(), prompt_batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seed = SeedSchedule(0).seed(0, 0, 0)
+    words = torch.empty(1, dtype=torch.int64).random_(-(1 << 63), None, generator=torch.Generator().manual_seed(seed))
+    bits = (words.view(torch.uint8).unsqueeze(1) >> torch.arange(8)) & 1
+    z = (bits.reshape(-1)[:32] * 2 - 1).float()
+    norm = model.model.norm.weight
+    theta = norm.detach().clone()
+    with torch.no_grad():
+        losses = []
+        for sign in (1, -1):
+            norm.copy_(theta + sign * o.eps * z)
+            losses.append(float(task.loss(model, batch)))
+        norm.copy_(theta)
+    codec = codec_for(o.codec, g_min=o.g_min, g_max=o.g_max)
+    g = codec.decode(codec.encode((losses[0] - losses[1]) / (2 * o.eps)))
+    expected = theta - o.lr * g * z
+
+    replica = Replica(model, 0, 0, codec, eps=o.eps, samples=1, lr=o.lr, include=o.include)
+    replica.compute(task.loss, batch)
+    replica.apply([0], b"")
+    assert g != 0
+    torch.testing.assert_close(norm.detach(), expected, rtol=0, atol=1e-6)
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert moved == ["model.norm.weight"]
+
+
+@pytest.mark.slow
+def test_the_benchmark_replica_is_bit_for_bit_a_one_node_run(ray_session, tmp_path):
+    """`python -m benchmarks.zo` runs a node's loop in-process (a third of the memory): its weights
+    and its curve must be those of `raylowcomm run` with one node, under both estimators."""
+    from benchmarks.zo import run_replica
+    from raylowcomm.runner import prepare
+    from raylowcomm.strategies.spsa import Spsa
+    from tests.strategies.test_spsa import tiny_config
+
+    for spsa in ({"samples": 1}, {"estimator": "one_sided_batch", "step": "normalised", "samples": 3, "lr": 1e-3}):
+        cfg = tiny_config(steps=6, count=1, eval_every=3, verify_every=100, **spsa)
+        rec = Spsa().run(prepare(cfg, tmp_path / "ray")).to_dict()
+        mine = run_replica(cfg, tmp_path / "in_process")
+        assert mine["hash"] == rec["nodes"][0]["final_hash"]
+        ray_curve = [{"step": 0, **rec["details"]["step0_metrics"]}] + rec["curve"]
+        assert [(p["step"], p["forwards"], p["accuracy"], p["loss"]) for p in mine["curve"]] == [
+            (p["step"], p.get("forwards", 0), p["id_accuracy"], p["id_loss"]) for p in ray_curve]
