@@ -3,7 +3,10 @@ and a file-free `ModelSpec` from which any actor rebuilds the same architecture.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from torch import nn
 
 from raylowcomm import assets
 from raylowcomm.config import ConfigError, LoraConfig, ModelConfig
+from raylowcomm.storage import Storage, storage_problem
 
 ASSET_TIMM_ARCH = {"efficientnet_lite0": "tf_efficientnet_lite0"}
 
@@ -44,6 +48,66 @@ HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index
 """Weight files `from_pretrained` loads from a folder (one file, or the index of a sharded set)."""
 
 
+MODEL_CACHE = Path(os.environ.get("RAYLOWCOMM_MODEL_CACHE", "~/.cache/raylowcomm/models")).expanduser()
+"""Where a host keeps the models it copied from a storage URI (model.path: s3://…, gs://…, file://…)."""
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+
+
+def is_uri(path: str | None) -> bool:
+    return path is not None and "://" in path
+
+
+def fetch_model(uri: str, weights: bool = True, field: str = "model.path") -> tuple[Path, set[str]]:
+    """A model at a storage URI copied into this host's cache (MODEL_CACHE/<hash of the URI>), file by
+    file, once (a file already there at its size is kept): (its local path, the names the URI's
+    folder holds). `weights=False` copies all but the weight files: what the driver plans with
+    (config, tokenizer). Storage reads, like the data's: outside the ledger, which counts what
+    crosses between the run's processes."""
+    from pyarrow import fs
+
+    problem = storage_problem(uri)
+    if problem is not None:
+        raise ConfigError(field, uri, problem)
+    storage = Storage(uri)
+    base = storage.path("")
+    info = storage.fs.get_file_info(base)
+    if info.type == fs.FileType.NotFound:
+        raise ConfigError(field, uri, "nothing is at this URI: point it at your model's folder or checkpoint")
+    local = MODEL_CACHE / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if info.type == fs.FileType.File:
+        files, root = [info], base.rsplit("/", 1)[0]
+    else:
+        files, root = [i for i in storage.fs.get_file_info(fs.FileSelector(base, recursive=True))
+                       if i.type == fs.FileType.File], base
+    names = {f.path[len(root):].lstrip("/") for f in files}
+    for f in files:
+        name = f.path[len(root):].lstrip("/")
+        if weights or not name.endswith(WEIGHT_SUFFIXES):
+            _copy(storage.fs, f, local / name)
+    return (local / next(iter(names)) if info.type == fs.FileType.File else local), names
+
+
+def _copy(filesystem, info, dest: Path) -> None:
+    """One file from `filesystem` to `dest`, written beside it and renamed, so that two nodes on one
+    host copying at once never see half a file."""
+    if dest.is_file() and dest.stat().st_size == info.size:
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    with filesystem.open_input_stream(info.path) as src, open(tmp, "wb") as out:
+        while chunk := src.read(1 << 24):
+            out.write(chunk)
+    tmp.replace(dest)
+
+
+def local_config(cfg: ModelConfig, weights: bool = True) -> ModelConfig:
+    """`cfg` with a storage-URI model.path replaced by this host's copy of it (`fetch_model`)."""
+    if not is_uri(cfg.path):
+        return cfg
+    return dataclasses.replace(cfg, path=str(fetch_model(cfg.path, weights or cfg.family == "timm")[0]))
+
+
 def check_model_files(cfg: ModelConfig) -> None:
     """A local model (model.path, or a folder as model.name) holds what its family loads (timm: one
     checkpoint file; Hugging Face: a folder with config.json, weights and a tokenizer), checked from
@@ -54,7 +118,11 @@ def check_model_files(cfg: ModelConfig) -> None:
     if cfg.path is None and not local:
         return  # a timm architecture, a bundled asset or a hub id: no local files to look at
     field, value = ("model.path", cfg.path) if cfg.path is not None else ("model.name", cfg.name)
-    path = Path(value).expanduser()
+    listed = None  # a storage URI: the names its folder holds (weights not copied here)
+    if is_uri(value):
+        path, listed = fetch_model(value, weights=cfg.family == "timm", field=field)
+    else:
+        path = Path(value).expanduser()
     if not path.exists():
         raise ConfigError(field, value, "no such file or folder; point it at your local weights or remove it")
     if cfg.family == "timm":
@@ -66,7 +134,7 @@ def check_model_files(cfg: ModelConfig) -> None:
     if not path.is_dir():
         raise ConfigError(field, value, "is a file; a Hugging Face model is a folder (config.json, weights, "
                                         "tokenizer): give the folder")
-    names = {p.name for p in path.iterdir()}
+    names = listed if listed is not None else {p.name for p in path.iterdir()}
     tokenizer = {"tokenizer.json", "vocab.txt", "vocab.json"} & names or {n for n in names if n.endswith(".model")}
     parts = {"config.json": "config.json" in names,
              "weights (model.safetensors or pytorch_model.bin)": set(HF_WEIGHTS) & names,
@@ -80,7 +148,7 @@ def check_model_files(cfg: ModelConfig) -> None:
     except (ValueError, OSError) as err:
         raise ConfigError(field, value, f"its config.json cannot be read ({type(err).__name__}: {err})") from None
     for name in HF_WEIGHTS[:2]:
-        if name in names:
+        if name in names and (path / name).exists():  # a URI's weights: checked where a node copies them
             _check_weights(field, value, path / name)
 
 
@@ -156,6 +224,7 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
     `meta`: the architecture on the meta device, from the config alone: names, shapes and dtypes
     for the driver to plan with, no weight read or allocated."""
     check_model_files(cfg)
+    cfg = local_config(cfg, weights=not meta)
     torch.manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     if cfg.family == "timm":
@@ -205,6 +274,14 @@ def weights_readable(cfg: ModelConfig) -> bool:
     """Whether this host holds the weights `load_base` would read: model.path or a local folder,
     a bundled asset already unpacked here, or a hub id in this host's hub cache (nodes stay off
     the hub); timm without pretrained weights reads nothing."""
+    if is_uri(cfg.path):
+        from pyarrow import fs
+
+        try:
+            storage = Storage(cfg.path)
+            return storage.fs.get_file_info(storage.path("")).type != fs.FileType.NotFound
+        except Exception:  # unreachable storage, no credentials, a scheme pyarrow lacks: not readable here
+            return False
     if cfg.path is not None or (cfg.name not in assets.ASSETS and Path(cfg.name).expanduser().exists()):
         return Path(cfg.path or cfg.name).expanduser().exists()
     if cfg.name in assets.ASSETS:

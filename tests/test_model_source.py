@@ -165,3 +165,26 @@ def test_ddp_lora_on_a_bf16_base_keeps_both_ranks_identical_over_20_steps(ray_se
     assert len(hashes) == 2 and len(set(hashes)) == 1
     assert hashes[0] != parameter_hash(list(ctx.model.named_parameters())), "the adapters trained"
     assert rec["comm"]["by_kind"]["setup/model_recipe"] == 2 * payload_nbytes(ctx.recipe)
+
+
+def test_a_model_at_a_storage_uri_is_copied_by_whoever_loads_it(tmp_path, monkeypatch):
+    """model.path as a storage URI: the driver copies config and tokenizer only (it plans on the meta
+    device), a node copies the weights too, once into its cache, and loads the same weights as the folder;
+    a URI holding nothing is a one-line error naming model.path."""
+    from raylowcomm import models
+
+    folder = tmp_path / "minilm"
+    models.load_base(models.ModelConfig(**MINILM), 2, 0)[0].save_pretrained(folder)
+    models.load_base(models.ModelConfig(**MINILM), 2, 0)[2].save_pretrained(folder)
+    monkeypatch.setattr(models, "MODEL_CACHE", tmp_path / "cache")
+    uri = f"file://{folder}"
+    cfg = models.ModelConfig(family="hf_classifier", path=uri)
+    meta, _, _ = models.load_base(cfg, 2, 0, meta=True)
+    copied = {p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    assert on_meta(meta) and "config.json" in copied and not {n for n in copied if n.endswith(".safetensors")}
+    assert models.weights_readable(cfg) and not models.weights_readable(models.ModelConfig(path=f"{uri}-gone"))
+    model, _, _ = models.load_base(cfg, 2, 0)
+    local, _, _ = models.load_base(models.ModelConfig(family="hf_classifier", path=str(folder)), 2, 0)
+    assert parameter_hash(list(model.named_parameters())) == parameter_hash(list(local.named_parameters()))
+    with pytest.raises(ConfigError, match="model.path.*nothing is at this URI"):
+        models.load_base(models.ModelConfig(family="hf_classifier", path=f"{uri}-gone"), 2, 0)

@@ -57,7 +57,7 @@ def kind_mismatch(data: DataConfig, family: str, kind: str, columns: dict[str, s
 def _check_locations(cfg: RunConfig) -> None:
     """model.path exists (what it holds: models.check_model_files) and `storage` is a place
     pyarrow.fs opens: an error naming the field now, not a traceback on a node later."""
-    if cfg.model.path is not None and not Path(cfg.model.path).exists():
+    if cfg.model.path is not None and "://" not in cfg.model.path and not Path(cfg.model.path).exists():
         raise ConfigError(
             "model.path", cfg.model.path, "no such file or folder; point it at your local weights or remove it"
         )

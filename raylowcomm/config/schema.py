@@ -46,7 +46,8 @@ class ModelConfig:
     head; hf_causal_lm: a causal LM, for language modelling or for classification by prompt
     (data.template, data.label_words)."""
     path: str | None = None
-    """Your own weights: a timm checkpoint file or a Hugging Face folder. Overrides the asset."""
+    """Your own weights: a timm checkpoint file or a Hugging Face folder, a local or mounted path or a
+    storage URI (s3://, gs://, file://…: each host copies it once into its cache). Overrides the asset."""
     pretrained: bool = True
     """Start from the pretrained weights; false: a random initialisation of the architecture (e.g. a
     timm resnet10t, for which no pretrained weights ship offline)."""
