@@ -157,8 +157,12 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
 
 
 @pytest.mark.slow
-def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(ray_session, tmp_path):
-    cfg = tiny_config(average_every=8, compress="int4", outer_optimizer="nesterov", bn_recalibrate=False)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(ray_session, tmp_path,
+                                                                                        fragments):
+    """Whole rounds, or two fragments (Streaming DiLoCo): residuals, momentum and global model, per fragment."""
+    cfg = tiny_config(average_every=8, compress="int4", outer_optimizer="nesterov", bn_recalibrate=False,
+                      fragments=fragments)
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
     killer = threading.Thread(target=_kill_a_node_after_the_first_round, args=(tmp_path / "killed" / "state", killed))
@@ -167,7 +171,7 @@ def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrup
     killer.join()
     assert killed, "no node was killed"
     restored = [t for n in rec["nodes"] for t in n["train"] if t["restored_from"] is not None]
-    assert restored and restored[0]["restored_from"] >= 8, "the node did not resume past the first round"
+    assert restored and restored[0]["restored_from"] >= 8 // fragments, "the node did not resume past the first round"
     a, b = load_file(clean["weights"]), load_file(rec["weights"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     for x, y in zip(round_files(tmp_path / "clean" / "state"), round_files(tmp_path / "killed" / "state")):
