@@ -51,6 +51,16 @@ def mse(model, batch):
     return nn.functional.mse_loss(model(x), y)
 
 
+def convex_problem():
+    """A linear model at zero and a noiseless linear target: (model, batch, its trainable parameters)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 10, generator=g)
+    batch = (x, x @ torch.randn(10, 1, generator=g))
+    model = nn.Linear(10, 1)
+    nn.init.zeros_(model.weight), nn.init.zeros_(model.bias)
+    return model, batch, trainable_parameters(model)
+
+
 def batch_for(dtype=torch.float32, n=16, seed=2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 5, generator=g, dtype=dtype), torch.randn(n, 1, generator=g, dtype=dtype)
@@ -400,12 +410,7 @@ def test_replay_order_is_independent_of_arrival_order_and_duplicates_are_refused
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("codec_name", ["log", "float32"])
 def test_spsa_reduces_loss_on_a_convex_problem(kind, codec_name):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 10, generator=g)
-    batch = (x, x @ torch.randn(10, 1, generator=g))
-    model = nn.Linear(10, 1)
-    nn.init.zeros_(model.weight), nn.init.zeros_(model.bias)
-    params = trainable_parameters(model)
+    model, batch, params = convex_problem()
     schedule, codec = SeedSchedule(3), codec_for(codec_name)
     with torch.no_grad():
         start = float(mse(model, batch))

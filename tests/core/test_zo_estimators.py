@@ -33,6 +33,7 @@ from raylowcomm.core.zo.perturb import (
     trainable_parameters,
 )
 from raylowcomm.core.zo.replay import ReplayLog, Replica, SeedSchedule, parameter_hash, step_seeds
+from tests.core.test_zo import convex_problem, mse
 
 torch.set_num_threads(1)
 
@@ -40,11 +41,6 @@ torch.set_num_threads(1)
 def linear(seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
     return nn.Linear(6, 1).to(dtype)
-
-
-def mse(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 
 
 def data(n=32, seed=2, dtype=torch.float64):
@@ -237,12 +233,7 @@ def test_replicas_stay_identical_over_20_steps_with_a_leave_and_a_join_and_repla
 
 
 def test_one_sided_batch_with_the_normalised_step_reduces_loss_on_a_convex_problem():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 10, generator=g)
-    batch = (x, x @ torch.randn(10, 1, generator=g))
-    model = nn.Linear(10, 1)
-    nn.init.zeros_(model.weight), nn.init.zeros_(model.bias)
-    params = trainable_parameters(model)
+    model, batch, params = convex_problem()
     schedule, codec = SeedSchedule(3), codec_for("log")
     with torch.no_grad():
         start = float(mse(model, batch))
