@@ -65,10 +65,25 @@ class FineTune(Protocol):
 
     def plain_state(self, payload: object, model: nn.Module) -> State:
         """Plain weights to score from what the driver sent (a `NodeAverage`'s output), put together on
-        this node's `model` where the payload needs its base."""
+        this node's `model` where the payload needs its base; None, where rounds merge (`merges_rounds`):
+        `model`'s own, which after the final round is the average."""
 
     def plain_names(self, state: State) -> State:
         """Tensors of the model as it trains, under the plain architecture's names."""
+
+    merges_rounds: bool
+    """Whether an averaging round's result is merged into frozen weights, restarting what trains (LoRA),
+    instead of being loaded as what trains: peer rounds then decode each node's payload (`merge_nodes`)."""
+
+    def sync_unit(self, name: str) -> str:
+        """The group a tensor syncs with in a fragment of a round (lofi.fragments): its module, or for an
+        adapter factor its adapted layer, so that B and A land together."""
+
+    def merge_nodes(self, model: nn.Module, node_states: list[State], weights: list[float], how: str,
+                    seed: int) -> list[str]:
+        """A peer round's landing, where `merges_rounds`: the nodes' states of some tensors (decoded from
+        their payloads) averaged into `model` (`how`: lofi.lora_average), what the merge consumed restarted
+        from `seed`; returns the names restarted."""
 
     def node_average(self, base: State, model: nn.Module, how: str) -> NodeAverage:
         """lo-fi's average of the nodes' states, which all started from `model`'s weights `base`;
@@ -122,6 +137,11 @@ class FullWeights:
 
     def plain_names(self, state: State) -> State:
         return state
+
+    merges_rounds = False  # a round's average is the new weights (no `merge_nodes`)
+
+    def sync_unit(self, name: str) -> str:
+        return name.rsplit(".", 1)[0]
 
     def node_average(self, base: State, model: nn.Module, how: str) -> WeightAverage:
         return WeightAverage()

@@ -103,18 +103,20 @@ def _lora_modules(model: nn.Module) -> list[tuple[str, LoraLayer]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
-def init_adapters(model: nn.Module, seed: int) -> None:
+def init_adapters(model: nn.Module, seed: int, only: set[str] | None = None) -> None:
     """Adapters as at a fresh start, from `seed` alone: A Kaiming-uniform (peft's init) drawn from a
     private CPU generator in module order, so it depends on neither the global RNG nor the device;
-    B zero, so the adapted model computes exactly what its base does."""
+    B zero, so the adapted model computes exactly what its base does. `only`: the layers (module
+    names) to restart; every layer's A is still drawn, so a layer's draw does not depend on which."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, layer in _lora_modules(model):
+        for name, layer in _lora_modules(model):
             a = layer.lora_A[ADAPTER].weight
             fresh = torch.empty(a.shape, dtype=a.dtype)
             nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)
-            a.copy_(fresh)
-            layer.lora_B[ADAPTER].weight.zero_()
+            if only is None or name in only:
+                a.copy_(fresh)
+                layer.lora_B[ADAPTER].weight.zero_()
 
 
 # --- what a node has and sends -----------------------------------------------------------------
@@ -296,6 +298,31 @@ def merge_and_reset(model: nn.Module, merged_state: State, seed: int) -> None:
     init_adapters(model, seed)
 
 
+def merge_nodes(model: nn.Module, node_states: Sequence[State], weights: Sequence[float], how: str = "delta",
+                seed: int = 0) -> list[str]:
+    """A peer round landing on a node: the nodes' adapters and head (`node_states`, all or one fragment's
+    tensors) averaged as `average_delta` does, in place: each adapted layer's frozen weight += Σ_k
+    w_k·scale·B_k·A_k (float64, rounded once to its dtype), the head and other trainables their mean;
+    then those layers' adapters restart from `seed`. `how` factors: the factors' mean merged instead.
+    Every node that merges the same states in the same order gets the same bits. Returns the factor
+    names restarted (their optimizer state and error-feedback residual no longer fit)."""
+    if how == "factors":
+        node_states, weights = [average_factors(node_states, weights)], None
+    w = _normalised(weights, len(node_states))
+    layers = [layer for layer in lora_layers(model) if layer.a in node_states[0]]
+    factors = {key for layer in layers for key in (layer.a, layer.b)}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key in sorted(node_states[0].keys() - factors):
+            params[key].copy_(sum(wk * s[key].double() for wk, s in zip(w, node_states)))
+        for layer in layers:
+            base = params[layer.base]
+            delta = sum(wk * layer.delta(s) for wk, s in zip(w, node_states))
+            base.copy_((base.double() + delta.to(base.device)).to(base.dtype))
+    init_adapters(model, seed, only={layer.a.rsplit(".lora_A.", 1)[0] for layer in layers})
+    return sorted(factors)
+
+
 # --- saving ------------------------------------------------------------------------------------
 
 def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str | Path, merge: bool) -> Path:
@@ -366,12 +393,25 @@ class LoraFineTune:
         merge_and_reset(model, state, seed)
         return True
 
-    def plain_state(self, payload: NodeAdapters | State, model: nn.Module) -> State:
-        """The nodes' adapters merged on this node's base, or a merged model as it came."""
+    def plain_state(self, payload: NodeAdapters | State | None, model: nn.Module) -> State:
+        """The nodes' adapters merged on this node's base, a merged model as it came, or (None) this
+        node's own model merged."""
+        if payload is None:
+            return average_delta(state_dict_of(model), [trainable_state(model)], lora_layers(model))
         return payload.merged_on(model) if isinstance(payload, NodeAdapters) else payload
 
     def plain_names(self, state: State) -> State:
         return {plain_key(k): v for k, v in state.items()}
+
+    merges_rounds = True
+
+    def sync_unit(self, name: str) -> str:
+        """An adapter factor's adapted layer; any other tensor's module."""
+        return name.rsplit(".lora_", 1)[0] if ".lora_" in name else name.rsplit(".", 1)[0]
+
+    def merge_nodes(self, model: nn.Module, node_states: list[State], weights: list[float], how: str,
+                    seed: int) -> list[str]:
+        return merge_nodes(model, node_states, weights, how, seed)
 
     def node_average(self, base: State, model: nn.Module, how: str) -> AdapterAverage:
         return AdapterAverage(base, lora_layers(model), how)

@@ -41,7 +41,10 @@ def test_defaults_and_overrides(tmp_path):
         ({"lofi": {"compress": "int4", "compress_block": 65537}}, "lofi.compress_block"),  # padding on every node
         ({"lofi": {"compress": "int4", "soup": "greedy"}, "data": {"val_size": 50}}, "lofi.compress"),
         ({"lofi": {"exchange": "peers", "soup": "greedy"}, "data": {"val_size": 50}}, "lofi.exchange"),
-        ({"lofi": {"compress": "int4"}, "model": {"lora": {"r": 4}}}, "lofi.compress"),  # peer rounds: full weights
+        (
+            {"lofi": {"compress": "int4", "average_every": 8, "overlap": 1, "mix": 0.5}, "model": {"lora": {"r": 4}}},
+            "lofi.mix",
+        ),  # a landed LoRA round restarts the adapters: nothing of the node's own is left to mix
         ({"model": {"path": "/no/such/weights"}}, "model.path"),
     ],
 )

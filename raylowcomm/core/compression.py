@@ -337,6 +337,12 @@ class ErrorFeedback:
             self.residual[name] = (x - self.codec.unpack(payload[name], spec)).view(spec.shape)
         return payload
 
+    def forget(self, names) -> None:
+        """Drop the residuals of `names`: tensors restarted from scratch (LoRA factors after a merge), whose
+        old residual would be noise in the new factors."""
+        for name in names:
+            self.residual.pop(name, None)
+
     def state_dict(self) -> dict[str, Tensor]:
         """Plain name → float64 tensor, ready for safetensors."""
         return {name: r.clone() for name, r in self.residual.items()}

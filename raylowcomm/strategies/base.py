@@ -79,7 +79,10 @@ class RunContext:
 
     def nodes_load_weights(self) -> bool:
         """model.source: nodes, or auto where every host of the cluster can read the weights (asked
-        once, by a zero-CPU task on each host other than the driver's: `execution.hosts_without`)."""
+        once, by a zero-CPU task on each host other than the driver's: `execution.hosts_without`). No
+        recipe: the strategy needs the driver's weights (`Strategy.driver_weights`)."""
+        if self.recipe is None:
+            return False
         if self.source is None:
             missing = [] if self.cfg.model.source == "nodes" else hosts_without(self.recipe.readable)
             self.source = "driver" if missing else "nodes"

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from raylowcomm.actors import ActorDied
 from raylowcomm.common.ledger import payload_nbytes
+from raylowcomm.config import LoraConfig
 from raylowcomm.core.compression import layout_of, make_codec
+from raylowcomm.lora import trainable_state
 from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.lofi import rounds
 from raylowcomm.strategies.lofi.rounds import PeerRounds, floats
@@ -116,6 +118,52 @@ def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_toler
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
 
 
+BN_STATISTICS = (".running_mean", ".running_var", ".num_batches_tracked")
+
+
+def lora_config(**lofi):
+    cfg = tiny_config(average_every=8, bn_recalibrate=False, **lofi)
+    cfg.model.lora = LoraConfig(r=4, alpha=8)
+    return cfg
+
+
+def test_lora_peer_rounds_send_adapters_and_merge_what_the_drivers_rounds_merge(ray_session, tmp_path):
+    """With adapters, uncompressed peer rounds exchange the adapters' and head's Δ only; every node decodes
+    each peer's, merges the exact average scale·Σ_k w_k·B_k·A_k into its base and restarts its adapters, as
+    the driver's rounds do: the two runs' weights agree to float32 rounding (Δ is rounded on the node). The
+    driver holds no base, so node 0 saves the result; BatchNorm statistics (not averaged without
+    recalibration) are each run's own and left out."""
+    _, star = run_lofi(lora_config(), tmp_path / "star")
+    ctx, peers = run_lofi(lora_config(exchange="peers"), tmp_path / "peers")
+    assert star["details"]["exchange"] == "driver" and peers["details"]["exchange"] == "peers"
+    kinds = peers["comm"]["by_kind"]
+    adapters = make_codec("none").payload_nbytes(layout_of(trainable_state(ctx.model)))
+    assert kinds["train/outer_gradients"] == 3 * 2 * adapters
+    assert adapters < payload_nbytes(state_dict_of(ctx.model)) / 5
+    assert {k for k in kinds if k.startswith("train/")} <= ROUND_KINDS
+    assert "final/global_model" not in kinds and peers["details"]["driver_fetched"]["train"]["tensors"] == 0
+    a, b = load_file(star["weights"]), load_file(peers["weights"])
+    assert a.keys() == b.keys() and not any(".lora_" in k for k in b)
+    for name in a:
+        if not name.endswith(BN_STATISTICS):
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-4)
+    assert any(not torch.equal(a[k], b[k]) for k in a if not k.endswith(BN_STATISTICS))
+
+
+def test_compressed_lora_rounds_in_fragments_leave_the_nodes_identical_and_drop_restarted_residuals(ray_session,
+                                                                                                   tmp_path):
+    """int4, two fragments, a step of overlap: each fragment's layers merge and restart alone (a layer's B
+    and A in one fragment), the nodes' global models and bases hash equal every round (the run checks),
+    and what a merge restarted keeps no residual: after the final round only the head's is left."""
+    ctx, rec = run_lofi(lora_config(compress="int4", fragments=2, overlap=1), tmp_path)
+    assert rec["details"]["exchange"] == "peers" and rec["comm"]["by_kind"]["train/verify_hash"] > 0
+    files = round_files(tmp_path / "state")
+    assert all(torch.equal(files[0][k], files[1][k]) for k in files[0] if k.startswith("global."))
+    residuals = {k for k in files[0] if k.startswith("residual.")}
+    assert residuals and not any(".lora_" in k for k in residuals)
+    assert math.isfinite(rec["metrics"]["id_loss"])
+
+
 def test_a_payload_lost_with_its_node_mid_exchange_names_the_node_and_the_round(monkeypatch):
     """A node restarted between send_delta and apply_round holds no payload; a peer finds the payload's owner
     dead. Either way the round ends with ActorDied naming the node and the round, not a TypeError."""
@@ -157,12 +205,14 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize("fragments, adapters", [(1, False), (2, False), (2, True)])
 def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(ray_session, tmp_path,
-                                                                                        fragments):
-    """Whole rounds, or two fragments (Streaming DiLoCo): residuals, momentum and global model, per fragment."""
-    cfg = tiny_config(average_every=8, compress="int4", outer_optimizer="nesterov", bn_recalibrate=False,
-                      fragments=fragments)
+                                                                                        fragments, adapters):
+    """Whole rounds, or two fragments (Streaming DiLoCo): residuals, momentum and global model, per fragment;
+    with LoRA adapters also the base each round merged into."""
+    cfg = tiny_config(average_every=8, compress="int4", bn_recalibrate=False, fragments=fragments,
+                      **({} if adapters else {"outer_optimizer": "nesterov"}))
+    cfg.model.lora = LoraConfig(r=4, alpha=8) if adapters else None
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
     killer = threading.Thread(target=_kill_a_node_after_the_first_round, args=(tmp_path / "killed" / "state", killed))

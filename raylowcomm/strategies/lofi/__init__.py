@@ -107,13 +107,14 @@ class Lofi(Strategy):
         o = cfg.options["lofi"]
         if o.outer_optimizer != "none":
             return "lofi.outer_optimizer steps the global model on the driver"
-        if rounds.uses_peers(o):
-            return "lo-fi peer rounds start from the driver's weights"
-        if cfg.model.lora is not None and o.average_every is not None:
+        peers = rounds.uses_peers(o)
+        if peers and cfg.model.lora is None:
+            return "lo-fi peer rounds' final average is decoded on the driver from the pretrained weights"
+        if cfg.model.lora is not None and o.average_every is not None and not peers:
             return "lofi.average_every with model.lora merges each round's average into the base on the driver"
         if cfg.model.lora is not None and cfg.eval_every:
             return "eval_every with model.lora: lo-fi's curve merges snapshot averages into the base on the driver"
-        if cfg.model.lora is not None and cfg.model.family == "timm" and o.bn_recalibrate:
+        if cfg.model.lora is not None and cfg.model.family == "timm" and o.bn_recalibrate and not peers:
             return "lofi.bn_recalibrate with model.lora recalibrates the merged average on the driver"
         return None
 
@@ -164,9 +165,9 @@ class Lofi(Strategy):
             return
         field = "lofi.compress" if o.compress != "none" else "lofi.exchange"
         value = o.compress if o.compress != "none" else o.exchange
-        if cfg.model.lora is not None:
-            raise ConfigError(field, value, "peer rounds are not offered with model.lora yet: "
-                                            "set lofi.compress: none and lofi.exchange: driver (or auto)")
+        if cfg.model.lora is not None and o.overlap and o.mix:
+            raise ConfigError("lofi.mix", o.mix, "with model.lora a landed round restarts the adapters it merged, "
+                                                 "which leaves nothing of the node's own to mix: set lofi.mix: 0")
         if o.soup == "greedy":
             raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
 
@@ -321,7 +322,9 @@ class Lofi(Strategy):
         with watch("score_average"):
             per_node = self._score(group, plan, to_score, on_all, held)
         metrics = mean_metrics(per_node)
-        if average is None:  # the base is on the nodes: node 0 merges the average and saves it
+        if average is None and held:  # node 0 saves the average it holds (the merged base, under LoRA)
+            group.call("save_plain", None, ctx.storage, f"{self.name}/model.safetensors", phase="final", keys=[0])
+        elif average is None:  # the base is on the nodes: node 0 merges the average and saves it
             ledger.record("final", "adapters_to_save", plan.average.sent(to_score)[1])  # as scoring books them
             group.call("save_plain", ray.put(to_score), ctx.storage, f"{self.name}/model.safetensors",
                        phase="final", keys=[0])
@@ -356,7 +359,8 @@ class Lofi(Strategy):
         n = len(group)
         ref = None if held else group.put(average, "final", "averaged_weights_for_bn", copies=n)
         combined = combine_bn_statistics(group.call("bn_statistics", ref, batches, phase="final", what="bn_statistics"))
-        average.update(combined)
+        if average is not None:
+            average.update(combined)
         if held:
             group.call("load_bn_statistics", group.put(combined, "final", "combined_bn_statistics", copies=n))
 
@@ -364,8 +368,13 @@ class Lofi(Strategy):
                  node_metrics: list[dict]) -> tuple[dict, object, list[int]]:
         """The final average, what is sent to be scored of it, and the nodes in it. Peer rounds: one more
         round, the nodes' compressed Δ on the last global model (with the outer step there, if any),
-        which leaves the average on every node and the driver (`rounds.final_round`)."""
+        which leaves the average on every node and the driver (`rounds.final_round`); where rounds merge
+        (LoRA), on the nodes only, in the base the driver does not hold (None: node 0 saves it)."""
         opts, n = ctx.cfg.options["lofi"], len(group)
+        if rounds.uses_peers(opts) and ctx.fine_tune.merges_rounds:  # the base that moved is on the nodes only
+            rounds.exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0},
+                                  "final")
+            return None, None, list(range(n))
         if rounds.uses_peers(opts):
             order = [k for k, _ in ctx.model.named_parameters()]
             start, outer = rounds.load_global(ctx.storage, group.ledger, state_dict_of(ctx.model), set(order), opts)

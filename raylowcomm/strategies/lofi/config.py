@@ -39,7 +39,8 @@ class LofiConfig:
     (a star); peers: each node puts its outer gradient Δ = θ_global − θ_k (encoded by `compress`) in the
     object store, every node fetches its peers' and averages them itself, bit-identical (hash-checked),
     and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
-    driver (as before). Not with model.lora or soup: greedy."""
+    driver (as before). With model.lora the adapters' and head's Δ cross and every node merges the exact
+    average into its own base. Not with soup: greedy."""
     compress: Literal["none", "int8", "int4", "topk"] = "none"
     """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
     absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, 2-byte indices)."""
@@ -56,4 +57,5 @@ class LofiConfig:
     overlap: int = 0
     """Peer rounds: steps a node trains on while a round is in flight (at most average_every/fragments)."""
     mix: float = 0.0
-    """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones."""
+    """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
+    (0 with model.lora)."""

@@ -35,13 +35,15 @@ class LofiNode(Node, PeerRounds):
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
+        # peer rounds: what every node sends, as it starts (a copy: restoring a checkpoint overwrites it)
+        start = {k: v.clone() for k, v in self.weights().items()} if uses_peers(cfg.options["lofi"]) else None
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
             meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-        if uses_peers(cfg.options["lofi"]):
-            self.init_rounds(weights)
+        if start is not None:
+            self.init_rounds(start)
 
     def _save(self, step: int) -> None:
         """Model and optimizer; under LoRA the adapters and head only until an average is merged
@@ -112,8 +114,12 @@ class LofiNode(Node, PeerRounds):
         return {k: v.cpu() for k, v in stats.items()}, count  # nothing device-resident goes to the driver
 
     def load_bn_statistics(self, stats: dict) -> None:
-        """The combined BatchNorm statistics, into the model this node holds (it is scored next)."""
-        self.model.load_state_dict(stats, strict=False)
+        """The combined BatchNorm statistics (plain names), into the model this node holds (it is scored next)."""
+        names = self.fine_tune.plain_names({k: k for k in self.model.state_dict()})  # plain name -> the model's
+        missing = stats.keys() - names.keys()
+        if missing:
+            raise KeyError(f"BatchNorm statistics for tensors this model lacks: {sorted(missing)[:3]}")
+        self.model.load_state_dict({names[k]: v for k, v in stats.items()}, strict=False)
 
     def examples(self) -> int:
         return num_examples(self.shard)

@@ -42,6 +42,7 @@ import torch
 
 from raylowcomm.actors import ActorDied, ReplicaMismatch, check_replicas, count_tensors
 from raylowcomm.common.ledger import Ledger, payload_nbytes
+from raylowcomm.common.seeding import epoch_seed
 from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
 from raylowcomm.core.zo.replay import parameter_hash
@@ -115,6 +116,18 @@ class DeltaCodec:
                 mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
         return mean
 
+    def decode_each(self, payloads: list[Payload]) -> list[dict]:
+        """Each node's Δ in float64, in node order: for a fine-tune that merges rounds (`merges_rounds`,
+        LoRA), whose average is not the mean of Δ; small, as what crosses there is adapters."""
+        return [{k: v for codec, layout in self.parts
+                 for k, v in codec.decode(Payload({k: p[k] for k in layout if k in p}), layout,
+                                          dtype=torch.float64).items()} for p in payloads]
+
+    def forget(self, names) -> None:
+        """Drop the error-feedback residuals of tensors that restarted (`ErrorFeedback.forget`)."""
+        for fb in self.feedback or []:
+            fb.forget(names)
+
     def residual(self) -> dict:
         return {k: v for fb in self.feedback or [] for k, v in fb.state_dict().items()}
 
@@ -128,11 +141,13 @@ def round_path(rank: int) -> str:
 
 
 def write_round(storage, path: str, round_: int, state: dict, momentum: dict | None = None,
-                residual: dict | None = None, **meta) -> None:
+                residual: dict | None = None, nodes: list[dict] | None = None, **meta) -> None:
     """A round's state as one safetensors file: `global.*`, `momentum.*` (with an outer step) and
     `residual.*` (a node's error feedback), per tensor, so per fragment too; with the round number
-    (and `meta`: which fragment the round synced, how it was mixed in); `read_round` reads it back."""
-    parts = {"global": state, "momentum": momentum or {}, "residual": residual or {}}
+    (and `meta`: which fragment the round synced, how it was mixed in); `read_round` reads it back.
+    `nodes`: where rounds merge (LoRA), every node's decoded state of the round, `node_states` reads them."""
+    parts = {"global": state, "momentum": momentum or {}, "residual": residual or {},
+             **{f"node{k}": values for k, values in enumerate(nodes or [])}}
     tensors = {f"{part}.{k}": v for part, values in parts.items() for k, v in values.items()}
     storage.save_tensors(path, tensors, {"round": round_, **meta})
 
@@ -145,6 +160,16 @@ def read_round(storage, path: str) -> tuple[dict, dict, dict, int]:
     return parts["global"], parts["momentum"], parts["residual"], meta["round"]
 
 
+def node_states(storage, path: str) -> list[dict]:
+    """The nodes' decoded states a round file holds (`write_round`'s `nodes`), in node order."""
+    tensors, parts = storage.load_tensors(path)[0], {}
+    for key, v in tensors.items():
+        part, name = key.split(".", 1)
+        if part.startswith("node") and part[4:].isdigit():
+            parts.setdefault(int(part[4:]), {})[name] = v
+    return [parts[k] for k in sorted(parts)]
+
+
 def round_meta(storage, path: str) -> dict:
     """What `write_round` wrote besides the tensors: the round, and the fragment it synced (ALL where
     the file predates fragments) and the mix it was merged with."""
@@ -153,17 +178,23 @@ def round_meta(storage, path: str) -> dict:
 
 class PeerRounds:
     """A lo-fi node's side of peer rounds (mixed into `LofiNode`; it has `model`, `rank`, `cfg`,
-    `storage`, `rounds`, `step`, `weights()`, `_load` and `_save`)."""
+    `storage`, `rounds`, `step`, `optimizer`, `fine_tune`, `weights()`, `_load` and `_save`).
+
+    Where the fine-tune merges rounds (`merges_rounds`: LoRA), what crosses is the adapters and head:
+    a node decodes every peer's Δ, and the round merges the nodes' exact average into the frozen base
+    and restarts the adapters from the round's seed (`FineTune.merge_nodes`), as the driver's rounds do."""
 
     def init_rounds(self, initial: dict) -> None:
-        """Codec, error feedback, the global model (`initial` to begin with), its fragments and outer
-        step; then what this node's round file holds, if it has one (a restart, or a resumed run)."""
+        """Codec, error feedback, the global model (`initial`: what this node sends, as it started),
+        its fragments and outer step; then what this node's round file holds, if it has one (a restart,
+        or a resumed run)."""
         opts = self.cfg.options["lofi"]
         params = {k for k, _ in self.model.named_parameters()}
         self.codec = DeltaCodec(opts, initial, params)
-        self.global_state = {k: v.detach().cpu().clone() for k, v in crossing(initial, opts).items()}
+        self.global_state = crossing(initial, opts)  # the caller's copy, kept
         sizes = self.codec.sizes()
-        self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments)
+        self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments,
+                                         self.fine_tune.sync_unit)
         self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
         self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
             if opts.outer_optimizer == "nesterov" else None
@@ -180,7 +211,10 @@ class PeerRounds:
         self.codec.load_residual(residual)
         if round_ > self.rounds:  # died after writing its round file, before its checkpoint: merge again
             meta = round_meta(self.storage, round_path(self.rank))
-            self._merge(meta["fragment"], meta["mix"], round_)
+            if self.fine_tune.merges_rounds:
+                self._merge_nodes(node_states(self.storage, round_path(self.rank)), meta["weights"], round_)
+            else:
+                self._merge(meta["fragment"], meta["mix"], round_)
             self.rounds = round_
             self._save(self.step)
         self.log(f"round state restored at averaging round {round_}")
@@ -242,12 +276,19 @@ class PeerRounds:
         self._land(round_, exchange.fragment, mean, self.mix, step)
         return waited
 
-    def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None) -> dict:
+    def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None):
+        """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node."""
         payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
+        if self.fine_tune.merges_rounds:
+            return [{k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
+                    for delta in self.codec.decode_each(payloads)], weights
         return self.codec.average(payloads, weights)
 
-    def _land(self, round_: int, fragment: int, mean: dict, mix: float, step: int) -> None:
-        """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint."""
+    def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
+        """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint;
+        where rounds merge, `_land_merged`."""
+        if self.fine_tune.merges_rounds:
+            return self._land_merged(round_, fragment, *mean, step)
         if self.outer is not None:
             self.global_state = self.outer.step_delta(mean)
         else:
@@ -259,6 +300,29 @@ class PeerRounds:
         self._merge(fragment, mix, round_)
         self.rounds = round_
         self._save(step)
+
+    def _land_merged(self, round_: int, fragment: int, states: list[dict], weights: list[float], step: int) -> None:
+        """The nodes' states merged into this node's model (`_merge_nodes`), the round file (with those
+        states, so a restart merges again), checkpoint."""
+        self.payload = None
+        self._merge_nodes(states, weights, round_)
+        self._save_round(round_, fragment, 0.0, nodes=states, weights=weights)
+        self.rounds = round_
+        self._save(step)
+
+    def _merge_nodes(self, states: list[dict], weights: list[float], round_: int) -> None:
+        """`FineTune.merge_nodes` with the round's seed (the same on every node); the merged tensors'
+        optimizer state starts again (zeroed in place: the other fragments' keep theirs), what restarted
+        loses its residual, and their new values are the global ones."""
+        restarted = self.fine_tune.merge_nodes(self.model, states, weights, self.cfg.options["lofi"].lora_average,
+                                               seed=epoch_seed(self.cfg.seed, round_))
+        self.codec.forget(restarted)
+        params, mine = dict(self.model.named_parameters()), floats(self.weights())
+        for k in states[0]:
+            for value in self.optimizer.state.get(params[k], {}).values():  # zeros: SGD's and Adam's fresh state
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+            self.global_state[k] = mine[k].clone()
 
     def _merge(self, fragment: int, mix: float, round_: int) -> None:
         """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global."""
@@ -280,17 +344,20 @@ class PeerRounds:
         except ray.exceptions.ObjectLostError as err:  # OwnerDiedError among them
             raise ActorDied(died_during(k, round_)) from err
 
-    def _save_round(self, round_: int, fragment: int, mix: float) -> None:
+    def _save_round(self, round_: int, fragment: int, mix: float, nodes: list[dict] | None = None,
+                    weights: list[float] | None = None) -> None:
         momentum = self.outer.buf if self.outer is not None else None
         if self.rank == 0:
             write_round(self.storage, GLOBAL, round_, self.global_state, momentum)
         write_round(self.storage, round_path(self.rank), round_, self.global_state, momentum, self.codec.residual(),
-                    fragment=fragment, mix=mix)
+                    nodes, fragment=fragment, mix=mix, **({"weights": weights} if weights else {}))
 
     def global_hash(self) -> str:
-        """Exact hash of this node's global model: what every replica must agree on (its own weights
-        differ from its peers' between a fragment's syncs)."""
-        return parameter_hash(list(self.global_state.items()))
+        """Exact hash of this node's global model and frozen weights: what every replica must agree on
+        (its own trained weights differ from its peers' between a fragment's syncs); where rounds merge,
+        the frozen base moves with every round."""
+        frozen = [(k, p) for k, p in self.model.named_parameters() if not p.requires_grad]
+        return parameter_hash(list(self.global_state.items()) + frozen)
 
     def round_of(self) -> tuple[int, int]:
         """The rounds this node has landed and the step it has trained to."""

@@ -34,14 +34,15 @@ def module_of(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def split(sizes: dict[str, int], count: int) -> list[list[str]]:
+def split(sizes: dict[str, int], count: int, unit=module_of) -> list[list[str]]:
     """Names cut into `count` contiguous groups of about equal total size, in the given order, never
-    inside a module (a layer's weight, bias and BatchNorm statistics sync together): a new group
+    inside a `unit` (a module by default: a layer's weight, bias and BatchNorm statistics sync together;
+    the fine-tune's `sync_unit`, which keeps a LoRA layer's two factors together): a new group
     starts at a module once the running total reaches the next multiple of total/count (or when only
     as many modules are left as groups still to come). Needs at least `count` modules."""
     modules: list[list[str]] = []
     for name in sizes:
-        if modules and module_of(modules[-1][0]) == module_of(name):
+        if modules and unit(modules[-1][0]) == unit(name):
             modules[-1].append(name)
         else:
             modules.append([name])
