@@ -295,7 +295,6 @@ class Lofi(Strategy):
         cfg, opts, n, ledger = ctx.cfg, ctx.cfg.options["lofi"], len(group), group.ledger
         with watch("evaluate_nodes"):
             node_metrics = group.evaluate_all()
-        infos = group.call("info", phase="final", what="node_info")
         metric, on_all = make_task(ctx.data.task).metric, cfg.data.eval_on_nodes
         collect_clock, held = TrainClock(), rounds.uses_peers(opts)  # held: the nodes hold the average
         average, to_score, soup_kept = self._collect(ctx, group, plan, metric, node_metrics)
@@ -337,6 +336,7 @@ class Lofi(Strategy):
                                  + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
                                  + "; bytes include that collection")
         self._warn_if_worse(metric, metrics, node_metrics, details)
+        infos = group.call("info", phase="final", what="node_info")  # last: peaks include node 0's save
         nodes = [{**info, "metrics": m, "train": [r[k] for r in trained["rounds"]]}
                  for k, (info, m) in enumerate(zip(infos, node_metrics))]
         samples = sum(s["samples"] for r in trained["rounds"] for s in r)
