@@ -1,9 +1,13 @@
-"""Zeroth-order estimators on the SmolLM2 prompt task: held-out accuracy vs steps and vs forward passes.
+"""Zeroth-order estimators: held-out accuracy vs steps and vs forward passes, on the SmolLM2 prompt
+task or on the WAN bench's classifier.
 
-    python -m benchmarks.zo [--variants two_point one_sided] [--seeds 0,1,2] [--out runs/zo] [--set KEY=VALUE ...]
+    python -m benchmarks.zo [--workload smollm2|wan] [--variants two_point one_sided] [--seeds 0,1,2]
+                            [--out runs/zo] [--set KEY=VALUE ...]
 
-Each variant is examples/spsa_smollm2_rotten_tomatoes.yaml with its estimator, step rule, samples
-and lr (VARIANTS). A run is one SPSA node's replica in this process, without Ray: the driver's
+Each variant is the workload's example (smollm2: examples/spsa_smollm2_rotten_tomatoes.yaml; wan:
+examples/wan_compare.yaml's SPSA, the pretrained EfficientNet-Lite0's new classifier on MNIST, one
+replica over all 2,000 rows) with its estimator, step rule, samples and lr (WORKLOADS). A run is one
+SPSA node's replica in this process, without Ray: the driver's
 `prepare` (same model, held-out rows and training shard as `raylowcomm run`), then the node's own
 loop, `Replica.compute` on `batch_at` of its shard and `Replica.apply` of its codes, so the
 weights are bit for bit those of a one-node `raylowcomm run` of the same config (tested) at a
@@ -23,14 +27,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "examples" / "spsa_smollm2_rotten_tomatoes.yaml"
 
-# The example is the two-point recipe (final norm only, plain steps, lr 3e-2); the others change what they name.
-VARIANTS: dict[str, list[str]] = {
-    "two_point": [],
-    "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.samples=3", "spsa.lr=1.0e-2"],
-    # MeZO's full-parameter recipe (the example before it tuned the final norm only): for comparison.
-    "two_point_all": ["spsa.include=null", "spsa.lr=1.0e-5"],
+WORKLOADS: dict[str, tuple[Path, list[str], dict[str, list[str]]]] = {
+    # (example, overrides every variant takes, variants). The example is the two-point recipe (final norm
+    # only, plain steps, lr 3e-2); the others change what they name.
+    "smollm2": (ROOT / "examples" / "spsa_smollm2_rotten_tomatoes.yaml", [], {
+        "two_point": [],
+        "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.samples=3", "spsa.lr=1.0e-2"],
+        # MeZO's full-parameter recipe (the example before it tuned the final norm only): for comparison.
+        "two_point_all": ["spsa.include=null", "spsa.lr=1.0e-5"],
+    }),
+    # The WAN bench's SPSA: the new classifier only (12,810 weights), 4 samples a step, lr 0.06, 62 steps
+    # (2 epochs); `--set spsa.steps=N` runs longer, as SPSA's bytes allow.
+    "wan": (ROOT / "examples" / "wan_compare.yaml", ["strategies=[spsa]", "nodes.count=1", "eval_every=31"], {
+        "two_point": [],
+        "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.lr=2.0e-2"],
+    }),
 }
 
 
@@ -84,16 +96,18 @@ def mean_curve(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def variant_runs(name: str, seeds: list[int], overrides: list[str], out: Path, reuse: bool) -> list[dict]:
+def variant_runs(workload: str, name: str, seeds: list[int], overrides: list[str], out: Path,
+                 reuse: bool) -> list[dict]:
     """Each seed's run of a variant: read from OUT/<name>/seed_<s>.json with `reuse`, else run and saved there."""
     from raylowcomm.strategies import load_config
 
+    config, common, variants = WORKLOADS[workload]
     runs = []
     for seed in seeds:
         path = out / name / f"seed_{seed}.json"
         if not (reuse and path.exists()):
-            cfg = load_config(str(CONFIG), VARIANTS[name] + overrides + [f"seed={seed}"])
-            print(f"{name}, seed {seed}: {' '.join(VARIANTS[name] + overrides)}", flush=True)
+            cfg = load_config(str(config), common + variants[name] + overrides + [f"seed={seed}"])
+            print(f"{workload} {name}, seed {seed}: {' '.join(variants[name] + overrides)}", flush=True)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(run_replica(cfg, out / name / f"seed_{seed}"), indent=2))
         runs.append(json.loads(path.read_text()))
@@ -104,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
     from raylowcomm.seedstats import interval
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["two_point", "one_sided"])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="smollm2")
+    parser.add_argument("--variants", nargs="+", default=["two_point", "one_sided"],
+                        help="the workload's: " + "; ".join(f"{w}: {', '.join(v[2])}" for w, v in WORKLOADS.items()))
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override every variant's config, as raylowcomm run --set")
@@ -112,8 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/zo")
     args = parser.parse_args(argv)
     out, seeds, result = Path(args.out), [int(s) for s in args.seeds.split(",")], {}
+    unknown = set(args.variants) - set(WORKLOADS[args.workload][2])
+    if unknown:
+        parser.error(f"no variant {', '.join(sorted(unknown))} for --workload {args.workload}")
     for name in args.variants:
-        runs = variant_runs(name, seeds, args.overrides, out, args.reuse)
+        runs = variant_runs(args.workload, name, seeds, args.overrides, out, args.reuse)
         result[name] = {"curve": mean_curve(runs), "seeds": seeds,
                         "final": interval([r["curve"][-1]["accuracy"] for r in runs])}
     print(f"\n{'variant':14s} {'step':>5s} {'forwards':>9s} {'accuracy':>9s} {'loss':>7s}  per seed")

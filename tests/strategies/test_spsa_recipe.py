@@ -94,3 +94,17 @@ def test_the_benchmark_replica_is_bit_for_bit_a_one_node_run(ray_session, tmp_pa
         ray_curve = [{"step": 0, **rec["details"]["step0_metrics"]}] + rec["curve"]
         assert [(p["step"], p["forwards"], p["accuracy"], p["loss"]) for p in mine["curve"]] == [
             (p["step"], p.get("forwards", 0), p["id_accuracy"], p["id_loss"]) for p in ray_curve]
+
+
+def test_every_zo_benchmark_variant_is_a_valid_spsa_config():
+    """Each workload's variants (`python -m benchmarks.zo --workload ...`) load and validate as SPSA runs:
+    an example renamed or a key misspelt fails here, not an hour into a benchmark."""
+    from benchmarks.zo import WORKLOADS
+    from raylowcomm.strategies import load_config
+    from raylowcomm.strategies.spsa import Spsa
+
+    for config, common, variants in WORKLOADS.values():
+        for overrides in variants.values():
+            cfg = load_config(str(config), common + overrides)
+            assert cfg.strategies == ["spsa"] and cfg.nodes.count == 1  # one replica, in process
+            Spsa.validate(cfg, 10)
