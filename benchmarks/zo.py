@@ -36,6 +36,8 @@ WORKLOADS: dict[str, tuple[Path, list[str], dict[str, list[str]]]] = {
         "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.samples=3", "spsa.lr=1.0e-2"],
         # MeZO's full-parameter recipe (the example before it tuned the final norm only): for comparison.
         "two_point_all": ["spsa.include=null", "spsa.lr=1.0e-5"],
+        # LoRA adapters (r 8 on q_proj and v_proj, peft's default for Llama): the norm is frozen under peft.
+        "two_point_lora": ["model.lora.r=8", "spsa.include=null", "spsa.lr=1.0e-3"],
     }),
     # The WAN bench's SPSA: the new classifier only (12,810 weights), 4 samples a step, lr 0.06, 62 steps
     # (2 epochs); `--set spsa.steps=N` runs longer, as SPSA's bytes allow.
