@@ -194,6 +194,12 @@ def _mean(states: Sequence[State], w: list[float], key: str) -> torch.Tensor:
     return sum(wk * s[key].double() for wk, s in zip(w, states)).to(states[0][key].dtype)
 
 
+def _merged_weight(base: torch.Tensor, layer: AdaptedLayer, states: Sequence[State], w: list[float]) -> torch.Tensor:
+    """base + Σ_k w_k·scale·B_k·A_k in float64, rounded once to base's dtype, on base's device."""
+    delta = sum(wk * layer.delta(s) for wk, s in zip(w, states))
+    return (base.double() + delta.to(base.device)).to(base.dtype)
+
+
 def _check_same_keys(states: Sequence[State]) -> None:
     for k, s in enumerate(states[1:], 1):
         if s.keys() != states[0].keys():
@@ -227,9 +233,7 @@ def average_delta(base_state: State, node_states: Sequence[State], layers: Seque
     for key in node_states[0].keys() - factors:
         merged[plain_key(key)] = _mean(node_states, w, key)
     for layer in layers:
-        base = merged[layer.plain]
-        delta = sum(wk * layer.delta(s) for wk, s in zip(w, node_states))
-        merged[layer.plain] = (base.double() + delta).to(base.dtype)
+        merged[layer.plain] = _merged_weight(merged[layer.plain], layer, node_states, w)
     return merged
 
 
@@ -314,11 +318,9 @@ def merge_nodes(model: nn.Module, node_states: Sequence[State], weights: Sequenc
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key in sorted(node_states[0].keys() - factors):
-            params[key].copy_(sum(wk * s[key].double() for wk, s in zip(w, node_states)))
+            params[key].copy_(_mean(node_states, w, key))
         for layer in layers:
-            base = params[layer.base]
-            delta = sum(wk * layer.delta(s) for wk, s in zip(w, node_states))
-            base.copy_((base.double() + delta.to(base.device)).to(base.dtype))
+            params[layer.base].copy_(_merged_weight(params[layer.base], layer, node_states, w))
     init_adapters(model, seed, only={layer.a.rsplit(".lora_A.", 1)[0] for layer in layers})
     return sorted(factors)
 

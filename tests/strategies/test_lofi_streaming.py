@@ -45,6 +45,30 @@ def test_fragments_are_contiguous_balanced_and_cover_every_tensor_once():
         streaming.split(layers, 4)
 
 
+def test_with_lora_fragments_are_counted_in_adapted_layers_and_refused_before_any_actor(tmp_path):
+    """Under LoRA a node sends adapters and head: a layer's A and B are one unit, so the tiny model's
+    adapted layers plus its head bound lofi.fragments, not its many frozen modules; more is a ConfigError
+    at check time, where it used to fail inside the node actors."""
+    from raylowcomm.config import ConfigError, LoraConfig
+    from raylowcomm.finetune import fine_tune_for
+    from raylowcomm.runner import prepare
+    from raylowcomm.strategies.lofi import Lofi
+
+    cfg = tiny_config(average_every=8, compress="int4", bn_recalibrate=False)
+    cfg.model.lora = LoraConfig(r=4, alpha=8)
+    ctx = prepare(cfg, tmp_path)
+    fine_tune = fine_tune_for(ctx.spec)
+    sent = [k for k, p in ctx.architecture.named_parameters() if p.requires_grad]
+    units = {fine_tune.sync_unit(k) for k in sent}
+    assert len(units) < len({k.rsplit(".", 1)[0] for k in ctx.architecture.state_dict()})  # frozen modules not counted
+    assert all(".lora_" not in u for u in units)  # A and B of a layer: one unit
+    cfg.options["lofi"].fragments = len(units)
+    Lofi.check(ctx)
+    cfg.options["lofi"].fragments = len(units) + 1
+    with pytest.raises(ConfigError, match=f"sends {len(units)} modules"):
+        Lofi.check(ctx)
+
+
 def test_each_fragment_syncs_once_per_h_at_its_staggered_step():
     every, frags, steps = 12, 3, 50
     boundaries, fragments = streaming.schedule(every, frags, steps)

@@ -145,7 +145,7 @@ class Lofi(Strategy):
 
     @staticmethod
     def check(ctx: RunContext) -> None:
-        streaming.check(ctx.cfg.options["lofi"], ctx.architecture)
+        streaming.check(ctx.cfg.options["lofi"], ctx.architecture, ctx.fine_tune)
 
     @staticmethod
     def _validate_exchange(cfg: RunConfig) -> None:

@@ -126,9 +126,14 @@ def validate(cfg: RunConfig, peers: bool) -> None:
         logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
 
 
-def check(opts, model) -> None:
-    """More fragments than modules with tensors that cross cannot be cut."""
-    count = len({module_of(k) for k, v in model.state_dict().items() if v.is_floating_point()})
+def check(opts, model, fine_tune) -> None:
+    """More fragments than units of what crosses (`fine_tune.sync_unit` of the floating-point tensors a node
+    sends: modules, or under LoRA adapted layers and the head) cannot be cut."""
+    if fine_tune.trainable_only():  # a node sends what trains (adapters and head); names only: the model may be meta
+        sent = [k for k, p in model.named_parameters() if p.requires_grad]
+    else:
+        sent = [k for k, v in model.state_dict().items() if v.is_floating_point()]
+    count = len({fine_tune.sync_unit(k) for k in sent})
     if opts.fragments > count:
-        raise ConfigError("lofi.fragments", opts.fragments, f"the model has {count} modules with floating-point "
+        raise ConfigError("lofi.fragments", opts.fragments, f"the model sends {count} modules with floating-point "
                                                             f"tensors to cut into fragments: set at most {count}")
