@@ -131,8 +131,9 @@ class Node:
         return score_sets(self.task, self._scratch, chosen, self.cfg.eval_rows)
 
     def save_plain(self, payload, storage: Storage, rel: str) -> None:
-        """Plain weights from what the driver sent (the nodes' adapters: merged on this node's base),
-        saved at `rel` in `storage` by this node, which holds the base the driver does not."""
+        """Plain weights from what the driver sent (the nodes' adapters: merged on this node's base), or
+        (None) this node's own model, saved at `rel` in `storage` by this node, which holds the model
+        the driver does not."""
         state = self.fine_tune.plain_state(payload, self.model)
         storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in state.items()}))
 

@@ -65,8 +65,8 @@ class FineTune(Protocol):
 
     def plain_state(self, payload: object, model: nn.Module) -> State:
         """Plain weights to score from what the driver sent (a `NodeAverage`'s output), put together on
-        this node's `model` where the payload needs its base; None, where rounds merge (`merges_rounds`):
-        `model`'s own, which after the final round is the average."""
+        this node's `model` where the payload needs its base; None: `model`'s own, which after the final
+        peer round is the average."""
 
     def plain_names(self, state: State) -> State:
         """Tensors of the model as it trains, under the plain architecture's names."""
@@ -132,8 +132,8 @@ class FullWeights:
         model.load_state_dict(state)
         return False
 
-    def plain_state(self, payload: State, model: nn.Module) -> State:
-        return payload
+    def plain_state(self, payload: State | None, model: nn.Module) -> State:
+        return state_dict_of(model) if payload is None else payload
 
     def plain_names(self, state: State) -> State:
         return state

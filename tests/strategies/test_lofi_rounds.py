@@ -55,8 +55,9 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
     assert kinds["train/round_replies"] == replies and kinds["train/round_args"] == args
     rounds_total = rec["comm"]["by_phase"]["train"] - kinds["train/control"] - kinds["train/train_stats"]
     assert rounds_total == rounds * n * (n - 1) * size + replies + args + kinds["train/verify_hash"]
-    # the final average is one more round: each payload to each peer, and the N payloads to the driver
-    assert kinds["final/outer_gradients"] == n * (n - 1) * size + n * size
+    # the final average is one more round, each payload to each peer; the nodes hold the result, the driver
+    # reads none of it
+    assert kinds["final/outer_gradients"] == n * (n - 1) * size
     assert kinds["train/verify_hash"] > 0  # every round was hash-checked (a mismatch raises)
     fetched = rec["details"]["driver_fetched"]["train"]
     assert fetched["tensors"] == 0 and fetched["bytes"] == replies < 100 * rounds * n
@@ -74,31 +75,43 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
 
 
 def test_after_peer_rounds_bn_recalibration_and_scoring_send_no_model(ray_session, tmp_path):
-    """The final round leaves the average on every node (and, decoded from the same payloads, on the
-    driver: its hash is checked against the nodes'); the nodes measure BatchNorm statistics of what they
-    hold and score it, so the only model-sized crossing of the final phase is the driver's one read of
-    the last global model. The driver's result is the nodes' average with the combined statistics. Since
-    the end recalibrates them, BatchNorm statistics never cross in a round: the payloads are weights only."""
+    """The final round leaves the average on every node, and only there: its start, the last global model,
+    is on the nodes only, so node 0 saves the result and no model crosses in the final phase. The nodes
+    measure BatchNorm statistics of what they hold and score it. Since the end recalibrates them, BatchNorm
+    statistics never cross in a round: the payloads are weights only."""
     ctx, rec = run_lofi(tiny_config(average_every=8, compress="int4", bn_recalibrate=True), tmp_path)
     kinds, n = rec["comm"]["by_kind"], 2
     size = payload_bytes(ctx, "int4", bn=False)
     assert size < payload_bytes(ctx, "int4") and kinds["train/outer_gradients"] == 3 * n * (n - 1) * size
     assert not any(k.endswith(("running_mean", "running_var")) for k in round_files(tmp_path / "state")[0])
     final = {k[len("final/"):] for k in kinds if k.startswith("final/")}
-    assert final == {"global_model", "outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats",
+    assert final == {"outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats",
                      "bn_statistics", "combined_bn_statistics", "node_metrics", "eval_metrics", "node_info"}
     model = payload_nbytes({k: v.detach() for k, v in ctx.model.named_parameters()})
-    assert kinds["final/global_model"] == model  # read once, from storage: the weights that cross
-    small = rec["comm"]["by_phase"]["final"] - kinds["final/global_model"] - kinds["final/outer_gradients"]
-    assert kinds["final/outer_gradients"] == n * n * size and small < model / 4  # BN statistics, metrics
+    small = rec["comm"]["by_phase"]["final"] - kinds["final/outer_gradients"]
+    assert kinds["final/outer_gradients"] == n * (n - 1) * size and small < model / 4  # BN statistics, metrics
     assert "average_without_bn_recalibration" in rec["details"]
     result = load_file(rec["weights"])
     node0 = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
     params = [k for k, _ in ctx.model.named_parameters()]
-    # node 0 checkpointed the average at the final round; the driver's result is the same average
+    # node 0 checkpointed the average at the final round and saved it, with the recalibrated statistics
     assert all(torch.equal(result[k], node0[f"model.{k}"]) for k in params)
     bn = [k for k in result if k.endswith("running_var")]
     assert bn and any(not torch.equal(result[k], node0[f"model.{k}"]) for k in bn)  # recalibrated since
+
+
+def test_one_compressed_average_is_decoded_on_the_driver_from_the_pretrained_weights(ray_session, tmp_path):
+    """Without rounds the final average's start is the pretrained model, which the driver holds: it
+    fetches the N payloads the nodes exchanged and decodes them there; its result is the nodes' (hash-checked
+    in the run), here the model node 0 checkpointed at the final round, and no model is read back."""
+    ctx, rec = run_lofi(tiny_config(compress="int4", bn_recalibrate=False), tmp_path)
+    kinds, n, size = rec["comm"]["by_kind"], 2, payload_bytes(ctx, "int4")
+    assert rec["details"]["exchange"] == "peers" and rec["comm"]["by_phase"]["train"] == 0
+    assert kinds["final/outer_gradients"] == n * (n - 1) * size + n * size
+    assert not any(k.endswith(("node_weights", "global_model")) for k in kinds)
+    result = load_file(rec["weights"])
+    node0 = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
+    assert all(torch.equal(result[k], node0[f"model.{k}"]) for k, _ in ctx.model.named_parameters())
 
 
 def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_tolerance(ray_session, tmp_path):

@@ -38,7 +38,7 @@ from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
 
-COLLECTION_KINDS = ("outer_gradients", "global_model", "round_replies", "round_args", "verify_hash")
+COLLECTION_KINDS = ("outer_gradients", "round_replies", "round_args", "verify_hash")
 """What the final collection of peer rounds books (besides the star's `plan.average.what`): a curve
 point's bytes include one such collection."""
 
@@ -108,8 +108,8 @@ class Lofi(Strategy):
         if o.outer_optimizer != "none":
             return "lofi.outer_optimizer steps the global model on the driver"
         peers = rounds.uses_peers(o)
-        if peers and cfg.model.lora is None:
-            return "lo-fi peer rounds' final average is decoded on the driver from the pretrained weights"
+        if peers and not rounds.nodes_hold_result(o, cfg.model.lora is not None):
+            return "lo-fi's one compressed average is decoded on the driver from the pretrained weights"
         if cfg.model.lora is not None and o.average_every is not None and not peers:
             return "lofi.average_every with model.lora merges each round's average into the base on the driver"
         if cfg.model.lora is not None and cfg.eval_every:
@@ -321,7 +321,7 @@ class Lofi(Strategy):
         with watch("score_average"):
             per_node = self._score(group, plan, to_score, on_all, held)
         metrics = mean_metrics(per_node)
-        if average is None and held:  # node 0 saves the average it holds (the merged base, under LoRA)
+        if average is None and held:  # node 0 saves the average it holds (after rounds, or LoRA's merged base)
             group.call("save_plain", None, ctx.storage, f"{self.name}/model.safetensors", phase="final", keys=[0])
         elif average is None:  # the base is on the nodes: node 0 merges the average and saves it
             ledger.record("final", "adapters_to_save", plan.average.sent(to_score)[1])  # as scoring books them
@@ -367,17 +367,18 @@ class Lofi(Strategy):
     def _collect(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
                  node_metrics: list[dict]) -> tuple[dict, object, list[int]]:
         """The final average, what is sent to be scored of it, and the nodes in it. Peer rounds: one more
-        round, the nodes' compressed Δ on the last global model (with the outer step there, if any),
-        which leaves the average on every node and the driver (`rounds.final_round`); where rounds merge
-        (LoRA), on the nodes only, in the base the driver does not hold (None: node 0 saves it)."""
+        round, the nodes' compressed Δ on their global model, which leaves the average on every node.
+        After averaging rounds (and under LoRA, whose rounds move the base) only the nodes hold the
+        model it starts from: None, node 0 saves the average (`rounds.nodes_hold_result`). Lo-fi's one
+        average starts from the pretrained weights, which the driver decodes it on too (`rounds.final_round`)."""
         opts, n = ctx.cfg.options["lofi"], len(group)
-        if rounds.uses_peers(opts) and ctx.fine_tune.merges_rounds:  # the base that moved is on the nodes only
+        if rounds.uses_peers(opts) and rounds.nodes_hold_result(opts, ctx.fine_tune.merges_rounds):
             rounds.exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0},
                                   "final")
             return None, None, list(range(n))
         if rounds.uses_peers(opts):
             order = [k for k, _ in ctx.model.named_parameters()]
-            start, outer = rounds.load_global(ctx.storage, group.ledger, state_dict_of(ctx.model), set(order), opts)
+            start, outer = rounds.driver_start(state_dict_of(ctx.model), set(order), opts)
             average = rounds.final_round(group, opts, start, outer, plan, order, {"bytes": 0, "tensors": 0})
             return average, None, list(range(n))
         if opts.soup == "greedy":

@@ -24,12 +24,13 @@ With `lofi.fragments` a round sends and lands one fragment's tensors only, and w
 lands during the next `train` call (`streaming`): the round file then also records which fragment
 its round synced and the mix it was merged with, so a restart merges it again the same way.
 
-The final average is one more round (`final_round`): the nodes exchange their last Δ (with their
-residuals) as in training and every node ends holding the average, hash-checked; the driver fetches
-the same N payloads and decodes them from the shared start (the last round's global model, read
-once from `storage`, or the pretrained weights where no round ran) into the result, and checks that
-its hash is the nodes'. BatchNorm recalibration and scoring then run on the model the nodes hold:
-no model crosses for them.
+The final average is one more round: the nodes exchange their last Δ (with their residuals) as in
+training and every node ends holding the average, hash-checked. After averaging rounds (or under
+LoRA) its start, the last global model, is on the nodes only: node 0 saves the average it holds and
+the driver reads no model (`nodes_hold_result`). Lo-fi's one average starts from the pretrained
+weights, which the driver holds: it fetches the same N payloads and decodes them there into the
+result (`final_round`), checking that its hash is the nodes'. BatchNorm recalibration and scoring
+then run on the model the nodes hold: no model crosses for them.
 """
 
 from __future__ import annotations
@@ -432,17 +433,18 @@ def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, par
     return average
 
 
-def load_global(storage, ledger: Ledger, initial: dict, params: set[str], opts) -> tuple[dict, OuterNesterov | None]:
-    """The shared start of the final average: the last round's global model as node 0 wrote it (read by
-    the driver once, after training, and booked), or `initial` where no round ran; with the outer
-    momentum where there is an outer step."""
-    state, momentum = dict(initial), None
-    if storage.exists(GLOBAL):
-        last, momentum, _, _ = read_round(storage, GLOBAL)
-        state.update(last)
-        ledger.send("final", "global_model", {**last, **{f"momentum.{k}": v for k, v in momentum.items()}})
+def nodes_hold_result(opts, merges_rounds: bool) -> bool:
+    """Whether the final round's average lives on the nodes only (node 0 saves it): after averaging
+    rounds its start is the last global model, which only the nodes hold (the driver would read a
+    whole model to decode the round on it), and under LoRA the base moves with every round."""
+    return opts.average_every is not None or merges_rounds
+
+
+def driver_start(initial: dict, params: set[str], opts) -> tuple[dict, OuterNesterov | None]:
+    """The shared start of lo-fi's one compressed average, as the driver decodes it: the pretrained
+    weights (`initial`, copied), with a fresh outer momentum where there is an outer step."""
+    state = dict(initial)
     if opts.outer_optimizer != "nesterov":
         return state, None
     outer = OuterNesterov(state, params, opts.outer_lr, opts.outer_momentum)
-    outer.buf.update(momentum or {})
     return outer.state, outer
