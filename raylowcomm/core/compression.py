@@ -10,15 +10,18 @@ offsets, int32 counts) are in the machine's byte order, little-endian on every p
 | none  | n · itemsize                                                             | 0                            |
 | int8  | 2·⌈n/b⌉ scales + n codes                                                 | ≤ scale/2 of its block       |
 | int4  | 2·⌈n/b⌉ scales + ⌈n/2⌉ codes                                             | ≤ scale/2 of its block       |
-| topk  | 2·⌈k/b⌉ scales + 4·(⌈n/65536⌉ − 1) counts + 2·k offsets + ⌈k/2⌉ codes    | kept ≤ scale/2; dropped: all |
+| topk  | 2·⌈k/b⌉ scales + index bytes (below) + ⌈k/2⌉ codes                      | kept ≤ scale/2; dropped: all |
 
 Scales are bf16 (2 bytes like fp16, but fp32's range: a fine-tuning Δ of 1e-6 would underflow
 fp16 scales), rounded up to the next bf16 ≥ absmax/qmax, so no code clips and the error bound is
 scale/2 ≤ absmax/(2·qmax)·(1 + 2⁻⁷). Codes are symmetric: int8 in [−127, 127], int4 in [−7, 7]
 stored as q + 8, two per byte (even entry in the low nibble). Top-k keeps round(fraction·n) entries
-(at least one) of largest |x|, sorted by index; an index is stored as its chunk of 65,536 (a count of
-kept entries per chunk, the last one implied) and its 16-bit offset inside the chunk, so 2 bytes per
-index; the kept values are int4 in blocks of b.
+(at least one) of largest |x|, sorted by index; an index is stored as its chunk (a count of kept
+entries per chunk, the last one implied) and its offset inside the chunk. Two index layouts, the
+smaller for the tensor's n and k (every node computes which from the layout alone): chunks of 255
+with a 1-byte offset and a 1-byte count, (⌈n/255⌉ − 1) + k bytes, about 1.13 bytes per kept entry at
+3% and 1.39 at 1%; or, for sparser tensors (below about 0.4%), chunks of 65,536 with a 2-byte offset
+and a 4-byte count, 4·(⌈n/65536⌉ − 1) + 2·k. The kept values are int4 in blocks of b.
 
 Why decoding is bit-identical everywhere: a decoded entry is q·scale with |q| ≤ 127 (7 bits) and a
 bf16 scale (8 significant bits), a 15-bit product that float32 and float64 hold exactly, so there is
@@ -47,7 +50,6 @@ from torch import Tensor
 
 CODECS = ("none", "int8", "int4", "topk")
 SCALE_DTYPE = torch.bfloat16
-CHUNK = 1 << 16  # top-k indices: a 16-bit offset inside a chunk of this many entries
 
 
 class TensorSpec(NamedTuple):
@@ -101,6 +103,32 @@ class _Reader:
         part = self.buffer[self.offset:self.offset + size].clone()
         self.offset += size
         return part.view(dtype)
+
+
+class IndexLayout(NamedTuple):
+    """How top-k stores a kept entry's index: a count of kept entries per chunk of `chunk` entries (the
+    last chunk's implied) and the entry's offset inside its chunk, stored as offset − `shift`."""
+
+    chunk: int
+    offset_dtype: torch.dtype
+    shift: int
+    count_dtype: torch.dtype
+
+    def nbytes(self, n: int, k: int) -> int:
+        return _itemsize(self.count_dtype) * max(_ceil_div(n, self.chunk) - 1, 0) + _itemsize(self.offset_dtype) * k
+
+
+INDEX_LAYOUTS = (IndexLayout(255, torch.uint8, 0, torch.uint8),  # a count of up to 255 fits a byte
+                 IndexLayout(1 << 16, torch.int16, 1 << 15, torch.int32))
+
+
+def index_layout(n: int, k: int) -> IndexLayout:
+    """The smaller index layout for k kept entries of n (the byte-sized one on a tie)."""
+    return min(INDEX_LAYOUTS, key=lambda layout: layout.nbytes(n, k))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _round_up_to_scale_dtype(value: Tensor) -> Tensor:
@@ -257,7 +285,7 @@ class BlockwiseInt(Codec):
 
 class TopK(Codec):
     """The `fraction` largest-|x| entries per tensor, int4 values:
-    [bf16 scales | int32 counts per chunk but the last | int16 offsets in chunk − 32768 | int4 codes]."""
+    [bf16 scales | counts per chunk but the last | offsets in chunk | int4 codes], chunks as `index_layout`."""
 
     name = "topk"
 
@@ -272,30 +300,31 @@ class TopK(Codec):
 
     def packed_nbytes(self, spec: TensorSpec) -> int:
         n, k = spec.numel, self.kept(spec.numel)
-        counts = 4 * max(_ceil_div(n, CHUNK) - 1, 0)
-        return counts + 2 * k + self.values.packed_nbytes(TensorSpec(torch.Size([k]), spec.dtype))
+        return index_layout(n, k).nbytes(n, k) + self.values.packed_nbytes(TensorSpec(torch.Size([k]), spec.dtype))
 
     def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
         n, k = x.numel(), self.kept(x.numel())
+        at = index_layout(n, k)
         index = torch.topk(x.abs(), k, sorted=False).indices.sort().values
-        chunk, offset = index // CHUNK, index % CHUNK
-        counts = torch.bincount(chunk, minlength=_ceil_div(n, CHUNK))[:-1].to(torch.int32)
+        chunk, offset = index // at.chunk, index % at.chunk
+        counts = torch.bincount(chunk, minlength=_ceil_div(n, at.chunk))[:-1].to(at.count_dtype)
         values = self.values.pack(x[index], TensorSpec(torch.Size([k]), spec.dtype))
         scale_bytes = 2 * _ceil_div(k, self.values.block_size)
-        offsets = (offset - CHUNK // 2).to(torch.int16)
+        offsets = (offset - at.shift).to(at.offset_dtype)
         return torch.cat([values[:scale_bytes], _as_bytes(counts), _as_bytes(offsets), values[scale_bytes:]])
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         n, k = spec.numel, self.kept(spec.numel)
+        at = index_layout(n, k)
         scale_bytes = 2 * _ceil_div(k, self.values.block_size)
         reader = _Reader(packed[scale_bytes:])
-        counts = reader.take(max(_ceil_div(n, CHUNK) - 1, 0), torch.int32).to(torch.int64)
-        offsets = reader.take(k, torch.int16).to(torch.int64) + CHUNK // 2
+        counts = reader.take(max(_ceil_div(n, at.chunk) - 1, 0), at.count_dtype).to(torch.int64)
+        offsets = reader.take(k, at.offset_dtype).to(torch.int64) + at.shift
         last = k - int(counts.sum())
         if (counts < 0).any() or last < 0:
             raise ValueError("top-k payload has inconsistent chunk counts")
         chunks = torch.arange(counts.numel() + 1, device=packed.device)
-        index = torch.repeat_interleave(chunks, torch.cat([counts, counts.new_full((1,), last)])) * CHUNK + offsets
+        index = torch.repeat_interleave(chunks, torch.cat([counts, counts.new_full((1,), last)])) * at.chunk + offsets
         if k and (int(index.max()) >= n or (index[1:] <= index[:-1]).any()):
             raise ValueError("top-k payload has indices out of range or out of order")
         values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - _ceil_div(k, 2):]])

@@ -8,18 +8,19 @@ from safetensors.torch import load_file, save_file
 
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.core.compression import (
-    CHUNK,
     BlockwiseInt,
     ErrorFeedback,
     Payload,
     TensorSpec,
     TopK,
     average_decoded,
+    index_layout,
     layout_of,
     make_codec,
 )
 
 SIZES = [0, 1, 7, 63, 64, 65, 129, 1000]
+WIDE = 1 << 16  # the sparse index layout's chunk
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -84,7 +85,7 @@ def test_blockwise_keeps_a_block_of_tiny_deltas_that_fp16_scales_would_zero():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", SIZES + [3 * CHUNK + 17])
+@pytest.mark.parametrize("n", SIZES + [3 * WIDE + 17])
 def test_topk_keeps_the_largest_entries_within_the_4bit_bound_and_zeroes_the_rest(dtype, n):
     x = _delta(n, dtype, seed=n)
     codec = TopK(0.1, block_size=64)
@@ -108,14 +109,17 @@ def _formula(name, n, block, itemsize, codec):
     if name == "int4":
         return -(-n // 2) + 2 * blocks(n)
     k = codec.kept(n)
-    return 2 * k + -(-k // 2) + 2 * blocks(k) + 4 * max(-(-n // CHUNK) - 1, 0)
+    narrow = max(-(-n // 255) - 1, 0) + k  # a byte per chunk of 255, a byte per offset
+    wide = 4 * max(-(-n // WIDE) - 1, 0) + 2 * k
+    return min(narrow, wide) + -(-k // 2) + 2 * blocks(k)
 
 
 @pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
 @pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("n", SIZES + [CHUNK, CHUNK + 1, 2 * CHUNK + 3])
-def test_payload_nbytes_is_the_packed_bytes_and_the_formula(name, block, n):
-    codec = make_codec(name, block_size=block, topk_fraction=0.03)
+@pytest.mark.parametrize("n", SIZES + [255, 256, 511, WIDE, WIDE + 1, 2 * WIDE + 3])
+@pytest.mark.parametrize("fraction", [0.03, 0.001])
+def test_payload_nbytes_is_the_packed_bytes_and_the_formula(name, block, n, fraction):
+    codec = make_codec(name, block_size=block, topk_fraction=fraction)
     x = _delta(n, torch.bfloat16, seed=1)
     payload = codec.encode({"x": x})
     assert all(t.dtype == torch.uint8 and t.dim() == 1 for t in payload.values())
@@ -125,12 +129,30 @@ def test_payload_nbytes_is_the_packed_bytes_and_the_formula(name, block, n):
     assert len(pickle.dumps(payload, protocol=5)) < payload.nbytes + 600  # only pickle framing besides
 
 
-def test_topk_index_encoding_costs_two_bytes_per_kept_entry():
-    codec = TopK(0.01)
+def test_topk_indices_cost_a_byte_and_a_bit_per_kept_entry_and_two_bytes_when_sparse():
     spec = TensorSpec(torch.Size([1_000_000]), torch.float32)
-    k = codec.kept(1_000_000)
-    assert k == 10_000
-    assert codec.packed_nbytes(spec) == 2 * k + 4 * 15 + k // 2 + 2 * math.ceil(k / 64)
+    values = lambda k: k // 2 + 2 * math.ceil(k / 64)  # noqa: E731  int4 codes and bf16 scales
+    dense, sparse = TopK(0.03), TopK(0.001)
+    assert dense.kept(1_000_000) == 30_000 and sparse.kept(1_000_000) == 1_000
+    assert dense.packed_nbytes(spec) == 3921 + 30_000 + values(30_000)  # 3,922 chunks of 255, the last implied
+    assert sparse.packed_nbytes(spec) == 4 * 15 + 2 * 1_000 + values(1_000)  # 16 chunks of 65,536
+    assert (dense.packed_nbytes(spec) - values(30_000)) / 30_000 < 1.14
+
+
+@pytest.mark.parametrize("n, fraction, chunk", [(1000, 1.0, 255), (255 * 4, 0.9, 255), (70_000, 0.004, 255),
+                                                (70_000, 0.003, WIDE)])
+def test_topk_round_trips_full_chunks_and_both_index_layouts(n, fraction, chunk):
+    """Every entry of a chunk kept (a count of 255 fills its byte), and the fractions either side of where
+    the index layout switches: the kept entries decode where they were, within the 4-bit bound."""
+    x = _delta(n, seed=3).double()
+    codec = TopK(fraction)
+    assert index_layout(n, codec.kept(n)).chunk == chunk
+    exact = codec.decode(codec.encode({"x": x}), layout_of({"x": x}), dtype=torch.float64)["x"]
+    kept = torch.topk(x.abs(), codec.kept(n)).indices.sort().values
+    dropped = torch.ones(n, dtype=torch.bool)
+    dropped[kept] = False
+    assert (exact[dropped] == 0).all()
+    assert ((exact[kept] - x[kept]).abs() <= _block_bound(x[kept], 64, 7)).all()
 
 
 def _exact_sum(tensors):
