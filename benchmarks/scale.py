@@ -105,6 +105,7 @@ def child(args) -> None:
     print("RESULT " + json.dumps({
         "driver_peak_mb": peak_rss_bytes() / MB,  # VmHWM: ru_maxrss would keep this process's parent's peak
         "node_peak_mb": [n["peak_rss_bytes"] / MB for n in nodes],
+        "node_before_model_mb": [n["rss_before_model_bytes"] / MB for n in nodes],
         "setup_bytes": rec["comm"]["by_phase"]["setup"], "data_recipe_bytes": kinds.get("setup/data_recipe", 0),
         "model_recipe_bytes": kinds.get("setup/model_recipe", 0),
         "initial_weights_bytes": kinds.get("setup/initial_weights", 0),
@@ -125,9 +126,13 @@ def run_child(model: str, strategy: str, steps: int, work: Path) -> dict:
 def table(results: list[dict]) -> str:
     results = [r for r in results if "error" not in r]
     header = ["model", "params", "strategy", "weights MB", "driver peak MB", "node peak / weights",
-              "setup B/node (w/o data recipe)", "data recipe B/node", "step s"]
+              "node before model MB", "(peak - before) / weights", "setup B/node (w/o data recipe)",
+              "data recipe B/node", "step s"]
     rows = [[r["size"], f"{r['params'] / 1e9:.2f}B", r["strategy"], f"{r['weight_bytes'] / MB:,.0f}",
              f"{r['driver_peak_mb']:,.0f}", " ".join(f"{p * MB / r['weight_bytes']:.2f}" for p in r["node_peak_mb"]),
+             " ".join(f"{b:,.0f}" for b in r["node_before_model_mb"]),
+             " ".join(f"{(p - b) * MB / r['weight_bytes']:.2f}" for p, b in zip(r["node_peak_mb"],
+                                                                               r["node_before_model_mb"])),
              f"{(r['setup_bytes'] - r['data_recipe_bytes']) / 2:,.0f}", f"{r['data_recipe_bytes'] / 2:,.0f}",
              f"{r['step_s']:.1f}"] for r in results]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]

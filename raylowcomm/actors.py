@@ -22,7 +22,7 @@ import torch
 
 from raylowcomm.catalog import TaskSpec
 from raylowcomm.common.ledger import Ledger, payload_nbytes
-from raylowcomm.common.timing import peak_rss_bytes
+from raylowcomm.common.timing import peak_rss_bytes, rss_bytes
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.execution import Gang, node_bundle
@@ -92,6 +92,7 @@ class Node:
                  weights: dict | ModelRecipe | None = None):
         self.rank, self.cfg, self.spec = rank, cfg, spec
         self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
+        self.rss_before_model = rss_bytes()  # the process's own share of its peak: imports, Ray's worker
         self.fine_tune = fine_tune_for(spec)
         if isinstance(weights, ModelRecipe):  # from model.path / the asset / the hub cache on this host
             self.model = weights.load().to(self.device)
@@ -158,7 +159,8 @@ class Node:
         os._exit(1)
 
     def info(self) -> dict:
-        return {"node": self.rank, **process_info(), **self.extra_info()}
+        return {"node": self.rank, **process_info(), "rss_before_model_bytes": self.rss_before_model,
+                **self.extra_info()}
 
     def extra_info(self) -> dict:
         return {}

@@ -46,6 +46,15 @@ class Stopwatch:
         self.parts[part] = round(self.parts.get(part, 0.0) + seconds, 3)
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux's VmRSS; 0 where /proc is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory: Linux's VmHWM, which is this program's own, where
     ru_maxrss keeps the peak of the process it was forked from across exec (a parent that held

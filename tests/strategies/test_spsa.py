@@ -152,6 +152,8 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     }, "no weights may move while training"
     assert "id_accuracy" in det["step0_metrics"] and "id_accuracy" in rec["metrics"]
     assert rec["samples_seen"] == 2 * steps * 16 and rec["peak_rss_bytes"] > 0
+    # each node says what its process held before its model loaded: a part of its peak (the scale benchmark's split)
+    assert all(0 < node["rss_before_model_bytes"] < node["peak_rss_bytes"] for node in rec["nodes"])
     # the saved weights are the replicas' weights
     model = ctx.model
     model.load_state_dict(load_file(rec["weights"]))
