@@ -52,6 +52,7 @@ SETTINGS: dict[str, list[str]] = {
     "H4_topk2": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.02"],
     "H4_topk3": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
     "H8_topk1": [*_PEERS, "lofi.average_every=8", "lofi.compress=topk", "lofi.topk_fraction=0.01"],
+    "H4_topk5": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.05"],
     "H6_topk3": [*_PEERS, "lofi.average_every=6", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
     "H8_topk3": [*_PEERS, "lofi.average_every=8", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
     "H4_topk1_F2": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.01",
@@ -62,7 +63,7 @@ SETTINGS: dict[str, list[str]] = {
 DEFAULT = {
     "mnist": ["ddp", "lofi", "lofi_int4", "H16_none", "H16_int8", "H16_int4", "H32_int4", "H8_int4", "H8_topk5",
               "H4_topk1", "H16_topk5", "H8_topk1", "H4_topk1_F2", "H4_topk1_ov1", "H2_topk1", "H4_topk2", "H4_topk3",
-              "H6_topk3", "H8_topk3"],
+              "H4_topk5", "H6_topk3", "H8_topk3"],
     "minilm": ["ddp", "lofi", "lofi_int8", "lofi_int4"],
 }
 
