@@ -62,6 +62,12 @@ def test_who_must_hold_the_weights_and_what_bf16_cannot_train_are_one_line_error
                              "source": "nodes"}, "strategies": ["interlocking"]})
     with pytest.raises(ConfigError, match="model.dtype.*lofi.*needs fp32"):
         from_dict({"model": {**MINILM, "dtype": "bf16"}, "strategies": ["spsa", "lofi"]})
+    tiny = {"name": "test_efficientnet", "family": "timm", "pretrained": False, "source": "nodes"}
+    with pytest.raises(ConfigError, match="model.source.*one compressed average is decoded on the driver"):
+        from_dict({"model": tiny, "strategies": ["lofi"], "lofi": {"compress": "int4"}})
+    # after peer rounds the nodes hold the average (node 0 saves it), the outer step included: no driver weights
+    from_dict({"model": tiny, "strategies": ["lofi"],
+               "lofi": {"compress": "int4", "average_every": 8, "outer_optimizer": "nesterov"}})
     merged = text_config(model={"lora": {"r": 4}, "merge": True})  # auto: the driver merges, so it loads
     assert not on_meta(prepare(merged, tmp_path).architecture)
 

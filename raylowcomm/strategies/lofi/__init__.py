@@ -105,9 +105,9 @@ class Lofi(Strategy):
         """What starts from, or merges into, weights the driver holds; one final average of adapters
         is merged and saved on node 0, where the base is."""
         o = cfg.options["lofi"]
-        if o.outer_optimizer != "none":
-            return "lofi.outer_optimizer steps the global model on the driver"
         peers = rounds.uses_peers(o)
+        if o.outer_optimizer != "none" and not peers:
+            return "lofi.outer_optimizer steps the global model on the driver"
         if peers and not rounds.nodes_hold_result(o, cfg.model.lora is not None):
             return "lo-fi's one compressed average is decoded on the driver from the pretrained weights"
         if cfg.model.lora is not None and o.average_every is not None and not peers:
