@@ -43,7 +43,7 @@ class LofiConfig:
     average into its own base. Not with soup: greedy."""
     compress: Literal["none", "int8", "int4", "topk"] = "none"
     """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
-    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, 2-byte indices)."""
+    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, indices in 1.1–2 bytes)."""
     topk_fraction: float = 0.01
     """compress: topk: the fraction of each tensor's entries sent."""
     compress_block: int = 64
