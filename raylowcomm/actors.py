@@ -118,18 +118,22 @@ class Node:
 
     def score_weights(self, state: dict, sets: list, val: bool = False) -> dict:
         """A model the driver put together (an average, a soup: plain weights, adapters merged) scored
-        here, where the device is: no model is scored on the driver. In a scratch model, so the
-        node's own stays as it is; `val`: the held-out set too (a greedy soup's choice). `state` may
-        need this node's model to become plain weights (under LoRA: the nodes' adapters, merged here
-        on this node's base)."""
+        here, where the device is: no model is scored on the driver. The node's own model stays as it
+        is: under LoRA it computes the plain weights in place for the scoring (`FineTune.computing`),
+        else they load into a scratch model. `val`: the held-out set too (a greedy soup's choice).
+        `state` may need this node's model to become plain weights (under LoRA: the nodes' adapters,
+        merged here on this node's base)."""
         state = self.fine_tune.plain_state(state, self.model)
-        if self._scratch is None:
-            self._scratch = build_architecture(self.spec).to(self.device)
-        self._scratch.load_state_dict(state)
         if self.eval_sets is None:
             self.eval_sets = ray.get(sets[0])
         chosen = {k: v for k, v in {**self.eval_sets, **self.own_sets}.items() if val or k != "val"}
-        return score_sets(self.task, self._scratch, chosen, self.cfg.eval_rows)
+        with self.fine_tune.computing(self.model, state) as model:
+            if model is None:
+                if self._scratch is None:
+                    self._scratch = build_architecture(self.spec).to(self.device)
+                self._scratch.load_state_dict(state)
+                model = self._scratch
+            return score_sets(self.task, model, chosen, self.cfg.eval_rows)
 
     def save_plain(self, payload, storage: Storage, rel: str) -> None:
         """Plain weights from what the driver sent (the nodes' adapters: merged on this node's base), or

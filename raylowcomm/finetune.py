@@ -8,6 +8,7 @@ adapters, and `raylowcomm.lora` (peft) is imported for LoRA runs only."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,11 @@ class FineTune(Protocol):
 
     def plain_names(self, state: State) -> State:
         """Tensors of the model as it trains, under the plain architecture's names."""
+
+    def computing(self, model: nn.Module, plain: State) -> contextlib.AbstractContextManager[nn.Module | None]:
+        """A context in which `model` computes the plain weights `plain` and after which it is as it was
+        (a node scoring an average on the base it holds); None from it where `model` cannot without a
+        copy of every weight: the caller scores in a model of its own."""
 
     merges_rounds: bool
     """Whether an averaging round's result is merged into frozen weights, restarting what trains (LoRA),
@@ -137,6 +143,10 @@ class FullWeights:
 
     def plain_names(self, state: State) -> State:
         return state
+
+    def computing(self, model: nn.Module, plain: State) -> contextlib.AbstractContextManager[nn.Module | None]:
+        """Every weight would change: a model of the caller's own is no larger than a copy to put back."""
+        return contextlib.nullcontext(None)
 
     merges_rounds = False  # a round's average is the new weights (no `merge_nodes`)
 

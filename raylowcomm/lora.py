@@ -12,12 +12,13 @@ what merging gives) names the same weights `<path>.weight`; `plain_key` maps one
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -302,6 +303,38 @@ def merge_and_reset(model: nn.Module, merged_state: State, seed: int) -> None:
     init_adapters(model, seed)
 
 
+@contextlib.contextmanager
+def computing(model: nn.Module, plain: State) -> Iterator[nn.Module]:
+    """The PEFT model made to compute the plain model `plain` (e.g. the nodes' average merged on this
+    node's base) while the block runs, then put back as it was: every tensor of `plain` that is not the
+    model's own (the merged layers, the head) swapped in, and the adapters' scaling 0. A node scores
+    the average on the base it holds without a second copy of the model (an 8B base is 16 GB)."""
+    tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}  # tied weights: one tensor, several names
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if (pk := plain_key(key)) is not None:
+            tensors.setdefault(id(tensor), (tensor, []))[1].append(pk)
+    pairs = [(tensor, next((plain[pk] for pk in names if pk in plain), None), names)
+             for tensor, names in tensors.values()]
+    missing = [names for _, new, names in pairs if new is None]
+    if missing:  # before anything is swapped
+        raise KeyError(f"the plain state to compute has none of {missing[0]}")
+    swapped = []
+    for tensor, new, _ in pairs:
+        if new.data_ptr() != tensor.data_ptr():
+            swapped.append((tensor, tensor.data))
+            tensor.data = new.to(tensor.device, tensor.dtype)
+    scales = [(m, m.scaling) for _, m in _lora_modules(model)]
+    for m, scaling in scales:
+        m.scaling = {name: 0.0 for name in scaling}
+    try:
+        yield model
+    finally:
+        for tensor, data in swapped:
+            tensor.data = data
+        for m, scaling in scales:
+            m.scaling = scaling
+
+
 def merge_nodes(model: nn.Module, node_states: Sequence[State], weights: Sequence[float], how: str = "delta",
                 seed: int = 0) -> list[str]:
     """A peer round landing on a node: the nodes' adapters and head (`node_states`, all or one fragment's
@@ -404,6 +437,10 @@ class LoraFineTune:
 
     def plain_names(self, state: State) -> State:
         return {plain_key(k): v for k, v in state.items()}
+
+    def computing(self, model: nn.Module, plain: State) -> contextlib.AbstractContextManager[nn.Module | None]:
+        """This node's PEFT model, computing `plain` in place for a while (`computing`)."""
+        return computing(model, plain)
 
     merges_rounds = True
 

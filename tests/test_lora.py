@@ -217,6 +217,27 @@ def test_average_delta_is_the_exact_average(minilm, node_states, weights):
     )
 
 
+def test_a_node_computes_the_merged_average_in_place_and_is_put_back(minilm, node_states):
+    """What a node scores the average with instead of a second model: its own PEFT model computing the
+    merged weights (swapped in, adapters scaled to 0) gives the plain merged model's logits, and after the
+    block every tensor and the adapters are its own again."""
+    model, spec = minilm
+    node = with_state(model, node_states[0])
+    before, own = {k: v.clone() for k, v in node.state_dict().items()}, logits(node)
+    merged = lora.average_delta(state_dict_of(node), node_states, lora.lora_layers(node))
+    with lora.computing(node, merged) as same:
+        assert same is node
+        inside = logits(node)
+    torch.testing.assert_close(inside, logits(plain_model(spec, merged)), atol=1e-5, rtol=1e-4)
+    assert (inside - own).abs().max() > 1e-3  # the average, not the node's own model
+    assert torch.equal(logits(node), own)
+    assert all(torch.equal(v, before[k]) for k, v in node.state_dict().items())
+    with pytest.raises(KeyError, match="none of"):  # a state without the head: refused before anything moves
+        with lora.computing(node, {k: v for k, v in merged.items() if not k.startswith("classifier.")}):
+            pass
+    assert torch.equal(logits(node), own)
+
+
 def test_single_node_average_is_peft_merge(minilm, node_states):
     model, _ = minilm
     merged = lora.average_delta(state_dict_of(model), node_states[:1], lora.lora_layers(model))
