@@ -8,7 +8,9 @@ For each size it writes a random-init Llama checkpoint (bf16 safetensors, sharde
 135M is the bundled SmolLM2-135M, loaded as bf16) with the bundled SmolLM2 tokenizer into a temp
 folder, then runs each strategy with LoRA (r=8 on q_proj, v_proj) on 2 nodes for `--steps` steps of
 2 sequences of 32 tokens of Hamlet, each run a fresh `raylowcomm.runner.run` in its own process (a
-fresh local Ray). Per run: the driver's peak RSS, each node's peak RSS ÷ the bf16 weight bytes,
+fresh local Ray). Per run: the driver's peak RSS, each node's peak RSS ÷ the bf16 weight bytes, its
+resident memory before the model loads and (peak − that) ÷ the weight bytes (what the model, the
+imports made while loading it, such as transformers' model classes, and the run add to the process),
 setup bytes per node (the data recipe, which carries the tokenizer, shown apart), and mean step
 time. No accuracy is claimed: the weights are random. A benchmark: it reports figures, it asserts none.
 """

@@ -325,7 +325,7 @@ class TopK(Codec):
             raise ValueError("top-k payload has inconsistent chunk counts")
         chunks = torch.arange(counts.numel() + 1, device=packed.device)
         index = torch.repeat_interleave(chunks, torch.cat([counts, counts.new_full((1,), last)])) * at.chunk + offsets
-        if k and (int(index.max()) >= n or (index[1:] <= index[:-1]).any()):
+        if k and (int(index.max()) >= n or int(offsets.max()) >= at.chunk or (index[1:] <= index[:-1]).any()):
             raise ValueError("top-k payload has indices out of range or out of order")
         values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - _ceil_div(k, 2):]])
         out = torch.zeros(n, dtype=torch.float64, device=packed.device)

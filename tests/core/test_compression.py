@@ -155,6 +155,16 @@ def test_topk_round_trips_full_chunks_and_both_index_layouts(n, fraction, chunk)
     assert ((exact[kept] - x[kept]).abs() <= _block_bound(x[kept], 64, 7)).all()
 
 
+def test_a_topk_offset_outside_its_chunk_is_refused():
+    """A byte offset of 255 would read as the next chunk's first entry: a malformed payload, not decoded."""
+    x, codec = _delta(1000, seed=4), TopK(0.03)
+    payload = codec.encode({"x": x})
+    scales, counts = 2 * math.ceil(30 / 64), 3  # k = 30 values in one block; chunks of 255: 4, the last implied
+    payload["x"][scales + counts] = 255  # the first kept entry's offset
+    with pytest.raises(ValueError, match="out of range"):
+        codec.decode(payload, layout_of({"x": x}))
+
+
 def _exact_sum(tensors):
     """Per entry, the exact rational sum of the tensors' values."""
     columns = zip(*(t.double().reshape(-1).tolist() for t in tensors))

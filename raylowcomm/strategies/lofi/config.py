@@ -43,7 +43,8 @@ class LofiConfig:
     average into its own base. Not with soup: greedy."""
     compress: Literal["none", "int8", "int4", "topk"] = "none"
     """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
-    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, indices in 1.1–2 bytes)."""
+    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, an index in about
+    1 + 1/(255·topk_fraction) bytes, 2 in tensors sparser than 0.4%)."""
     topk_fraction: float = 0.01
     """compress: topk: the fraction of each tensor's entries sent."""
     compress_block: int = 64
