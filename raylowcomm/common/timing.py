@@ -46,21 +46,23 @@ class Stopwatch:
         self.parts[part] = round(self.parts.get(part, 0.0) + seconds, 3)
 
 
-def rss_bytes() -> int:
-    """This process's resident memory now (Linux's VmRSS; 0 where /proc is not there)."""
+def _status_bytes(field: str) -> int | None:
+    """A memory line of Linux's /proc/self/status (VmRSS, VmHWM) in bytes; None without /proc."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
     except (OSError, StopIteration):
-        return 0
+        return None
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux's VmRSS; 0 where /proc is not there)."""
+    return _status_bytes("VmRSS") or 0
 
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory: Linux's VmHWM, which is this program's own, where
     ru_maxrss keeps the peak of the process it was forked from across exec (a parent that held
     gigabytes shows as this process's peak); ru_maxrss elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
