@@ -242,3 +242,29 @@ def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrup
     assert all(torch.equal(a[k], b[k]) for k in a)
     for x, y in zip(round_files(tmp_path / "clean" / "state"), round_files(tmp_path / "killed" / "state")):
         assert all(torch.equal(x[k], y[k]) for k in x)  # residuals, momentum and global model alike
+
+
+@pytest.mark.slow
+def test_node_0_restarted_between_bn_recalibration_and_its_save_saves_the_combined_statistics(ray_session, tmp_path,
+                                                                                             monkeypatch):
+    """Node 0 killed once the combined BatchNorm statistics are loaded, before it scores and saves the average:
+    restarted, it restores the average from its round file and the combined statistics from storage, so the
+    saved model equals an uninterrupted run's, statistics included."""
+    from raylowcomm.strategies.lofi import Lofi
+
+    cfg = tiny_config(average_every=8, compress="int4", bn_recalibrate=True)
+    _, clean = run_lofi(cfg, tmp_path / "clean")
+    recalibrate, killed = Lofi._recalibrate_bn, []
+
+    def recalibrate_then_kill_node_0(group, average, batches, held):
+        recalibrate(group, average, batches, held)
+        killed.append(ray.get(group[0].info.remote())["pid"])
+        ray.kill(group[0])  # the next call (scoring) finds it dead and restarts it
+
+    monkeypatch.setattr(Lofi, "_recalibrate_bn", staticmethod(recalibrate_then_kill_node_0))
+    _, rec = run_lofi(cfg, tmp_path / "killed")
+    assert killed and rec["nodes"][0]["pid"] != killed[0], "node 0 was not restarted after the recalibration"
+    a, b = load_file(clean["weights"]), load_file(rec["weights"])
+    bn = [k for k in a if k.endswith(("running_mean", "running_var"))]
+    assert bn and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert rec["metrics"] == clean["metrics"]

@@ -44,6 +44,8 @@ class LofiNode(Node, PeerRounds):
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
         if start is not None:
             self.init_rounds(start)
+        if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
+            self._load_bn(storage.load_tensors(self._bn_path)[0])
 
     def _save(self, step: int) -> None:
         """Model and optimizer; under LoRA the adapters and head only until an average is merged
@@ -113,8 +115,18 @@ class LofiNode(Node, PeerRounds):
         stats = self.fine_tune.plain_names(stats)  # the average's names
         return {k: v.cpu() for k, v in stats.items()}, count  # nothing device-resident goes to the driver
 
+    @property
+    def _bn_path(self) -> str:
+        return f"lofi/final/bn_statistics_node{self.rank}.safetensors"
+
     def load_bn_statistics(self, stats: dict) -> None:
-        """The combined BatchNorm statistics (plain names), into the model this node holds (it is scored next)."""
+        """The combined BatchNorm statistics (plain names), into the model this node holds (it is scored
+        and saved next); kept in storage too, so a node restarted before its save loads them again
+        instead of keeping the statistics of its own checkpoint."""
+        self._load_bn(stats)
+        self.storage.save_tensors(self._bn_path, stats)
+
+    def _load_bn(self, stats: dict) -> None:
         names = self.fine_tune.plain_names({k: k for k in self.model.state_dict()})  # plain name -> the model's
         missing = stats.keys() - names.keys()
         if missing:
