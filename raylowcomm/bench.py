@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -23,19 +22,19 @@ from pathlib import Path
 
 import yaml
 
+from raylowcomm.cluster import tc_rate_bits
 from raylowcomm.config import ConfigError, RunConfig
 
 LINK_PROBE_BYTES = 20_000_000
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
-_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def rate_bits(rate: str) -> float:
-    """'100mbit' -> 1e8; a tc rate in kbit/mbit/gbit."""
-    m = _RATE.match(rate)
-    if not m:
-        raise ConfigError("--rate", rate, "a tc rate such as 100mbit, 1gbit or 500kbit")
-    return float(m.group(1)) * _BITS[m.group(2)]
+    """'100mbit' -> 1e8 bits/s: a rate `tc tbf` takes (`cluster.tc_rate_bits`), checked before any
+    namespace or cluster is made."""
+    try:
+        return tc_rate_bits(rate)
+    except ValueError as err:
+        raise ConfigError("--rate", rate, str(err)) from None
 
 
 def tbf_burst(rate: str) -> str:
@@ -128,6 +127,7 @@ def _exit_on_sigterm(signum, frame):
 def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down."""
     from raylowcomm.cluster import NamespaceCluster
+    from raylowcomm.config.checks import check_storage
     from raylowcomm.data import describe_data
     from raylowcomm.models import model_source
 
@@ -137,6 +137,8 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     cfg = wan_config(cfg)
     describe_data(cfg)  # bad data and missing assets fail here, before any namespace or cluster exists,
     model_source(cfg.model)  # without loading model and data twice: the run on the cluster loads them
+    if cfg.storage is not None:  # the default, OUT/<rate>/state, lies in `out`, checked by the CLI
+        check_storage(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
     _write_config(cfg, config_path)

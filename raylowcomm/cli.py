@@ -198,6 +198,7 @@ def _report(args) -> int:
 def _tune(args) -> int:
     from raylowcomm import assets
     from raylowcomm.config import ConfigError
+    from raylowcomm.config.checks import check_storage
     from raylowcomm.tune import SweepError, format_summary, load_sweep, run_sweep
 
     try:
@@ -206,6 +207,8 @@ def _tune(args) -> int:
             check_out_dir(args.storage_path, "--storage-path")
         else:
             check_out_dir(sweep.spec.storage_path, "storage_path")
+        if sweep.cfg.storage is not None:  # the trials' own state: written once now, before Ray starts
+            check_storage(sweep.cfg, sweep.cfg.out_dir)
         summary = run_sweep(sweep, args.storage_path)
     except (SweepError, ConfigError, assets.AssetError) as err:
         return _fail(err)

@@ -49,6 +49,31 @@ AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 logger = logging.getLogger(__name__)
 
 
+_TC_RATE = re.compile(r"^(\d+(?:\.\d+)?)([a-z]+)$", re.IGNORECASE)
+_TC_RATE_BITS = {
+    **{f"{prefix}bit": scale for prefix, scale in (("", 1), ("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12))},
+    **{f"{prefix}ibit": 1024.0**power for power, prefix in enumerate(("k", "m", "g", "t"), 1)},
+    **{f"{prefix}bps": 8 * scale for prefix, scale in (("", 1), ("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12))},
+    **{f"{prefix}ibps": 8 * 1024.0**power for power, prefix in enumerate(("k", "m", "g", "t"), 1)},
+}
+"""tc's rate units in bits/s (tc(8); matched as tc does, case-insensitively): *bps are bytes/s."""
+
+
+def tc_rate_bits(rate: str) -> float:
+    """'100mbit' -> 1e8: a rate `tc tbf` takes, in bits/s — a number and one of tc's units, from 1
+    byte/s (tbf's rate of 0 bytes is none) to below tc's 2**64 bytes/s — or a ValueError saying so,
+    so a bad rate is refused before a namespace is made, not by tc after."""
+    m = _TC_RATE.match(rate)
+    unit = m and m.group(2).lower()
+    if unit not in _TC_RATE_BITS:
+        raise ValueError("a tc rate: a positive number and a unit (bit, kbit, mbit, gbit, tbit; kbps, mbps... are "
+                         "bytes/s), e.g. 100mbit, 1gbit or 500kbit")
+    bits = float(m.group(1)) * _TC_RATE_BITS[unit]
+    if not 8 <= bits < 8 * 2.0**64:
+        raise ValueError("tc shapes from 8bit (1 byte/s) to below 2**64 bytes/s: give a link rate such as 100mbit")
+    return bits
+
+
 class ClusterError(RuntimeError):
     """The cluster could not be made or did not come up; the message says what and where."""
 
@@ -298,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("give a command after --")
+    if args.shape:
+        try:
+            tc_rate_bits(args.shape)
+        except ValueError as err:
+            p.error(f"--shape {args.shape}: {err}")
     with NamespaceCluster(args.hosts, args.cpus) as cluster:
         if args.shape:
             cluster.shape(args.shape)

@@ -14,8 +14,8 @@ from pathlib import Path
 import ray
 import yaml
 
-from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.config.checks import check_seed
+from raylowcomm.config import ConfigError, RunConfig, yaml_problem
+from raylowcomm.config.checks import check_seed, check_storage
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.env import quiet_loaders, set_hub_defaults
 from raylowcomm.execution import check_placement, resolve_hosts
@@ -23,7 +23,6 @@ from raylowcomm.finetune import ModelRecipe, load_pretrained
 from raylowcomm.models import image_preprocessing
 from raylowcomm.progress import LiveProgress, ProgressView
 from raylowcomm.runtime import init_ray
-from raylowcomm.storage import Storage
 from raylowcomm.strategies import STRATEGIES, nodes_may_load
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.tensorboard import TensorBoardLog
@@ -36,6 +35,7 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     """Everything that can fail on bad input happens here, before any actor starts; `timings`
     gets the seconds spent loading the model and the data (asset materialisation included)."""
     timings = {} if timings is None else timings
+    storage = check_storage(cfg, out_dir)  # written once now: storage that cannot be written stops the run here
     t0 = time.perf_counter()
     plan = describe_data(cfg)  # the data's columns, classes and task: bad input stops here, before the model loads
     t1 = time.perf_counter()
@@ -48,8 +48,7 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     sizes = data.train.sizes(cfg.nodes.count)  # None with node_files: the nodes know theirs
     if sizes:
         total_steps(cfg.optim, min(sizes))  # batch size vs shard size, checked now
-    ctx = RunContext(cfg, model, spec, data, out_dir, storage=Storage(cfg.storage or out_dir / "state"), resume=resume,
-                     recipe=recipe)
+    ctx = RunContext(cfg, model, spec, data, out_dir, storage=storage, resume=resume, recipe=recipe)
     for name in cfg.strategies:
         STRATEGIES[name].check(ctx)  # options the loaded model or data cannot take
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +61,7 @@ def check_resumable(cfg: RunConfig, out_dir: str | Path) -> None:
     saved = Path(out_dir) / "config.yaml"
     if not saved.is_file():
         raise ConfigError("--resume", str(out_dir), "holds no run (no config.yaml): give the folder a run wrote")
-    before, now = yaml.safe_load(saved.read_text()), yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    before, now = _saved_config(saved), yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     before.pop("out_dir", None), now.pop("out_dir", None)  # OUT itself, however the first run spelled it
     changed = sorted(_differences(before, now))
     if changed:
@@ -71,6 +70,22 @@ def check_resumable(cfg: RunConfig, out_dir: str | Path) -> None:
             str(out_dir),
             f"the run there had other settings ({', '.join(changed[:5])}): resume with the config it was started with",
         )
+
+
+def _saved_config(saved: Path) -> dict:
+    """The config a run wrote to OUT/config.yaml; a damaged one (truncated, not YAML, not a mapping)
+    is a ConfigError naming the file and, for bad YAML, the line, not a parser's traceback."""
+    try:
+        before = yaml.safe_load(saved.read_text())
+        problem = "is empty" if before is None else "holds no config mapping"
+    except yaml.YAMLError as err:
+        before, problem = None, yaml_problem(err)
+    except (UnicodeDecodeError, OSError) as err:
+        before, problem = None, f"cannot be read ({err})"
+    if not isinstance(before, dict):
+        raise ConfigError("--resume", str(saved), f"{problem}: the run's saved config is damaged; copy the config "
+                                                  "the run was started with over it, or start afresh in a new folder")
+    return before
 
 
 def _differences(a, b, prefix: str = "") -> list[str]:

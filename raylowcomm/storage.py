@@ -9,17 +9,26 @@ pickles to its URI: actors get one and open the filesystem themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import struct
+import threading
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     import torch
 
 SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")
 """The URI schemes `pyarrow.fs.FileSystem.from_uri` opens (mock: in memory, for tests)."""
+BUCKETED = ("s3", "gs", "gcs", "abfs", "abfss")
+"""Object stores whose URI names a bucket (or container) first: s3://BUCKET/PATH."""
+PROBE_TIMEOUT_S = 20.0
+"""How long `Storage.probe` waits for its marker to be written and deleted: an object store whose
+credentials chain or endpoint never answers is reported, not waited on for minutes."""
 
 
 def storage_problem(uri: str) -> str | None:
@@ -27,12 +36,17 @@ def storage_problem(uri: str) -> str | None:
     scheme pyarrow.fs does not open, or a local or mounted path that is (or lies under) a file."""
     if "://" in uri:
         scheme = uri.split("://", 1)[0].lower()
+        if scheme in BUCKETED and not urlsplit(uri).netloc.rpartition("@")[2]:
+            return f"names no bucket: give {scheme}://BUCKET/PATH"
         if scheme in SCHEMES:
             return None
         return (f"pyarrow.fs cannot open {scheme}:// URIs: give a path every node can reach (a shared mount) or a URI "
                 f"of {', '.join(s + '://' for s in SCHEMES[:-1])}")
     target = Path(uri).expanduser().absolute()
-    existing = next(p for p in (target, *target.parents) if p.exists())  # the root always exists
+    try:
+        existing = next(p for p in (target, *target.parents) if p.exists())  # the root always exists
+    except OSError as err:  # a folder on the way that may not be searched
+        return f"cannot be looked into ({err.strerror}: {err.filename}): give a folder the driver and the nodes reach"
     if existing.is_dir():
         return None
     where = "is a file" if existing == target else f"lies under {existing}, which is a file"
@@ -57,6 +71,44 @@ class Storage:
 
             self._fs, self._base = fs.FileSystem.from_uri(self.uri)
         return self._fs, self._base
+
+    def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+        """Why a run could not write here, or None: a marker written the way checkpoints are (folder
+        made, file written, renamed where local) and deleted, so read-only, uncreatable, unreachable
+        or refused storage stops a run before Ray starts, not at its first checkpoint. Object stores
+        are asked with one retry and short timeouts, the whole probe under `timeout_s`. The driver
+        writes results and final weights here too, so it asks from the driver, also on a cluster.
+        Local folders the probe made are removed again."""
+        from pyarrow import ArrowException
+
+        marker, failure, made = f".raylowcomm-probe-{uuid.uuid4().hex[:8]}", [], []
+
+        def write_and_delete() -> None:
+            try:
+                if self.is_local:
+                    target = Path(self.path(""))
+                    made.extend(p for p in (target, *target.parents) if not p.exists())  # innermost first
+                quick = Storage(self.uri)
+                quick._fs, quick._base = _quick(*self._open())
+                quick.write_bytes(marker, b"")
+                quick.delete(marker)
+            except (OSError, ArrowException) as err:
+                failure.append(err)
+            for folder in made:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+        worker = threading.Thread(target=write_and_delete, name="storage-probe", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        fix = ("give a folder the driver and every node can write (made if missing)" if self.is_local
+               else "check the bucket, the endpoint and the credentials")
+        if worker.is_alive():
+            return f"writing a test file there got no answer in {timeout_s:g} s: {fix}"
+        if failure:
+            detail = re.sub(r"^\[Errno \d+\] ", "", " ".join(str(failure[0]).split()))
+            return f"cannot be written ({detail}): {fix}"
+        return None
 
     @property
     def fs(self):
@@ -137,3 +189,21 @@ class Storage:
             self.fs.delete_dir(self.path(rel))
         elif info.type == fs.FileType.File:
             self.fs.delete_file(self.path(rel))
+
+
+def _quick(filesystem, base: str) -> tuple:
+    """`filesystem` with one retry and short timeouts where pyarrow lets them be set (S3, GCS), for
+    `Storage.probe`: an unreachable endpoint answers in about a second, not after retries. Its
+    other options (endpoint, region, credentials) are those `from_uri` read, as pickling keeps them."""
+    from datetime import timedelta
+
+    from pyarrow import fs
+
+    name = type(filesystem).__name__
+    if name == "S3FileSystem":
+        options = {**filesystem.__reduce__()[1][0], "connect_timeout": 5, "request_timeout": 10,
+                   "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=2)}
+        return fs.S3FileSystem(**options), base
+    if name == "GcsFileSystem":
+        return fs.GcsFileSystem(**{**filesystem.__reduce__()[1][0], "retry_time_limit": timedelta(seconds=10)}), base
+    return filesystem, base

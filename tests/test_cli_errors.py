@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +61,13 @@ def _sweep_with_bad_base(tmp: Path) -> str:
     sweep = _sweep(tmp)
     _write(tmp / "base.yaml", "optim: [\n")
     return sweep
+
+
+def _damaged_run(tmp: Path, saved: str = "model:\n  name: test_efficientnet\n  fam") -> str:
+    """A run folder whose config.yaml was cut off (mid-key, by default)."""
+    (tmp / "run").mkdir()
+    _write(tmp / "run" / "config.yaml", saved)
+    return str(tmp / "run")
 
 
 def _file(tmp: Path) -> str:
@@ -200,6 +211,15 @@ CASES = [
     ("seed-too-big", lambda t: ["run", _config(t), "--set", "seed=2147483648"], ("'seed'", "2**31")),
     ("seed-negative", lambda t: ["run", _config(t), "--set", "seed=-1"], ("'seed'", "2**31")),
     ("strategy-option-range", lambda t: ["run", _config(t), "--set", "lofi.average_every=0"], "lofi.average_every"),
+    # an averaging period longer than the run (GOOD: 2 shards of 32, batch 8, 1 epoch = 4 steps per node)
+    ("lofi-average-every-past-the-steps", lambda t: ["run", _config(t, lofi={"average_every": 5})],
+     ("lofi.average_every", "4 steps per node", "at most 4")),
+    ("lofi-average-every-past-the-epochs",
+     lambda t: ["run", _config(t, lofi={"average_every": 2, "average_unit": "epochs"})],
+     ("lofi.average_every", "1 epoch of 4 steps", "at most 1 (epochs)")),
+    ("lofi-average-every-epochs-past-max-steps",
+     lambda t: ["run", _config(t, lofi={"average_every": 1, "average_unit": "epochs"}), "--set", "optim.max_steps=2"],
+     ("lofi.average_every", "2 steps per node", "lofi.average_unit: steps")),
     ("greedy-soup-without-val", lambda t: ["run", _config(t), "--set", "lofi.soup=greedy"], "lofi.soup"),
     # Streaming DiLoCo's fragments and overlap: peer rounds every H steps; test_efficientnet has < 96 modules to cut
     ("fragments-without-peer-rounds", lambda t: ["run", _config(t, lofi={"average_every": 8, "fragments": 2})],
@@ -230,6 +250,8 @@ CASES = [
     ("spsa-bad-codec", lambda t: ["run", _config(t, strategies=["spsa"]), "--set", "spsa.codec=zip"], "spsa.codec"),
     ("spsa-density-off-the-256ths", lambda t: ["run", _config(t, strategies=["spsa"]), "--set", "spsa.density=0.3"],
      ("spsa.density", "76/256", "77/256")),
+    ("spsa-include-matches-nothing", lambda t: ["run", _config(t, strategies=["spsa"], spsa={"include": ["^head$"]})],
+     ("spsa.include", "matches none", "conv_stem.weight")),
     # --- data and model
     ("bad-data-name", lambda t: ["run", _config(t), "--set", "data.name=cifar"], "data.name"),
     ("family-data-mismatch", lambda t: ["run", _config(t), "--set", "model.family=hf_classifier"], "model.family"),
@@ -284,6 +306,17 @@ CASES = [
     ("storage-is-a-file", lambda t: ["run", _config(t, storage=_file(t))], ("'storage'", "is a file")),
     ("storage-under-a-file", lambda t: ["run", _config(t, storage=_file(t) + "/state")],
      ("'storage'", "which is a file")),
+    # --- storage that cannot be written: a marker written and deleted before Ray (root cannot write procfs either)
+    ("storage-s3-without-bucket", lambda t: ["run", _config(t, storage="s3://")],
+     ("'storage'", "names no bucket", "s3://BUCKET/PATH")),
+    ("storage-gs-without-bucket", lambda t: ["run", _config(t, storage="gs:///run")], ("'storage'", "no bucket")),
+    ("storage-unreachable-endpoint",
+     lambda t: ["run", _config(t, storage="s3://bucket/run?endpoint_override=127.0.0.1:1&scheme=http")],
+     ("'storage'", "cannot be written", "127.0.0.1:1", "endpoint")),
+    ("storage-uncreatable-folder", lambda t: ["run", _config(t, storage="/proc/raylowcomm/state")],
+     ("'storage'", "cannot be written", "/proc/raylowcomm")),
+    ("storage-folder-without-files", lambda t: ["run", _config(t, storage="/proc")],
+     ("'storage'", "cannot be written", "give a folder")),
     # --- model folders and files that hold no model
     ("model-path-empty-folder", lambda t: _hf_model(t, {}), ("'model.path'", "lacks config.json")),
     ("model-path-text-only", lambda t: _hf_model(t, {"notes.txt": "my model\n"}), ("'model.path'", "notes.txt")),
@@ -332,10 +365,20 @@ CASES = [
     ("seeds-missing-argument", lambda t: ["run", _config(t), "--seeds"], "--seeds"),
     ("seeds-resume-not-a-seeds-run", lambda t: ["run", _config(t), "--seeds", "0,1", "--resume", str(t)],
      ("--resume", "no seeds.json")),
+    # --- --resume: the run's own config.yaml, damaged
+    ("resume-truncated-config", lambda t: ["run", _config(t), "--resume", _damaged_run(t)],
+     ("--resume", "config.yaml", "line 3", "start afresh")),
+    ("resume-empty-config", lambda t: ["run", _config(t), "--resume", _damaged_run(t, "")],
+     ("--resume", "config.yaml", "is empty")),
+    ("resume-config-not-a-mapping", lambda t: ["run", _config(t), "--resume", _damaged_run(t, "- lofi\n")],
+     ("--resume", "holds no config mapping")),
     # --- output folder
     ("out-is-a-file", lambda t: ["run", _config(t), "--out", _file(t)], "--out"),
     ("out-under-a-file", lambda t: ["run", _config(t), "--out", _file(t) + "/run"], "--out"),
     ("out-dir-field-is-a-file", lambda t: ["run", _config(t, out_dir=_file(t))], "out_dir"),
+    # modes stop a user (--out not writable); root, at the probe of OUT/state, the default storage
+    ("out-uncreatable", lambda t: ["run", _config(t), "--out", "/proc/raylowcomm/run"],
+     ("/proc/raylowcomm/run", "writ")),
     # --- the command line
     ("unknown-flag", lambda t: ["run", _config(t), "--bogus"], "--bogus"),
     ("unknown-subcommand", lambda t: ["frobnicate"], "frobnicate"),
@@ -350,6 +393,14 @@ CASES = [
     ("bench-local-with-rate", lambda t: ["bench", "local", _config(t), "--rate", "1gbit"], "--rate"),
     ("bench-local-out-is-a-file", lambda t: ["bench", "local", _config(t), "--out", _file(t)], "--out"),
     ("bench-wan-bad-rate", lambda t: ["bench", "wan", _config(t), "--rate", "fast"], "--rate"),
+    # rates tc tbf refuses, before any namespace or cluster is built
+    ("bench-wan-zero-rate", lambda t: ["bench", "wan", _config(t), "--rate", "0mbit"], ("--rate", "'0mbit'", "8bit")),
+    ("bench-wan-negative-rate", lambda t: ["bench", "wan", _config(t), "--rate=-5mbit"], ("--rate", "positive")),
+    ("bench-wan-unknown-unit", lambda t: ["bench", "wan", _config(t), "--rate", "100mbits"], ("--rate", "100mbits")),
+    ("bench-wan-rate-without-unit", lambda t: ["bench", "wan", _config(t), "--rate", "100"], ("--rate", "unit")),
+    ("bench-wan-rate-below-a-byte", lambda t: ["bench", "wan", _config(t), "--rate", "4bit"], ("--rate", "8bit")),
+    ("bench-wan-second-rate-bad", lambda t: ["bench", "wan", _config(t), "--rate", "1gbit", "--rate", "0.0kbit"],
+     ("--rate", "0.0kbit")),
     # --- tune
     ("tune-missing-sweep", lambda t: ["tune", str(t / "sweep.yaml")], "sweep.yaml"),
     ("tune-malformed-sweep", lambda t: ["tune", str(_write(t / "sweep.yaml", "space:\n  optim.lr: {grid: [1, 2}\n"))],
@@ -422,6 +473,42 @@ def test_out_not_writable(tmp_path, capsys, no_ray):
         locked.chmod(0o700)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "--out" in lines[0] and "not writable" in lines[0]
+
+
+CHILD_CLI = ("import sys, ray; from raylowcomm.cli import main; "
+             "code = main(sys.argv[1:]); sys.exit(3 if ray.is_initialized() else code)")
+"""`raylowcomm` in a child process, exit code 3 if it initialised Ray."""
+
+
+def test_storage_read_only(tmp_path, capsys, no_ray):
+    """A read-only folder as `storage` is refused before Ray starts: mode 0o555 for a user; for root,
+    whom modes do not stop, a read-only bind mount in a mount namespace of the child's own."""
+    state = tmp_path / "state"
+    state.mkdir()
+    argv = ["run", _config(tmp_path, storage=str(state))]
+    if os.geteuid() != 0:
+        state.chmod(0o555)
+        try:
+            code, err = main(argv), capsys.readouterr().err
+        finally:
+            state.chmod(0o755)
+    else:
+        if shutil.which("unshare") is None:
+            pytest.skip("root writes through modes, and unshare (util-linux) is missing for a read-only mount")
+        folder = shlex.quote(str(state))
+        script = (f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} || exit 99; "
+                  f'exec {shlex.quote(sys.executable)} -c {shlex.quote(CHILD_CLI)} "$@"')
+        proc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode == 99:
+            pytest.skip(f"root writes through modes, and no read-only bind mount can be made here: {proc.stderr}")
+        code, err = proc.returncode, proc.stderr
+        assert "Read-only file system" in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert "'storage'" in lines[0] and "cannot be written" in lines[0], lines[0]
+    assert not no_ray and list(state.iterdir()) == []
 
 
 def test_help_is_not_an_error(capsys):

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from raylowcomm import catalog
 from raylowcomm.config.schema import ConfigError, DataConfig, RunConfig
+
+if TYPE_CHECKING:
+    from raylowcomm.storage import Storage
 
 SEED_LIMIT = 2**31
 """Seeds (`seed`, `--seeds`) are integers in [0, 2**31): a node's per-step seed is (seed * 1000 + node)
@@ -67,6 +71,21 @@ def _check_locations(cfg: RunConfig) -> None:
         problem = storage_problem(cfg.storage)
         if problem is not None:
             raise ConfigError("storage", cfg.storage, problem)
+
+
+def check_storage(cfg: RunConfig, out_dir: str | Path) -> Storage:
+    """The run's `storage` (else OUT/state), written and deleted once (`Storage.probe`): one that
+    cannot be written is a ConfigError naming the field now, before Ray or any actor starts, not a
+    pyarrow traceback at the first checkpoint. Returns the `Storage`."""
+    from raylowcomm.storage import Storage
+
+    storage = Storage(cfg.storage or Path(out_dir) / "state")
+    problem = storage.probe()
+    if problem is not None and cfg.storage is not None:
+        raise ConfigError("storage", cfg.storage, problem)
+    if problem is not None:
+        raise ConfigError("out_dir", str(out_dir), f"its state folder {storage.uri} (the default `storage`) {problem}")
+    return storage
 
 
 def validate_lora(cfg: RunConfig) -> None:

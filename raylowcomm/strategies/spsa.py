@@ -224,13 +224,27 @@ class Spsa(Strategy):
             raise ConfigError(f"spsa.{err.field}", err.value, err.allowed) from None
         warn_unused(cfg, "spsa", restarts="a node that dies leaves the run; new ones join with spsa.join")
 
+    @staticmethod
+    def check(ctx: RunContext) -> None:
+        """spsa.include must match a weight SPSA tunes: the names come from the driver's architecture
+        (weights or not), so a pattern that matches none stops the run before Ray starts."""
+        include = ctx.cfg.options["spsa"].include
+        if not include:
+            return
+        try:
+            trainable_parameters(ctx.architecture, include)
+        except ValueError:
+            names = [n for n, _ in trainable_parameters(ctx.architecture)]
+            some = names[:: max(1, len(names) // 4)][:4]
+            raise ConfigError("spsa.include", include, f"matches none of the {len(names)} weights SPSA would tune "
+                                                       f"(e.g. {', '.join(some)}): give regexes (re.search) of their "
+                                                       "names, or null for all") from None
+
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts = ctx.cfg, ctx.cfg.options["spsa"]
         sizes = ctx.data.train.sizes(cfg.nodes.count + len(opts.join))  # one shard per slot; None: the nodes know
         steps = opts.steps or (total_steps(cfg.optim, min(sizes)) if sizes else None)
         self.validate(cfg, steps)
-        if opts.include:
-            trainable_parameters(ctx.architecture, opts.include)  # fails here, not in an actor, if nothing matches
         with NodeGroup(SpsaNode, cfg, Ledger(), bundles=self.bundles(cfg)) as group:  # joiners' slots too
             return SpsaRun(ctx, group, steps).run()
 

@@ -145,7 +145,12 @@ class Lofi(Strategy):
 
     @staticmethod
     def check(ctx: RunContext) -> None:
+        from raylowcomm.strategies.lofi.config import check_schedule
+
         streaming.check(ctx.cfg.options["lofi"], ctx.architecture, ctx.fine_tune)
+        sizes = ctx.data.train.sizes(ctx.cfg.nodes.count)  # None with data.node_files: only the nodes know theirs
+        if sizes:
+            check_schedule(ctx.cfg, min(sizes))
 
     @staticmethod
     def _validate_exchange(cfg: RunConfig) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from raylowcomm.config import ConfigError, RunConfig
+
 MAX_COMPRESS_BLOCK = 65536
 """lofi.compress_block's upper bound: every node pads each tensor to whole blocks."""
 
@@ -60,3 +62,31 @@ class LofiConfig:
     mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
     (0 with model.lora)."""
+
+
+def check_schedule(cfg: RunConfig, smallest_shard: int) -> None:
+    """lofi.average_every against the run's length (the steps of its smallest shard): a period
+    longer than the run never comes round, and the run would train as plain lo-fi, one average at
+    its end, while the config asks for rounds."""
+    from raylowcomm.common.batches import steps_per_epoch
+    from raylowcomm.training import total_steps
+
+    o = cfg.options["lofi"]
+    if o.average_every is None:
+        return
+    steps, per_epoch = total_steps(cfg.optim, smallest_shard), steps_per_epoch(smallest_shard, cfg.optim.batch_size)
+    every = o.average_every * (per_epoch if o.average_unit == "epochs" else 1)
+    if every <= steps:
+        return
+    run = f"the run takes {steps} steps per node"
+    end = "no round would come before its end (one average there, as plain lo-fi)"
+    if o.average_unit == "steps":
+        raise ConfigError("lofi.average_every", o.average_every,
+                          f"{every} steps is longer than the run: {run}, so {end}: set lofi.average_every to at most "
+                          f"{steps}, or null for one average at the end")
+    epochs = steps / per_epoch
+    fix = f"at most {steps // per_epoch} (epochs)" if epochs >= 1 else f"at most {steps} with lofi.average_unit: steps"
+    raise ConfigError("lofi.average_every", o.average_every,
+                      f"{o.average_every} epoch{'s' * (o.average_every != 1)} ({every} steps) is longer than the run: "
+                      f"{run} ({epochs:g} epoch{'s' * (epochs != 1)} of {per_epoch} steps), so {end}: set "
+                      f"lofi.average_every to {fix}, or null for one average at the end")
