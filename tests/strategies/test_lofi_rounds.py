@@ -1,8 +1,10 @@
 """lo-fi rounds that travel node to node (lofi.exchange: peers), compressed outer gradients with error feedback."""
 
+import contextlib
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -10,14 +12,16 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from raylowcomm.actors import ActorDied
+from raylowcomm.actors import ActorDied, NodeGroup
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import LoraConfig
+from raylowcomm.core.averaging import average_state_dicts
 from raylowcomm.core.compression import layout_of, make_codec
-from raylowcomm.lora import trainable_state
+from raylowcomm.lora import average_delta, lora_layers, plain_key, trainable_state
 from raylowcomm.models import state_dict_of
-from raylowcomm.strategies.lofi import rounds
-from raylowcomm.strategies.lofi.rounds import PeerRounds, floats
+from raylowcomm.strategies.lofi import node_rounds
+from raylowcomm.strategies.lofi.node_rounds import NodeRounds
+from raylowcomm.strategies.lofi.payload import floats
 from tests.strategies.test_lofi import run_lofi, tiny_config
 
 ROUND_KINDS = {"train/control", "train/train_stats", "train/outer_gradients", "train/round_replies", "train/round_args",
@@ -116,21 +120,133 @@ def test_one_compressed_average_is_decoded_on_the_driver_from_the_pretrained_wei
     assert all(torch.equal(result[k], node0[f"model.{k}"]) for k, _ in ctx.model.named_parameters())
 
 
+U32, U64, TINY = 2.0**-24, 2.0**-53, 2.0**-146
+"""float32's and float64's unit roundoff: round to nearest errs by at most u·|x| in the normal range; TINY covers
+float32's subnormals, where a rounding errs by at most 2^-150 absolute, for the few roundings of one result."""
+
+
+@contextlib.contextmanager
+def watching_rounds(state_dir, n=2):
+    """What the nodes hold around each averaging round of a run, read from storage while the driver waits on
+    them (NodeGroup.call returns once every node has answered): after each `train` call every node's checkpoint
+    (its weights at the boundary, which the round then averages) and the last round's global model
+    (lofi/global.safetensors: the driver's in a star, node 0's with peers); after each round lands
+    (`apply_round`, peers) or is loaded (`load_weights`, star) every node's checkpoint again."""
+    seen = SimpleNamespace(trained=[], landed=[])
+    call = NodeGroup.call
+
+    def nodes():
+        files = [load_file(str(state_dir / "lofi" / "checkpoints" / f"node{k}.safetensors")) for k in range(n)]
+        return [{name[len("model."):]: v for name, v in f.items() if name.startswith("model.")} for f in files]
+
+    def global_model():
+        path = state_dir / "lofi" / "global.safetensors"
+        if not path.exists():
+            return None
+        return {name[len("global."):]: v for name, v in load_file(str(path)).items() if name.startswith("global.")}
+
+    def watched(group, method, *args, **kwargs):
+        out = call(group, method, *args, **kwargs)
+        if method == "train":
+            seen.trained.append(SimpleNamespace(nodes=nodes(), global_model=global_model()))
+        elif method in ("apply_round", "load_weights"):
+            seen.landed.append(nodes())
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NodeGroup, "call", watched)
+        yield seen
+
+
+def peer_round(global_model: dict, nodes: list[dict], weights: list[float]) -> dict:
+    """An uncompressed peer round as every node computes it (payload.DeltaCodec with codec none, then the plain
+    outer step): Δ_k = θ_g − θ_k in float64, rounded to float32 where node k sends it; Δ̄ = Σ_k w_k·Δ_k / Σ_k w_k
+    accumulated in float64 in node order; θ_g − Δ̄ in float64, rounded once. Only elementwise IEEE operations,
+    each its own kernel (nothing fused), so every CPU gets these bits: a run must match them exactly."""
+    total, out = math.fsum(weights), {}
+    for k, g in global_model.items():
+        sent = [(g.double() - node[k].double()).to(g.dtype).double() for node in nodes]
+        acc = sent[0] * weights[0]
+        for d, w in zip(sent[1:], weights[1:]):
+            acc = acc + d * w
+        out[k] = (g.double() - acc / total).to(g.dtype)
+    return out
+
+
+def star_vs_peer_bound(global_model: dict, nodes: list[dict]) -> dict:
+    """Per element, how far one uncompressed peer round (b) may land from the star's average (a) of the same
+    two equally weighted float32 nodes θ_k, from the global model θ_g. With m = mean_k θ_k, d_k = θ_g − θ_k
+    (exact reals), u = 2^-24, ε = 2^-53: the star rounds the float64 mean once, |a − m| ≤ (u + 2ε)|m|; node k
+    sends D_k = fl32(fl64(d_k)), |D_k − d_k| ≤ (u + 2ε)|d_k|; their float64 mean Δ̄ errs by at most
+    E = (u + 4ε)·mean_k|d_k|, and b = fl32(fl64(θ_g − Δ̄)) has |b − m| ≤ (u + 2ε)(|m| + E) + E. So
+    |a − b| ≤ (2u + 4ε)|m| + (1 + u + 2ε)(u + 4ε)·mean_k|d_k| < 2^-22·(|m| + mean_k|d_k|), plus TINY."""
+    out = {}
+    for k, g in global_model.items():
+        m = sum(node[k].double() for node in nodes) / len(nodes)
+        d = sum((g.double() - node[k].double()).abs() for node in nodes) / len(nodes)
+        out[k] = 2.0**-22 * (m.abs() + d) + TINY
+    return out
+
+
+def assert_equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
 def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_tolerance(ray_session, tmp_path):
-    """Not bit for bit: θ_g − mean_k(θ_g − θ_k) rounds differently from mean_k θ_k (Δ is rounded to float32
-    on the node), so the runs differ by float32 rounding carried through 3 rounds and 32 SGD steps: below
-    1e-4 absolute + 1e-4 relative (measured: 1.2e-5 on weights, 1.9e-5 relative on BN statistics)."""
-    _, star = run_lofi(tiny_config(average_every=8, bn_recalibrate=False), tmp_path / "star")
-    ctx, peers = run_lofi(tiny_config(average_every=8, bn_recalibrate=False, exchange="peers"), tmp_path / "peers")
+    """Each round, as it happened in both runs, from what the nodes held at its boundary: a peer round lands
+    exactly on θ_g − mean_k fl32(θ_g − θ_k) on every node (the arithmetic of `peer_round`, bit for bit), a star
+    round on mean_k θ_k; from the same nodes (the first round: nothing crossed before it) the two differ by
+    float32 rounding alone, within a bound derived from the arithmetic (`star_vs_peer_bound`). Rounds after the
+    first start from models that differ by that rounding, carried through SGD: no bound compares those, so
+    each run is checked against its own nodes."""
+    with watching_rounds(tmp_path / "star" / "state") as star_rounds:
+        _, star = run_lofi(tiny_config(average_every=8, bn_recalibrate=False), tmp_path / "star")
+    with watching_rounds(tmp_path / "peers" / "state") as peer_rounds:
+        ctx, peers = run_lofi(tiny_config(average_every=8, bn_recalibrate=False, exchange="peers"), tmp_path / "peers")
     assert star["details"]["exchange"] == "driver" and peers["details"]["exchange"] == "peers"
     # N = 2: a star moves 2·N models a round, peers N·(N−1) float32 Δs (integer counters stay home)
     star_bytes = star["comm"]["by_kind"]["train/node_weights"] + star["comm"]["by_kind"]["train/global_weights"]
     assert peers["comm"]["by_kind"]["train/outer_gradients"] == 3 * 2 * payload_bytes(ctx, "none") < star_bytes / 1.99
-    a, b = load_file(star["weights"]), load_file(peers["weights"])
-    for name in a:
-        if a[name].is_floating_point():
-            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-4)
-    assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
+    weights = [1.0, 1.0]
+    assert len(star_rounds.trained) == len(peer_rounds.trained) == 4  # boundaries 8, 16, 24, 32
+    assert len(star_rounds.landed) == 3 and len(peer_rounds.landed) == 4  # the final round lands on the nodes
+
+    # peers: every round, every node, bit for bit; the saved model is node 0's after the final round
+    g = floats(state_dict_of(ctx.model))  # every node's global model as it starts: the initial weights
+    for r, before in enumerate(peer_rounds.trained, 1):
+        g = peer_round(g, [floats(node) for node in before.nodes], weights)
+        if r < 4:
+            assert_equal(peer_rounds.trained[r].global_model, g, f"round {r}'s global model")
+        for k, node in enumerate(peer_rounds.landed[r - 1]):
+            assert_equal(floats(node), g, f"node {k}'s model after round {r}")
+    peers_saved = load_file(peers["weights"])
+    assert_equal(floats(peers_saved), g, "the saved model")
+
+    # star: every round the driver's average of the nodes it collected, loaded by every node
+    for r, before in enumerate(star_rounds.trained, 1):
+        average = average_state_dicts(before.nodes, weights)
+        if r < 4:
+            assert_equal(star_rounds.trained[r].global_model, average, f"star round {r}'s average")
+            for k, node in enumerate(star_rounds.landed[r - 1]):
+                assert_equal(node, average, f"node {k}'s model after star round {r}")
+    star_saved = load_file(star["weights"])
+    assert_equal(star_saved, average, "the star's saved model")
+
+    # round 1 from the same nodes: the two exchanges' results within the derived bound, not bit for bit
+    first = star_rounds.trained[0].nodes
+    for k, node in enumerate(first):
+        assert_equal(peer_rounds.trained[0].nodes[k], node, f"node {k} before any round")  # nothing crossed yet
+    a, b = star_rounds.trained[1].global_model, peer_rounds.trained[1].global_model
+    bound = star_vs_peer_bound(floats(state_dict_of(ctx.model)), [floats(node) for node in first])
+    assert b.keys() == bound.keys()
+    for name in b:
+        excess = (b[name].double() - a[name].double()).abs() - bound[name]
+        assert excess.max() <= 0, f"{name}: {excess.max().item():.3g} beyond the bound"
+    assert any(not torch.equal(a[k], b[k]) for k in b), "Δ rounded to float32 on the node changes some bits"
+    ints = [k for k in star_saved if not star_saved[k].is_floating_point()]
+    assert ints and all(torch.equal(star_saved[k], peers_saved[k]) for k in ints)  # every node ran the same steps
 
 
 BN_STATISTICS = (".running_mean", ".running_var", ".num_batches_tracked")
@@ -142,14 +258,75 @@ def lora_config(**lofi):
     return cfg
 
 
+@contextlib.contextmanager
+def one_thread():
+    """A float64 matmul's sum of r products is ordered by the kernel the thread count picks: the nodes run on
+    one thread (runtime.setup_threads, nodes.cpus 1), and so does what repeats their merges here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def plain(state: dict) -> dict:
+    """A PEFT model's state under the plain model's names, without adapters or BatchNorm statistics."""
+    return {pk: v for k, v in state.items() if (pk := plain_key(k)) is not None and not pk.endswith(BN_STATISTICS)}
+
+
+def sent_as_peers(start: dict, node: dict, names) -> dict:
+    """A node's tensors as its peers decode them: θ_g − fl32(θ_g − θ_k), in float64 (node_rounds._average)."""
+    return {k: start[k].double() - (start[k].double() - node[k].double()).to(start[k].dtype).double() for k in names}
+
+
+def lora_merge_bound(base: dict, starts: dict, nodes: list[dict], sent: list[dict], layers, a: dict, b: dict) -> dict:
+    """Per plain tensor, how far a peer round's merge (b, of the `sent` states) may land from the star's (a, of the
+    nodes' own states), two nodes weighted equally (w_k = 1/2), u = 2^-24. A sent factor x' = θ_g − fl32(θ_g − x)
+    is within e_x = 2^-23·|θ_g − x| + 2^-52·|x| + TINY of x (the float32 rounding of the difference and two float64
+    roundings). A merged weight is fl32(W0 + scale·Σ_k w_k·B_k·A_k) in float64: the two differ by at most
+    scale·Σ_k w_k·(e_B·|A'_k| + |B_k|·e_A) (the products' difference, on absolute values), plus each result's
+    float32 rounding, u(1 + 2u)·|result| < 2^-23·|result|, plus float64 rounding of the r-term products and the
+    sums, < 2^-48·(|W0| + scale·Σ_k w_k·(|B_k|·|A_k| + |B'_k|·|A'_k|)). A head's mean: Σ_k w_k·e_h plus the two
+    float32 roundings. Tensors no node trains are the base in both."""
+    def err(k, x):
+        return 2.0**-23 * (starts[k].double() - x.double()).abs() + 2.0**-52 * x.double().abs() + TINY
+
+    out, factors = {}, set()
+    for layer in layers:
+        factors |= {layer.a, layer.b}
+        exact = rounding = 0
+        for node, s in zip(nodes, sent):
+            bm, am = node[layer.b].double().flatten(1), node[layer.a].double().flatten(1)
+            bs, as_ = s[layer.b].flatten(1), s[layer.a].flatten(1)
+            exact = exact + 0.5 * (err(layer.b, node[layer.b]).flatten(1) @ as_.abs()
+                                   + bm.abs() @ err(layer.a, node[layer.a]).flatten(1))
+            rounding = rounding + 0.5 * (bm.abs() @ am.abs() + bs.abs() @ as_.abs())
+        exact, rounding = (layer.scale * t.view(layer.shape) for t in (exact, rounding))
+        out[layer.plain] = (exact + 2.0**-48 * (base[layer.plain].double().abs() + rounding)
+                            + 2.0**-23 * (a[layer.plain].double().abs() + b[layer.plain].double().abs()) + TINY)
+    for k in nodes[0].keys() - factors:
+        pk = plain_key(k)
+        out[pk] = (sum(0.5 * err(k, node[k]) for node in nodes)
+                   + 2.0**-23 * (a[pk].double().abs() + b[pk].double().abs()) + TINY)
+    for pk in a.keys() - out.keys():
+        out[pk] = torch.zeros_like(a[pk], dtype=torch.float64)
+    return out
+
+
 def test_lora_peer_rounds_send_adapters_and_merge_what_the_drivers_rounds_merge(ray_session, tmp_path):
     """With adapters, uncompressed peer rounds exchange the adapters' and head's Δ only; every node decodes
     each peer's, merges the exact average scale·Σ_k w_k·B_k·A_k into its base and restarts its adapters, as
-    the driver's rounds do: the two runs' weights agree to float32 rounding (Δ is rounded on the node). The
-    driver holds no base, so node 0 saves the result; BatchNorm statistics (not averaged without
-    recalibration) are each run's own and left out."""
-    _, star = run_lofi(lora_config(), tmp_path / "star")
-    ctx, peers = run_lofi(lora_config(exchange="peers"), tmp_path / "peers")
+    the driver's rounds do. Each round, as it happened in both runs, from what the nodes held at its boundary:
+    a peer round's merge is `average_delta` of the nodes' adapters as they crossed (Δ rounded to float32 on
+    the node) on the base the nodes held, bit for bit on every node; a star round's is the same merge of the
+    nodes' own adapters; from the same nodes (the first round) the two differ within a bound derived from the
+    arithmetic (`lora_merge_bound`). The driver holds no base, so node 0 saves the result; BatchNorm statistics
+    (not averaged without recalibration) are each node's own and left out."""
+    with watching_rounds(tmp_path / "star" / "state") as star_rounds:
+        _, star = run_lofi(lora_config(), tmp_path / "star")
+    with watching_rounds(tmp_path / "peers" / "state") as peer_rounds:
+        ctx, peers = run_lofi(lora_config(exchange="peers"), tmp_path / "peers")
     assert star["details"]["exchange"] == "driver" and peers["details"]["exchange"] == "peers"
     kinds = peers["comm"]["by_kind"]
     adapters = make_codec("none").payload_nbytes(layout_of(trainable_state(ctx.model)))
@@ -160,10 +337,45 @@ def test_lora_peer_rounds_send_adapters_and_merge_what_the_drivers_rounds_merge(
     assert peers["comm"]["by_phase"]["final"] < 3 * adapters  # the final round's payloads; no model crossed
     a, b = load_file(star["weights"]), load_file(peers["weights"])
     assert a.keys() == b.keys() and not any(".lora_" in k for k in b)
-    for name in a:
-        if not name.endswith(BN_STATISTICS):
-            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-4)
-    assert any(not torch.equal(a[k], b[k]) for k in a if not k.endswith(BN_STATISTICS))
+    trains, layers, weights = set(trainable_state(ctx.model)), lora_layers(ctx.model), [1.0, 1.0]
+    initial = state_dict_of(ctx.model)
+    assert len(star_rounds.trained) == len(peer_rounds.trained) == 4 and len(peer_rounds.landed) == 4
+
+    # peers: each round's merge on the base and global adapters the nodes held, bit for bit, on every node
+    held = initial  # node 0's whole model before the round (its global adapters are its own after a merge)
+    for r, before in enumerate(peer_rounds.trained, 1):
+        sent = [sent_as_peers(held, node, trains) for node in before.nodes]
+        with one_thread():
+            merged = average_delta(held, sent, layers, weights)
+        merged = {k: v.to(torch.float32) for k, v in plain(merged).items()}
+        for k, node in enumerate(peer_rounds.landed[r - 1]):
+            assert_equal(plain(node), merged, f"node {k}'s merged model after round {r}")
+        if r == 1:
+            first_sent, first_merged = sent, merged
+        held = peer_rounds.landed[r - 1][0]
+    assert_equal(plain(b), merged, "the saved model")
+
+    # star: each round's merge of the nodes' adapters on the driver's last average (the driver holds the base
+    # here and merges the final average too, in this process: no thread count to match)
+    base = initial
+    for r, before in enumerate(star_rounds.trained, 1):
+        average = average_delta(base, [{k: n[k] for k in trains} for n in before.nodes], layers, weights)
+        if r < 4:
+            assert_equal(star_rounds.trained[r].global_model, average, f"star round {r}'s average")
+        base = average
+    assert_equal(plain(a), plain(average), "the star's saved model")
+
+    # round 1 from the same nodes: the two exchanges' merges within the derived bound, not bit for bit
+    first = star_rounds.trained[0].nodes
+    for k, node in enumerate(first):
+        assert_equal(peer_rounds.trained[0].nodes[k], node, f"node {k} before any round")  # nothing crossed yet
+    star_first = plain(star_rounds.trained[1].global_model)
+    assert star_first.keys() == first_merged.keys()
+    bound = lora_merge_bound(plain(initial), initial, first, first_sent, layers, star_first, first_merged)
+    for name, value in first_merged.items():
+        excess = (value.double() - star_first[name].double()).abs() - bound[name]
+        assert excess.max() <= 0, f"{name}: {excess.max().item():.3g} beyond the bound"
+    assert any(not torch.equal(star_first[k], first_merged[k]) for k in first_merged)
 
 
 def test_compressed_lora_rounds_in_fragments_leave_the_nodes_identical_and_drop_restarted_residuals(ray_session,
@@ -180,20 +392,27 @@ def test_compressed_lora_rounds_in_fragments_leave_the_nodes_identical_and_drop_
     assert math.isfinite(rec["metrics"]["id_loss"])
 
 
+def bare_rounds(rank: int, rounds: int) -> NodeRounds:
+    """A node's side of peer rounds with no model behind it: what a round's bookkeeping reads of its node."""
+    peer = NodeRounds.__new__(NodeRounds)
+    peer.node, peer.in_flight = SimpleNamespace(rank=rank, rounds=rounds), None
+    return peer
+
+
 def test_a_payload_lost_with_its_node_mid_exchange_names_the_node_and_the_round(monkeypatch):
     """A node restarted between send_delta and apply_round holds no payload; a peer finds the payload's owner
     dead. Either way the round ends with ActorDied naming the node and the round, not a TypeError."""
-    restarted = PeerRounds()
-    restarted.rank, restarted.rounds, restarted.payload = 0, 2, None
+    restarted = bare_rounds(rank=0, rounds=2)
+    restarted.payload = None
     with pytest.raises(ActorDied, match=r"lofi node 0 died during averaging round 3's exchange.*--resume"):
         restarted.apply_round(3, [[None], [None]], [1.0, 1.0])
 
     def owner_died(ref):
         raise ray.exceptions.OwnerDiedError("00" * 28, "", "")
 
-    monkeypatch.setattr(rounds.ray, "get", owner_died)
-    peer = PeerRounds()
-    peer.rank, peer.rounds, peer.payload = 1, 2, {}
+    monkeypatch.setattr(node_rounds.ray, "get", owner_died)
+    peer = bare_rounds(rank=1, rounds=2)
+    peer.payload = {}
     with pytest.raises(ActorDied, match=r"lofi node 0 died during averaging round 3's exchange"):
         peer.apply_round(3, [[None], [None]], [1.0, 1.0])
 

@@ -12,9 +12,9 @@ from raylowcomm.actors import ActorDied
 from raylowcomm.core.compression import layout_of, make_codec
 from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.lofi import streaming
-from raylowcomm.strategies.lofi.rounds import PeerRounds, floats
+from raylowcomm.strategies.lofi.payload import floats
 from tests.strategies.test_lofi import run_lofi, tiny_config
-from tests.strategies.test_lofi_rounds import payload_bytes, round_files
+from tests.strategies.test_lofi_rounds import bare_rounds, payload_bytes, round_files
 
 
 def fragment_bytes(ctx, fragments: int, codec: str = "int4") -> list[int]:
@@ -86,7 +86,7 @@ def test_each_fragment_syncs_once_per_h_at_its_staggered_step():
 def test_an_exchange_in_flight_does_not_block_and_its_error_surfaces_where_it_lands():
     release = threading.Event()
     began = time.perf_counter()
-    exchange = streaming.Exchange(3, 1, lambda: release.wait(30) and {"w": torch.ones(2)})
+    exchange = streaming.InFlightRound(3, 1, lambda: release.wait(30) and {"w": torch.ones(2)})
     assert time.perf_counter() - began < 1.0 and exchange.round == 3 and exchange.fragment == 1
     release.set()
     assert torch.equal(exchange.result()["w"], torch.ones(2))
@@ -95,9 +95,8 @@ def test_an_exchange_in_flight_does_not_block_and_its_error_surfaces_where_it_la
         raise ActorDied("lofi node 1 died during averaging round 3's exchange")
 
     with pytest.raises(ActorDied, match="node 1 died"):
-        streaming.Exchange(3, 0, lost).result()
-    restarted = PeerRounds()  # restarted since the round began: nothing in flight, its payload died with it
-    restarted.rank, restarted.rounds, restarted.exchange = 0, 2, None
+        streaming.InFlightRound(3, 0, lost).result()
+    restarted = bare_rounds(rank=0, rounds=2)  # restarted since the round began: nothing in flight
     with pytest.raises(ActorDied, match="lofi node 0 died during averaging round 3's exchange"):
         restarted.expect_landing([3, 14])
     restarted.expect_landing([2, 10])  # landed before it died: nothing to wait for

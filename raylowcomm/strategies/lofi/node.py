@@ -1,5 +1,6 @@
 """lo-fi's node actor: its own copy of the model, its own shard, its own optimizer, a checkpoint;
-with peer rounds (`rounds.PeerRounds`) also its global model, outer momentum and error feedback."""
+with peer rounds also its side of them (`node_rounds.NodeRounds`: its global model, outer momentum
+and error feedback)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,21 @@ from raylowcomm.config import RunConfig
 from raylowcomm.core.averaging import measure_bn_statistics
 from raylowcomm.data import TrainSource
 from raylowcomm.storage import Storage
-from raylowcomm.strategies.lofi.rounds import PeerRounds, uses_peers
+from raylowcomm.strategies.lofi.node_rounds import NodeRounds
+from raylowcomm.strategies.lofi.streaming import ALL
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
 
 
 @ray.remote
-class LofiNode(Node, PeerRounds):
+class LofiNode(Node):
     """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint."""
 
     label = "lofi node"
 
     def __init__(self, node: int, spec, task, weights, data: TrainSource, cfg: RunConfig, storage: Storage,
-                 progress=None):
+                 progress=None, peer_rounds: bool = False):
         # weights: the initial state dict, or the recipe this node loads them by; a checkpoint may hold
-        # what trains only: the rest comes from them
+        # what trains only: the rest comes from them. peer_rounds: the run's exchange keeps rounds here
         super().__init__(node, cfg, spec, task, weights)
         self.progress = progress  # a progress.ProgressPoster where the driver watches live
         self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
@@ -36,18 +38,17 @@ class LofiNode(Node, PeerRounds):
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
         # peer rounds: what every node sends, as it starts (a copy: restoring a checkpoint overwrites it)
-        start = {k: v.clone() for k, v in self.weights().items()} if uses_peers(cfg.options["lofi"]) else None
+        start = {k: v.clone() for k, v in self.weights().items()} if peer_rounds else None
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
             meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-        if start is not None:
-            self.init_rounds(start)
+        self.peer = NodeRounds(self, cfg.options["lofi"], cfg.seed, start) if peer_rounds else None
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
             self._load_bn(storage.load_tensors(self._bn_path)[0])
 
-    def _save(self, step: int) -> None:
+    def save_state(self, step: int) -> None:
         """Model and optimizer; under LoRA the adapters and head only until an average is merged
         into the base (lofi.average_every), after which the base is this node's own too."""
         save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds},
@@ -63,14 +64,15 @@ class LofiNode(Node, PeerRounds):
         the weights it merges into: a restart in between merges again from there); how long training
         waited for it is `round_wait_s` in what it returns."""
         clock, snaps, snapshot_s, waited = TrainClock(), set(snapshot_at), {}, {}
-        self.expect_landing(landing)
+        if self.peer is not None:
+            self.peer.expect_landing(landing)
 
         def on_step(step):
             if landing is not None and step == landing[1] and landing[0] > self.rounds:
-                self._save(step)
-                waited["round_wait_s"] = self.land(landing[0], step)
+                self.save_state(step)
+                waited["round_wait_s"] = self.peer.land(landing[0], step)
             elif step % self.cfg.checkpoint_steps == 0 or step == until:
-                self._save(step)
+                self.save_state(step)
             if step in snaps:
                 snapshot_s[step] = clock.elapsed()
                 with clock.paused():
@@ -93,11 +95,11 @@ class LofiNode(Node, PeerRounds):
         (a node that has it already, resuming, keeps what it has)."""
         if rounds <= self.rounds:
             return
-        self._load(state, rounds)
+        self.load_global(state, rounds)
         self.rounds = rounds
-        self._save(self.step)
+        self.save_state(self.step)
 
-    def _load(self, state: dict, rounds: int) -> None:
+    def load_global(self, state: dict, rounds: int) -> None:
         """A global model: its weights, or under LoRA the merged average as the new frozen base with
         fresh adapters (seeded by the round, the same on every node) and a fresh optimizer."""
         if self.fine_tune.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
@@ -107,7 +109,7 @@ class LofiNode(Node, PeerRounds):
         """BatchNorm statistics of `state` (the driver's average) on this node's shard, or with None of
         the model this node holds (after peer rounds' final round: the average itself)."""
         if state is not None:
-            self._load(state, self.rounds + 1)
+            self.load_global(state, self.rounds + 1)
         per_epoch = steps_per_epoch(num_examples(self.shard), self.cfg.optim.batch_size)
         n = min(per_epoch, max_batches or per_epoch)
         batches = (batch_at(self.shard, i, self.cfg.optim.batch_size, self.seed) for i in range(n))
@@ -132,6 +134,22 @@ class LofiNode(Node, PeerRounds):
         if missing:
             raise KeyError(f"BatchNorm statistics for tensors this model lacks: {sorted(missing)[:3]}")
         self.model.load_state_dict({names[k]: v for k, v in stats.items()}, strict=False)
+
+    def send_delta(self, fragment: int = ALL) -> tuple[list, int]:
+        return self.peer.send_delta(fragment)
+
+    def apply_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
+        self.peer.apply_round(round_, refs, weights, fragment)
+
+    def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
+        self.peer.begin_round(round_, refs, weights, fragment)
+
+    def global_hash(self) -> str:
+        return self.peer.global_hash()
+
+    def round_of(self) -> tuple[int, int]:
+        """The rounds this node has landed and the step it has trained to."""
+        return self.rounds, self.step
 
     def examples(self) -> int:
         return num_examples(self.shard)

@@ -5,13 +5,13 @@ Fragments: the tensors that cross (the floating-point state, in state-dict order
 contiguous groups of about equal packed bytes (`split`, by the codec's formula), never inside a
 module: every node cuts its own model the same way. With H = average_every, fragment f syncs at
 the steps t ≡ (f+1)·H/F (mod H), 0 < t < T (T: the last step), where the final round syncs all of
-them at once (`schedule`); F = 1 is one sync every H steps, as before. Each sync sends that
+them at once (`schedule`); F = 1 is one sync every H steps. Each sync sends that
 fragment's Δ only, with its own error feedback and outer momentum (both per tensor), so a sync
 carries about 1/F of the bytes.
 
 Overlap τ: the fragment sent at step t lands at step t + τ (or at the next sync, if that comes
 first): meanwhile the node trains on, a background thread fetching and averaging its peers'
-payloads (`Exchange`). When it lands the node takes the outer step on the global fragment, then
+payloads (`InFlightRound`). When it lands the node takes the outer step on the global fragment, then
 mixes it into its own weights, θ_local ← α·θ_local + (1−α)·θ_global (α: `lofi.mix`), keeping part
 of the τ steps made in flight; with τ = 0 the node takes the global fragment as it is.
 """
@@ -74,7 +74,7 @@ def landings(boundaries: list[int], overlap: int) -> list[int]:
     return [min(t + overlap, nxt) for t, nxt in zip(boundaries, boundaries[1:])]
 
 
-class Exchange:
+class InFlightRound:
     """A round's exchange in flight on a node: `fetch()` (fetching and averaging the peers' payloads)
     runs in a thread while the node trains; `result()` waits for it and returns its value or raises
     its error."""

@@ -1,0 +1,76 @@
+"""How lo-fi's nodes meet: the averaging topology, chosen once from the options (`exchange_for`)
+into an object that owns its rounds, its final average, its resume path and where the result
+lives. The strategy's loop only trains to each boundary and asks its exchange for the round.
+
+- `StarExchange` (`lofi.exchange: driver`, or `auto` without a codec): every node sends its state
+  to the driver, which averages (and takes the outer step) and sends the global model back.
+- `PeerExchange` (`lofi.exchange: peers`, or `auto` with `lofi.compress`): the nodes exchange
+  compressed outer gradients among themselves and every node lands the same global model,
+  hash-checked; the driver only passes references on.
+
+An exchange that lands a round on a quorum of nodes plugs in here: it is one more class with these
+methods, and `exchange_for` (in the strategy's module) the one place that picks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from raylowcomm.actors import NodeGroup
+    from raylowcomm.config import RunConfig
+    from raylowcomm.strategies.base import RunContext
+    from raylowcomm.strategies.lofi.plan import Plan
+
+
+@dataclass
+class FinalModel:
+    """lo-fi's result and where it lives."""
+
+    nodes: list[int]
+    """The nodes in the average (a greedy soup keeps some)."""
+    on_nodes: bool
+    """The nodes hold the average (after peer rounds): they recalibrate, score and save it in place."""
+    weights: dict | None = None
+    """The average as plain weights on the driver, saved with the record; None where the driver holds
+    no model of it (node 0 saves it)."""
+    to_score: object = None
+    """What the nodes are sent to score it when they do not hold it (a `NodeAverage`'s output), and
+    what node 0 merges and saves where the driver holds no base."""
+
+
+class Exchange(Protocol):
+    """One averaging topology: what a lo-fi run asks of it, in the order it asks."""
+
+    name: ClassVar[str]
+    """The record's `details.exchange`."""
+    nodes_keep_rounds: ClassVar[bool]
+    """Whether every node keeps a global model of its own between rounds (`node_rounds.NodeRounds`)."""
+
+    @staticmethod
+    def validate(cfg: RunConfig) -> None:
+        """The options this topology refuses (a ConfigError), before anything starts."""
+
+    @staticmethod
+    def driver_weights(cfg: RunConfig) -> str | None:
+        """Why this topology needs the pretrained weights on the driver, or None."""
+
+    def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:
+        """The averaging rounds a resumed run has behind it (0: none); the nodes then hold their global model."""
+
+    def landing(self, plan: Plan, i: int) -> list:
+        """`train`'s extra arguments for the call up to boundary i: the round in flight that lands in it."""
+
+    def landed(self, group: NodeGroup, step: int, phase: str) -> None:
+        """After a `train` call that landed a round: check that every node landed the same model."""
+
+    def round(self, group: NodeGroup, plan: Plan, round_: int, until: int) -> None:
+        """Averaging round `round_`, at step `until` of every node."""
+
+    def finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
+               node_metrics: list[dict]) -> FinalModel:
+        """The final average, and where it lives."""
+
+    def details(self) -> dict:
+        """What the record says of the exchange."""

@@ -1,0 +1,247 @@
+"""A lo-fi node's side of peer rounds (`NodeRounds`): at a round's boundary it encodes its Δ and puts
+the payload in the object store itself; given its peers' refs it fetches their payloads, decodes and
+averages them in node order (the same bits on every node), takes the outer step (plain: θ_global −
+Δ̄; or `OuterNesterov`), loads the new global model and checkpoints it (round file first). Integer
+tensors (BatchNorm's `num_batches_tracked`) do not cross: each node keeps its own count, the same on
+every node. A node that dies between putting its payload and applying the round takes the payload
+with it: the round ends with `ActorDied` naming the node and the round (`died_during`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import ray
+import torch
+from torch import nn
+
+from raylowcomm.actors import ActorDied
+from raylowcomm.common.seeding import epoch_seed
+from raylowcomm.core.averaging import OuterNesterov
+from raylowcomm.core.compression import Payload
+from raylowcomm.core.zo.replay import parameter_hash
+from raylowcomm.finetune import FineTune
+from raylowcomm.storage import Storage
+from raylowcomm.strategies.lofi import streaming
+from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, floats
+from raylowcomm.strategies.lofi.round_file import GLOBAL, node_states, read_round, round_meta, round_path, write_round
+
+
+class RoundHost(Protocol):
+    """What a node offers its side of peer rounds: who it is, where it keeps its state, its model and
+    optimizer, the step it has trained to and the rounds it has landed (`LofiNode`)."""
+
+    rank: int
+    storage: Storage
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    fine_tune: FineTune
+    step: int
+    rounds: int
+
+    def weights(self) -> dict:
+        """What the node sends of what it has learned (`Node.weights`)."""
+
+    def load_global(self, state: dict, round_: int) -> None:
+        """A global model into the node's model (under LoRA a new base and fresh adapters)."""
+
+    def save_state(self, step: int) -> None:
+        """The node's checkpoint, model and optimizer, at `step`."""
+
+    def log(self, msg: str) -> None: ...
+
+
+class NodeRounds:
+    """A lo-fi node's side of peer rounds, held by the node (`LofiNode.peer`): its global model, the
+    codec with its error feedback, its fragments and outer step, the payload it sent and the round in
+    flight. It reads and moves the node's model through `RoundHost`.
+
+    Where the fine-tune merges rounds (`merges_rounds`: LoRA), what crosses is the adapters and head:
+    a node decodes every peer's Δ, and the round merges the nodes' exact average into the frozen base
+    and restarts the adapters from the round's seed (`FineTune.merge_nodes`), as the driver's rounds do."""
+
+    def __init__(self, node: RoundHost, opts: LofiConfig, seed: int, initial: dict):
+        """Codec, error feedback, the global model (`initial`: what this node sends, as it started),
+        its fragments and outer step; then what this node's round file holds, if it has one (a restart,
+        or a resumed run)."""
+        self.node, self.opts, self.seed = node, opts, seed
+        params = {k for k, _ in node.model.named_parameters()}
+        self.codec = DeltaCodec(opts, initial, params)
+        self.global_state = crossing(initial, opts)  # the caller's copy, kept
+        sizes = self.codec.sizes()
+        self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments,
+                                         node.fine_tune.sync_unit)
+        self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
+        self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
+            if opts.outer_optimizer == "nesterov" else None
+        if self.outer is not None:
+            self.global_state = self.outer.state  # one copy, moved by the outer step
+        self.payload: Payload | None = None
+        self.in_flight: streaming.InFlightRound | None = None
+        if node.storage.exists(round_path(node.rank)):
+            self._restore_round()
+
+    def _restore_round(self) -> None:
+        storage, path = self.node.storage, round_path(self.node.rank)
+        state, momentum, residual, round_ = read_round(storage, path)
+        self._set_global(state, momentum)
+        self.codec.load_residual(residual)
+        if round_ > self.node.rounds:  # died after writing its round file, before its checkpoint: merge again
+            meta = round_meta(storage, path)
+            if self.node.fine_tune.merges_rounds:
+                self._merge_nodes(node_states(storage, path), meta["weights"], round_)
+            else:
+                self._merge(meta["fragment"], meta["mix"], round_)
+            self.node.rounds = round_
+            self.node.save_state(self.node.step)
+        self.node.log(f"round state restored at averaging round {round_}")
+
+    def _set_global(self, state: dict, momentum: dict) -> None:
+        self.global_state.update(state)
+        if self.outer is not None:
+            self.outer.state = self.global_state
+            self.outer.buf.update(momentum)
+
+    def _names(self, fragment: int) -> list[str]:
+        return list(self.global_state) if fragment == streaming.ALL else self.fragments[fragment]
+
+    def _delta(self, fragment: int = streaming.ALL) -> dict:
+        """Δ = θ_global − θ_k in float64 over the fragment's floating-point tensors (exact for float32 weights)."""
+        mine = floats(self.node.weights())
+        return {k: self.global_state[k].to(torch.float64) - mine[k].to(torch.float64) for k in self._names(fragment)}
+
+    def encode_delta(self, fragment: int = streaming.ALL) -> Payload:
+        """This node's payload: Δ plus what compression dropped before (error feedback)."""
+        self.payload = self.codec.encode(self._delta(fragment))
+        return self.payload
+
+    def send_delta(self, fragment: int = streaming.ALL) -> tuple[list, int]:
+        """Encode Δ (of one fragment, or all) and put it in the object store from here: ([its
+        ObjectRef], its packed bytes); the ref travels in a list so that nobody resolves it on the way."""
+        payload = self.encode_delta(fragment)
+        return [ray.put(payload)], payload.nbytes
+
+    def apply_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
+        """Fetch the peers' payloads, average them in node order, take the outer step and load the new
+        global fragment; checkpoint it (round file first). A node that has this round already keeps it.
+        A node restarted since it sent its payload, or a peer's payload lost with its owner, ends the
+        round with ActorDied naming the node: the payload died with it."""
+        if round_ > self.node.rounds:
+            self._land(round_, fragment, self._average(round_, refs, weights, self.payload), 0.0, self.node.step)
+
+    def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
+        """`apply_round` overlapped (lofi.overlap): fetch and average in a thread and return at once;
+        `train` lands it at the step the driver names."""
+        if round_ > self.node.rounds:
+            payload = self.payload
+            self.in_flight = streaming.InFlightRound(round_, fragment,
+                                                     lambda: self._average(round_, refs, weights, payload))
+
+    def expect_landing(self, landing: list | None) -> None:
+        """Before training on: the exchange that lands in this call must be in flight here; a node
+        restarted since it began holds none (its payload died with it)."""
+        if landing is None or landing[0] <= self.node.rounds:
+            return
+        if self.in_flight is None or self.in_flight.round != landing[0]:
+            raise ActorDied(died_during(self.node.rank, landing[0]))
+
+    def land(self, round_: int, step: int) -> float:
+        """The exchange in flight lands (waiting for it if it has not): step and mix (`lofi.mix`).
+        Returns how long training waited for it: 0 where the exchange was hidden behind the τ steps."""
+        exchange, self.in_flight = self.in_flight, None
+        began = time.perf_counter()
+        mean = exchange.result()
+        waited = time.perf_counter() - began
+        self._land(round_, exchange.fragment, mean, self.mix, step)
+        return waited
+
+    def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None):
+        """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node."""
+        payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
+        if self.node.fine_tune.merges_rounds:
+            return [{k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
+                    for delta in self.codec.decode_each(payloads)], weights
+        return self.codec.average(payloads, weights)
+
+    def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
+        """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint;
+        where rounds merge, `_land_merged`."""
+        if self.node.fine_tune.merges_rounds:
+            return self._land_merged(round_, fragment, *mean, step)
+        if self.outer is not None:
+            self.global_state = self.outer.step_delta(mean)
+        else:
+            for k, d in mean.items():
+                g = self.global_state[k]
+                self.global_state[k] = (g.to(torch.float64) - d).to(g.dtype)
+        self.payload = None
+        self._save_round(round_, fragment, mix)
+        self._merge(fragment, mix, round_)
+        self.node.rounds = round_
+        self.node.save_state(step)
+
+    def _land_merged(self, round_: int, fragment: int, states: list[dict], weights: list[float], step: int) -> None:
+        """The nodes' states merged into this node's model (`_merge_nodes`), the round file (with those
+        states, so a restart merges again), checkpoint."""
+        self.payload = None
+        self._merge_nodes(states, weights, round_)
+        self._save_round(round_, fragment, 0.0, nodes=states, weights=weights)
+        self.node.rounds = round_
+        self.node.save_state(step)
+
+    def _merge_nodes(self, states: list[dict], weights: list[float], round_: int) -> None:
+        """`FineTune.merge_nodes` with the round's seed (the same on every node); the merged tensors'
+        optimizer state starts again (zeroed in place: the other fragments' keep theirs), what restarted
+        loses its residual, and their new values are the global ones."""
+        restarted = self.node.fine_tune.merge_nodes(self.node.model, states, weights, self.opts.lora_average,
+                                                    seed=epoch_seed(self.seed, round_))
+        self.codec.forget(restarted)
+        params, mine = dict(self.node.model.named_parameters()), floats(self.node.weights())
+        for k in states[0]:
+            for value in self.node.optimizer.state.get(params[k], {}).values():  # zeros: SGD's and Adam's fresh state
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+            self.global_state[k] = mine[k].clone()
+
+    def _merge(self, fragment: int, mix: float, round_: int) -> None:
+        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global."""
+        mine = self.node.weights()
+        if mix == 0.0:
+            new = {k: self.global_state[k] for k in self._names(fragment)}
+        else:
+            new = {k: (mix * mine[k].to(torch.float64) + (1 - mix) * self.global_state[k].to(torch.float64))
+                   .to(mine[k].dtype) for k in self._names(fragment)}
+        self.node.load_global({**mine, **new}, round_)
+
+    def _payload_of(self, k: int, ref, round_: int, mine: Payload | None) -> Payload:
+        if k == self.node.rank and mine is None:
+            raise ActorDied(died_during(k, round_))
+        if k == self.node.rank:
+            return mine
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ObjectLostError as err:  # OwnerDiedError among them
+            raise ActorDied(died_during(k, round_)) from err
+
+    def _save_round(self, round_: int, fragment: int, mix: float, nodes: list[dict] | None = None,
+                    weights: list[float] | None = None) -> None:
+        momentum = self.outer.buf if self.outer is not None else None
+        storage, rank = self.node.storage, self.node.rank
+        if rank == 0:
+            write_round(storage, GLOBAL, round_, self.global_state, momentum)
+        write_round(storage, round_path(rank), round_, self.global_state, momentum, self.codec.residual(), nodes,
+                    fragment=fragment, mix=mix, **({"weights": weights} if weights else {}))
+
+    def global_hash(self) -> str:
+        """Exact hash of this node's global model and frozen weights: what every replica must agree on
+        (its own trained weights differ from its peers' between a fragment's syncs); where rounds merge,
+        the frozen base moves with every round."""
+        frozen = [(k, p) for k, p in self.node.model.named_parameters() if not p.requires_grad]
+        return parameter_hash(list(self.global_state.items()) + frozen)
+
+
+def died_during(node: int, round_: int) -> str:
+    """Why a round cannot finish: the payload a node put in the object store died with the node."""
+    return (f"lofi node {node} died during averaging round {round_}'s exchange: its payload died with it; "
+            "rerun with --resume")

@@ -1,0 +1,85 @@
+"""What crosses in a peer round: a node's outer gradient Δ = θ_global − θ_k over the tensors that
+cross (`crossing`), encoded with `lofi.compress` and its error feedback (`DeltaCodec`). Every node
+and the driver build the same codec from their own model, so they decode the same payloads into
+the same bits."""
+
+from __future__ import annotations
+
+import torch
+
+from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
+
+BN_STATISTICS = (".running_mean", ".running_var")
+
+
+def floats(state: dict) -> dict:
+    return {k: v for k, v in state.items() if v.is_floating_point()}
+
+
+def crossing(state: dict, opts) -> dict:
+    """The tensors that cross in a round: the floating-point ones, but with `lofi.bn_recalibrate` not
+    the BatchNorm running statistics, which the end recomputes for the average anyway (training uses
+    batch statistics; each node keeps its own meanwhile). Without recalibration they cross, uncompressed."""
+    return {k: v for k, v in floats(state).items() if not (opts.bn_recalibrate and k.endswith(BN_STATISTICS))}
+
+
+class DeltaCodec:
+    """How Δ crosses: the parameters with `lofi.compress`, each part with its own error feedback; the
+    floating-point buffers that cross (BatchNorm statistics without recalibration) uncompressed, since
+    a quantised running variance can go below zero. One flat payload (name → bytes) holds both; every
+    node and the driver build the same parts from their own model."""
+
+    def __init__(self, opts, state: dict, params: set[str]):
+        fl = crossing(state, opts)
+        codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
+        self.parts = [(codec, layout_of({k: v for k, v in fl.items() if k in params})),
+                      (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))]
+        self.feedback = [ErrorFeedback(c) for c, _ in self.parts] if opts.error_feedback else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(codec.payload_nbytes(layout) for codec, layout in self.parts)
+
+    def sizes(self) -> dict[str, int]:
+        """Each tensor's packed bytes in a payload: what fragments are balanced by."""
+        return {k: codec.packed_nbytes(spec) for codec, layout in self.parts for k, spec in layout.items()}
+
+    def encode(self, delta: dict) -> Payload:
+        """Δ (float64, over all tensors or one fragment's) → payload; the none codec sends Δ in the
+        weights' own dtype, rounded here."""
+        payload = Payload()
+        for i, (codec, layout) in enumerate(self.parts):
+            part = {k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k]
+                    for k, spec in layout.items() if k in delta}
+            if part:
+                payload.update(self.feedback[i].encode(part) if self.feedback else codec.encode(part))
+        return payload
+
+    def average(self, payloads: list[Payload], weights: list[float]) -> dict:
+        """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order."""
+        mean = {}
+        for codec, layout in self.parts:
+            names = [k for k in layout if k in payloads[0]]  # one fragment's, or all
+            if names:
+                parts = [Payload({k: p[k] for k in names}) for p in payloads]
+                mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
+        return mean
+
+    def decode_each(self, payloads: list[Payload]) -> list[dict]:
+        """Each node's Δ in float64, in node order: for a fine-tune that merges rounds (`merges_rounds`,
+        LoRA), whose average is not the mean of Δ; small, as what crosses there is adapters."""
+        return [{k: v for codec, layout in self.parts
+                 for k, v in codec.decode(Payload({k: p[k] for k in layout if k in p}), layout,
+                                          dtype=torch.float64).items()} for p in payloads]
+
+    def forget(self, names) -> None:
+        """Drop the error-feedback residuals of tensors that restarted (`ErrorFeedback.forget`)."""
+        for fb in self.feedback or []:
+            fb.forget(names)
+
+    def residual(self) -> dict:
+        return {k: v for fb in self.feedback or [] for k, v in fb.state_dict().items()}
+
+    def load_residual(self, state: dict) -> None:
+        for fb, (_, layout) in zip(self.feedback or [], self.parts):
+            fb.load_state_dict({k: v for k, v in state.items() if k in layout})
