@@ -103,6 +103,7 @@ def stacked_adapter_model(spec, base, states, weights):
     nodes' factors (A = [A_1; …; A_N], B = [w_1·B_1 … w_N·B_N], same alpha/r), head averaged."""
     n, cfg = len(states), spec.lora
     wide = build_model(dataclasses.replace(spec, lora=dataclasses.replace(cfg, r=cfg.r * n, alpha=cfg.alpha * n)))
+    wide = wide.to(next(v.dtype for v in states[0].values() if v.is_floating_point()))
     w = [x / sum(weights) for x in weights]
     state = {k: v for k, v in base.items() if ".lora_" not in k}
     for key in (k for k in states[0] if k.endswith(A_SUFFIX)):
@@ -116,9 +117,41 @@ def stacked_adapter_model(spec, base, states, weights):
 
 
 def plain_model(spec, state):
-    model = build_model(dataclasses.replace(spec, lora=None))
+    model = build_model(dataclasses.replace(spec, lora=None)).to(next(v.dtype for v in state.values()
+                                                                      if v.is_floating_point()))
     model.load_state_dict(state)
     return model
+
+
+U32 = 2.0**-24  # float32's unit roundoff (round to nearest): |fl(x) − x| ≤ u·|x| in the normal range
+
+
+def merge_error_bound(base, states, weights, r, layers_of=A_SUFFIX):
+    """Per plain key, how far a float32 merge (manual_average, or PEFT's merge_and_unload: B·A as a float32
+    matmul of r terms, times scale, times w_k, summed over N nodes, added to W0) may be from average_delta's
+    (float64, rounded once). With T = Σ_k w_k·scale·|B_k|·|A_k| (float64, on absolute values): the matmul errs
+    by γ_r·|B||A| ≤ (r + 1)u·|B||A|, the scale, the weight and the N additions by one u each on terms ≤ T,
+    adding W0 by u·(|W0| + T); average_delta rounds once, u·(|W0| + T). In all ≤ u·((r + N + 5)·T + 2|W0|).
+    A head's mean: N + 3 roundings of terms ≤ Σ_k w_k·|h_k|."""
+    w = [x / sum(weights) for x in weights]
+    n, out = len(states), {}
+    for key in (k for k in states[0] if k.endswith(A_SUFFIX)):
+        layer = key[: -len(A_SUFFIX)]
+        plain = layer.removeprefix("base_model.model.") + ".weight"
+        w0 = base[layer + ".base_layer.weight"].double()
+        t = sum(wk * SCALE * (s[layer + B_SUFFIX].double().flatten(1).abs() @ s[key].double().flatten(1).abs())
+                for wk, s in zip(w, states)).view(w0.shape)
+        out[plain] = U32 * ((r + n + 5) * t + 2 * w0.abs()) + 2.0**-146
+    for key in (k for k in states[0] if ".modules_to_save.default." in k):
+        plain = key.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
+        out[plain] = U32 * (n + 3) * sum(wk * s[key].double().abs() for wk, s in zip(w, states)) + 2.0**-146
+    return out
+
+
+def assert_within(got, want, bound, what=""):
+    for key, value in want.items():
+        excess = (got[key].double() - value.double()).abs() - bound[key]
+        assert excess.max() <= 0, f"{what}{key}: {excess.max().item():.3g} beyond the bound"
 
 
 def plain_keys(spec):
@@ -202,18 +235,21 @@ def test_average_delta_is_the_exact_average(minilm, node_states, weights):
     assert merged.keys() == plain_keys(spec)
     expected = manual_average(base, states, weights)
     assert len(expected) == 12 + 2
-    for key, value in expected.items():
-        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5)
+    assert_within(merged, expected, merge_error_bound(base, states, weights, r=8))
     moved = max((merged[layer.plain] - base[layer.base]).abs().max().item() for layer in layers)
     assert moved > 1e-2  # the adapters changed the weights far more than the tolerance
     untouched = "bert.encoder.layer.0.attention.self.key.weight"
     assert torch.equal(merged[untouched], base["base_model.model." + untouched])
-    # the merged model computes what the nodes' averaged adapters compute unmerged
+    # the merged model computes what the nodes' averaged adapters compute unmerged: both in float64 (merged
+    # without a float32 rounding), where the two orders of W0·x + scale·Σ_k w_k·B_k·(A_k·x) differ by float64
+    # rounding alone, ~2^-53 relative per operation: 1e-9 on logits of magnitude < 1 leaves a factor of
+    # 10^5 for the 6 layers to amplify it (observed: 2e-16; the float32 models differ by 1e-7)
+    base64 = {k: v.double() for k, v in base.items()}
+    states64 = [{k: v.double() for k, v in state.items()} for state in states]
+    merged64 = lora.average_delta(base64, states64, layers, weights)
     torch.testing.assert_close(
-        logits(plain_model(spec, merged)),
-        logits(stacked_adapter_model(spec, base, states, weights)),
-        atol=1e-5,
-        rtol=1e-4,
+        logits(plain_model(spec, merged64)), logits(stacked_adapter_model(spec, base64, states64, weights)),
+        atol=1e-9, rtol=0,
     )
 
 
@@ -228,7 +264,8 @@ def test_a_node_computes_the_merged_average_in_place_and_is_put_back(minilm, nod
     with lora.computing(node, merged) as same:
         assert same is node
         inside = logits(node)
-    torch.testing.assert_close(inside, logits(plain_model(spec, merged)), atol=1e-5, rtol=1e-4)
+    # the merged tensors are the plain model's, and the adapters add exactly 0 (scaled by 0): the same bits
+    assert torch.equal(inside, logits(plain_model(spec, merged)))
     assert (inside - own).abs().max() > 1e-3  # the average, not the node's own model
     assert torch.equal(logits(node), own)
     assert all(torch.equal(v, before[k]) for k, v in node.state_dict().items())
@@ -243,8 +280,9 @@ def test_single_node_average_is_peft_merge(minilm, node_states):
     merged = lora.average_delta(state_dict_of(model), node_states[:1], lora.lora_layers(model))
     reference = with_state(model, node_states[0]).merge_and_unload().state_dict()
     assert merged.keys() == reference.keys()
-    for key in reference:
-        torch.testing.assert_close(merged[key], reference[key], atol=1e-6, rtol=1e-5)
+    bound = merge_error_bound(state_dict_of(model), node_states[:1], [1], r=8)  # PEFT merges in float32
+    assert_within(merged, {k: v for k, v in reference.items() if k in bound}, bound)
+    assert all(torch.equal(merged[k], reference[k]) for k in reference if k not in bound)  # untouched: the base
 
 
 def test_factor_average_differs_unless_the_factors_agree(minilm, node_states):
@@ -257,12 +295,16 @@ def test_factor_average_differs_unless_the_factors_agree(minilm, node_states):
         gap = (exact[layer.plain] - fedavg[layer.plain]).norm()
         assert gap > 0.1 * change, layer.plain  # mean(B)·mean(A) ≠ mean(B·A)
     head = "classifier.weight"
-    torch.testing.assert_close(exact[head], fedavg[head])  # heads are averaged plainly either way
+    assert torch.equal(exact[head], fedavg[head])  # heads are averaged plainly either way: the same _mean
     same = [states[0]] * 3
     agree_exact = lora.average_delta(base, same, layers)
     agree_fedavg = lora.average_delta(base, [lora.average_factors(same)], layers)
+    # three equal factors average, in float64 within 3·2^-53 relative, to a value that rounds back to the
+    # factor itself; the two merges then differ only in float64 (Σ_k ⅓·B·A against B·A), so each rounds to
+    # float32 at most one rounding apart: |a − b| ≤ u·(|a| + |b|)
     for key in agree_exact:
-        torch.testing.assert_close(agree_exact[key], agree_fedavg[key], atol=1e-6, rtol=1e-6)
+        a, b = agree_exact[key].double(), agree_fedavg[key].double()
+        assert ((a - b).abs() <= U32 * (a.abs() + b.abs()) + 2.0**-146).all(), key
 
 
 def test_averaging_rejects_mismatched_inputs(minilm):
@@ -288,11 +330,13 @@ def test_merge_and_reset_restarts_from_the_exact_average(minilm, node_states):
     assert all(torch.equal(first[k], second[k]) for k in first)  # replicas identical again
     assert all(not first[layer.b].any() for layer in layers)
     assert all(torch.equal(first[layer.base], merged[layer.plain]) for layer in layers)
-    torch.testing.assert_close(logits(nodes[0]), logits(plain_model(spec, merged)), atol=1e-6, rtol=1e-6)
+    assert torch.equal(logits(nodes[0]), logits(plain_model(spec, merged)))  # B = 0: the adapters add exactly 0
     # round 2 averages from the plain merged base
     states = [perturbed(lora.trainable_state(node), 10 + k) for k, node in enumerate(nodes)]
     round2 = lora.average_delta(merged, states, layers)
-    torch.testing.assert_close(round2, {**merged, **manual_average(first, states, [1, 1])}, atol=1e-6, rtol=1e-5)
+    manual = manual_average(first, states, [1, 1])
+    assert_within(round2, manual, merge_error_bound(first, states, [1, 1], r=8))
+    assert all(torch.equal(round2[k], merged[k]) for k in merged if k not in manual)  # untouched: round 1's
     lora.merge_and_reset(nodes[1], merged, seed=8)  # another round's seed: other adapters
     assert not torch.equal(state_dict_of(nodes[1])[layers[0].a], first[layers[0].a])
     with pytest.raises(ValueError, match="merged state"):
@@ -313,16 +357,18 @@ def test_save_adapter_and_merged(minilm, node_states, tmp_path):
     assert (adapter_dir / "adapter_model.safetensors").stat().st_size < 0.03 * 90_000_000
     pretrained = lora.average_delta(state_dict_of(model), [lora.trainable_state(model)], lora.lora_layers(model))
     reloaded = PeftModel.from_pretrained(plain_model(spec, pretrained), str(adapter_dir))
-    torch.testing.assert_close(logits(reloaded), logits(node), atol=1e-6, rtol=1e-6)
+    assert torch.equal(logits(reloaded), logits(node))  # the same weights in the same modules: the same bits
     merged_dir = lora.save_lora(state_dict_of(node), spec, tmp_path / "merged", merge=True)
-    torch.testing.assert_close(
-        logits(AutoModelForSequenceClassification.from_pretrained(str(merged_dir))), logits(node), atol=1e-5, rtol=1e-5
-    )
+    # the merged model is PEFT's merge of the node, bit for bit (that PEFT's merge is the node's model, to
+    # float32 rounding, test_single_node_average_is_peft_merge bounds)
+    saved = AutoModelForSequenceClassification.from_pretrained(str(merged_dir)).state_dict()
+    peft_merged = copy.deepcopy(node).merge_and_unload().state_dict()
+    assert saved.keys() == peft_merged.keys() and all(torch.equal(saved[k], peft_merged[k]) for k in saved)
     average = lora.average_delta(
         state_dict_of(model), [lora.trainable_state(node), lora.trainable_state(model)], lora.lora_layers(model)
     )
     avg_dir = lora.save_lora(average, spec, tmp_path / "average", merge=True)
-    torch.testing.assert_close(
+    assert torch.equal(  # the same weights, saved and read back: the same bits
         logits(AutoModelForSequenceClassification.from_pretrained(str(avg_dir))), logits(plain_model(spec, average))
     )
     with pytest.raises(ValueError, match="merge=True"):
@@ -379,8 +425,7 @@ def test_smollm2_two_nodes_exact_and_small():
     assert nbytes(sent) <= 0.03 * unique
     states = [perturbed(sent, k) for k in range(2)]
     merged = lora.average_delta(base, states, layers)
-    for key, value in manual_average(base, states, [1, 1]).items():
-        torch.testing.assert_close(merged[key], value, atol=1e-6, rtol=1e-5)
+    assert_within(merged, manual_average(base, states, [1, 1]), merge_error_bound(base, states, [1, 1], r=8))
     assert merged.keys() == plain_keys(spec)
 
     # The prompt task reads the adapted LM's hidden states and label-word rows: at B = 0 it scores
@@ -393,7 +438,8 @@ def test_smollm2_two_nodes_exact_and_small():
         "choice_ids": torch.tensor([[7, 9], [7, 9]]),
         "labels": torch.tensor([0, 1]),
     }
-    torch.testing.assert_close(task.forward(model, prompts), task.forward(plain, prompts), rtol=1e-5, atol=1e-5)
+    # the same base weights in the same modules, and at B = 0 the adapters add exactly 0: the same bits
+    assert torch.equal(task.forward(model, prompts), task.forward(plain, prompts))
     task.loss(model, prompts).backward()
     grads = {k for k, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert (
@@ -420,11 +466,18 @@ def test_timm_convolutions_merge_like_peft():
     merged = lora.average_delta(state_dict_of(model), [lora.trainable_state(model)], layers)
     reference = copy.deepcopy(model).merge_and_unload().state_dict()
     assert merged.keys() == reference.keys()
-    for key in reference:
-        torch.testing.assert_close(merged[key], reference[key], atol=1e-6, rtol=1e-5)
+    r = model.peft_config["default"].r
+    bound = merge_error_bound(state_dict_of(model), [lora.trainable_state(model)], [1], r=r)
+    assert_within(merged, {k: v for k, v in reference.items() if k in bound}, bound)
+    assert all(torch.equal(merged[k], reference[k]) for k in reference if k not in bound)  # untouched: the base
+    # the merged plain model computes what the PEFT model computes: in float64 (merged without a float32
+    # rounding) the two differ by float64 rounding alone, ~2^-53 relative per operation; 1e-9 leaves 10^5
     x = torch.randn(2, 3, 32, 32, generator=gen)
+    model64 = copy.deepcopy(model).double().eval()
+    merged64 = lora.average_delta(state_dict_of(model64), [lora.trainable_state(model64)], layers)
     with torch.no_grad():
-        torch.testing.assert_close(plain_model(spec, merged).eval()(x), model.eval()(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(plain_model(spec, merged64).eval()(x.double()), model64(x.double()), atol=1e-9,
+                                   rtol=0)
 
 
 def test_an_adapter_only_checkpoint_restores_the_trained_model_and_optimizer_on_the_pretrained_base(minilm, tmp_path):

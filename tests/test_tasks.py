@@ -1,6 +1,7 @@
 """Tasks: a padded text batch cut to its longest row scores what the full-width batch scores."""
 
 import torch
+import torch.nn.functional as F
 from transformers import BertConfig, BertForSequenceClassification
 
 from raylowcomm.tasks import TextClassification, trim_padding
@@ -13,9 +14,17 @@ def tiny_bert(layers: int, labels: int) -> BertForSequenceClassification:
     return BertForSequenceClassification(config).eval()
 
 
+FLOAT64_FORWARD = 1e-10
+"""Two float64 forwards of one model that add the same nonzero terms (a padded key's attention weight is
+exactly 0: its exp underflows) in another order (the kernels block other widths differently): each reordered
+sum of n ≤ 64 terms moves by ≤ 2(n − 1)·2^-53·Σ|terms| ≈ 1.4e-14·Σ|terms|, so 1e-10 on logits of magnitude < 1
+leaves the layers a gain of 10^3 on terms ≤ 10 (observed: 1e-18). In float32 the same reordering moves logits by
+~1e-9, which no tolerance picked on one CPU bounds on another."""
+
+
 def test_trimmed_padding_gives_the_full_width_logits():
     torch.manual_seed(0)
-    model = tiny_bert(layers=2, labels=2)
+    model = tiny_bert(layers=2, labels=2).double()
     lengths = [5, 9, 3, 7]
     ids = torch.zeros(4, 32, dtype=torch.long)
     mask = torch.zeros(4, 32, dtype=torch.long)
@@ -26,12 +35,13 @@ def test_trimmed_padding_gives_the_full_width_logits():
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask).logits
         got = TextClassification().forward(model, {"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(4)})
-    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6)  # equal up to float summation order
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, full, rtol=0, atol=FLOAT64_FORWARD)  # equal up to float summation order
 
 
 def test_text_is_scored_shortest_first_with_the_same_metrics():
     torch.manual_seed(1)
-    model = tiny_bert(layers=1, labels=2)
+    model = tiny_bert(layers=1, labels=2).double()
     n, width = 40, 24
     lengths = torch.randint(2, width, (n,))
     mask = (torch.arange(width) < lengths[:, None]).long()
@@ -46,7 +56,16 @@ def test_text_is_scored_shortest_first_with_the_same_metrics():
     expected = task.summarize(task.sums(logits, split["labels"]))
     got = task.evaluate(model, split, batch_size=8)
     assert got["accuracy"] == expected["accuracy"]
-    assert abs(got["loss"] - expected["loss"]) < 1e-6
+    # The loss: in float64 a row's logits in its batch of 8 are the full batch's to FLOAT64_FORWARD, so after the
+    # float32 cast of `sums` at most one rounding apart, 2^-23·max|z|, which moves the row's cross-entropy
+    # (2-Lipschitz in the max norm) by ≤ 2^-22·max|z|; each float32 evaluation of a row's cross-entropy errs by
+    # ≤ 2^-19·(1 + max|z|) (generous: max, exp, sum, log, pick); the float32 sums over the rows (reduction
+    # "sum") by ≤ (m − 1)·2^-24·Σ|ℓ| for m = 40 rows at once and 8 per batch; the batches add in float64.
+    z = logits.float().double()
+    rows = F.cross_entropy(z, split["labels"], reduction="none")
+    per_row = 2.0**-22 * z.abs().amax(1) + 2 * 2.0**-19 * (1 + z.abs().amax(1))
+    bound = (per_row.sum() + (n - 1 + 7) * 2.0**-24 * (rows + per_row).sum() + 2.0**-50 * rows.sum()) / n
+    assert abs(got["loss"] - expected["loss"]) <= bound
 
 
 def test_metric_names_per_set_and_the_mean_over_shift_sets():
@@ -82,20 +101,21 @@ def test_images_are_normalised_with_the_models_mean_and_std():
     fast = ImageClassification(12).inputs({"pixels": grey})  # mean = std = 0.5: normalised once, then repeated
     general = ImageClassification(12, mean=(0.5, 0.5, 0.5 + 1e-9), std=(0.5,) * 3).inputs({"pixels": grey})
     assert fast.shape == (4, 3, 12, 12)
-    torch.testing.assert_close(fast, general)
+    # 0.5 + 1e-9 is 0.5 in float32: both paths compute (x − 0.5)/0.5 on the same resized pixels, the same bits
+    assert torch.equal(fast, general)
     colour = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
     mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
     x = make_task(TaskSpec("image_classification", 5, mean, std)).inputs({"pixels": colour})
-    expected = (colour.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    # resized, then normalised per channel with the model's mean and std, in that order: the same bits
+    resized = torch.nn.functional.interpolate(colour.float() / 255, size=(5, 5), mode="bilinear", align_corners=False)
+    expected = (resized - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
     assert x.shape == (2, 3, 5, 5)
-    torch.testing.assert_close(
-        x, torch.nn.functional.interpolate(expected, size=(5, 5), mode="bilinear", align_corners=False)
-    )
+    assert torch.equal(x, expected)
 
 
 def test_text_pairs_are_scored_with_their_token_types():
     torch.manual_seed(2)
-    model = tiny_bert(layers=1, labels=3)
+    model = tiny_bert(layers=1, labels=3).double()
     ids = torch.randint(1, 100, (3, 10))
     mask = torch.tensor([[1] * 6 + [0] * 4, [1] * 8 + [0] * 2, [1] * 5 + [0] * 5])
     types = torch.tensor(
@@ -105,7 +125,7 @@ def test_text_pairs_are_scored_with_their_token_types():
         full = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
         got = TextClassification().forward(model, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})
         without = TextClassification().forward(model, {"input_ids": ids, "attention_mask": mask})
-    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, full, rtol=0, atol=FLOAT64_FORWARD)
     assert not torch.allclose(without, full), "the token types matter: dropping them changes the logits"
 
 

@@ -1,20 +1,59 @@
 """The shared training loop: optim.precision bf16 really autocasts, and leaves the weights fp32."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from raylowcomm.common.batches import batch_at
 from raylowcomm.config import OptimConfig
 from raylowcomm.tasks import ImageClassification
 from raylowcomm.training import make_optimizer, train_steps
 
 
-def _run(precision: str) -> tuple[nn.Module, dict]:
+def _setup() -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 4))
     shard = {"pixels": torch.randint(0, 255, (64, 8, 8), dtype=torch.uint8), "labels": torch.randint(0, 4, (64,))}
+    return model, shard
+
+
+def _run(precision: str, steps: int = 6) -> tuple[nn.Module, dict]:
+    model, shard = _setup()
     optimizer = make_optimizer(OptimConfig(lr=0.1), model)
-    stats = train_steps(model, ImageClassification(8), optimizer, shard, 0, 6, 16, seed=1, precision=precision)
+    stats = train_steps(model, ImageClassification(8), optimizer, shard, 0, steps, 16, seed=1, precision=precision)
     return model, stats
+
+
+def _linear_error(layer: nn.Linear, h: torch.Tensor, dh: torch.Tensor, cast: float, out: float) -> tuple:
+    """(exact output, bound on the computed one's error), float64, elementwise: input h known to within dh, input
+    and weights cast to a format of unit roundoff `cast` (0: not cast), the K products and the bias summed in
+    float32 (γ_{K+1} = (K+1)·2^-24 / (1 − (K+1)·2^-24) of the absolute terms), the result rounded to a format of
+    unit roundoff `out` up to twice (accumulator, then after the bias), with (1 + out)² − 1."""
+    w, b = layer.weight.detach().double(), layer.bias.detach().double()
+    k = w.shape[1] + 1
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    terms = (h.abs() + dh) @ w.abs().T  # |W|·(|h| + dh) ≥ |W|·|ĥ|
+    pre = dh @ w.abs().T + (2 * cast + cast**2) * terms + cast * b.abs() + gamma * ((1 + cast) ** 2 * terms
+                                                                               + (1 + cast) * b.abs())
+    z = h @ w.T + b
+    rounding = 2 * out + out**2
+    return z, pre + rounding * (z.abs() + pre)
+
+
+def _first_loss_error(model: nn.Sequential, shard: dict, cast: float, out: float) -> float:
+    """Bound on |computed − exact| of train_steps' first loss (batch 0, seed 1, the initial weights) with this
+    arithmetic: the two layers' errors (`_linear_error`; ReLU is 1-Lipschitz and exact), then cross-entropy,
+    which is 2-Lipschitz in the max norm of the logits (its gradient, softmax − one-hot, has ℓ1 norm ≤ 2), its
+    own float32 evaluation (max, exp, sum, log, pick: within 2^-19·(1 + max|z|) per row, generous) and the mean
+    of 16 rows in float32 (γ_16 of the sum of the rows' losses). The exact values are computed in float64, whose
+    2^-53-level errors vanish in those margins."""
+    batch = batch_at(shard, 0, 16, 1)
+    x = ImageClassification(8).inputs(batch).flatten(1).double()  # float32 in both: exact in float64
+    z1, e1 = _linear_error(model[1], x, torch.zeros_like(x), cast, out)
+    z2, e2 = _linear_error(model[3], z1.clamp_min(0), e1, cast, out)
+    rows = F.cross_entropy(z2, batch["labels"], reduction="none")
+    per_row = 2 * e2.max(1).values + 2.0**-19 * (1 + z2.abs().max(1).values + e2.max(1).values)
+    return float(per_row.mean() + 16 * 2.0**-24 / (1 - 16 * 2.0**-24) * (rows + per_row).sum() / 16)
 
 
 def test_bf16_autocasts_forward_and_backward_but_keeps_fp32_weights():
@@ -22,7 +61,15 @@ def test_bf16_autocasts_forward_and_backward_but_keeps_fp32_weights():
     bf16, bf16_stats = _run("bf16")
     assert all(p.dtype == torch.float32 for p in bf16.parameters())
     assert bf16_stats["mean_loss"] != fp32_stats["mean_loss"], "bf16 must change the arithmetic"
-    assert abs(bf16_stats["mean_loss"] - fp32_stats["mean_loss"]) < 0.05
+    # the first step's loss (same weights, same batch) in each arithmetic, within the sum of the two derived
+    # bounds on their errors from the exact loss: bf16 casts inputs and weights (unit roundoff 2^-8) and rounds
+    # each layer's output to bf16, accumulating in float32; fp32 rounds only in its float32 sums
+    _, bf16_first = _run("bf16", steps=1)
+    _, fp32_first = _run("fp32", steps=1)
+    model, shard = _setup()
+    bound = _first_loss_error(model, shard, cast=2.0**-8, out=2.0**-8) + _first_loss_error(model, shard, 0.0, 0.0)
+    assert bf16_first["mean_loss"] != fp32_first["mean_loss"], "bf16 must change the arithmetic"
+    assert abs(bf16_first["mean_loss"] - fp32_first["mean_loss"]) <= bound < 0.5
     assert not torch.equal(bf16[1].weight, fp32[1].weight)
     again, _ = _run("bf16")
     assert torch.equal(again[1].weight, bf16[1].weight), "bf16 training is deterministic on one device"
