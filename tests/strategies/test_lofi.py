@@ -59,13 +59,15 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
     steps = rec["details"]["steps_per_node"]
     assert rec["samples_seen"] == 2 * steps * 16 and steps == 2 * (256 // 16)
 
-    # The saved model is the exact average of the nodes' final weights (BN stats aside).
+    # The saved model is the exact average of the nodes' final weights (BN stats aside), bit for bit: the
+    # driver's StreamingAverage of the same two float32 states as this one (float64 addition of two terms is
+    # commutative, so whichever arrived first gives the same sum; then one division by 2, one rounding).
     nodes = [load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}.safetensors")) for k in range(2)]
     expected = average_state_dicts([{k[6:]: v for k, v in n.items() if k.startswith("model.")} for n in nodes])
     saved = load_file(rec["weights"])
     for name, value in saved.items():
         if "running_" not in name and "num_batches" not in name:
-            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-7)
+            assert torch.equal(value, expected[name]), name
     # nodes really trained apart: their weights differ
     assert not torch.equal(nodes[0]["model.conv_stem.weight"], nodes[1]["model.conv_stem.weight"])
 
@@ -100,7 +102,9 @@ def test_curve_point_is_the_average_a_shorter_run_would_have_made(ray_session, t
 
 
 def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
-    """Kills one node's training process once every node has a checkpoint, whichever process it finds first."""
+    """Kills one node's training process once every node has a checkpoint, whichever it finds first: one of
+    this test session's own Ray workers (descendants of the test process, which started Ray: driver → raylet →
+    worker), never another run's on the machine."""
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -108,8 +112,12 @@ def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
         except Exception:
             ready = False
         if ready:
-            for proc in psutil.process_iter(["cmdline"]):
-                if any("LofiNode.train" in part for part in proc.info["cmdline"] or []):
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    cmdline = proc.cmdline()
+                except psutil.Error:
+                    continue
+                if any("LofiNode.train" in part for part in cmdline):
                     proc.kill()
                     killed.append(proc.pid)
                     return
@@ -188,10 +196,16 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     assert kinds["final/adapters_to_score"] == kinds["final/node_adapters"]
     plain = build_model(dataclasses.replace(ctx.spec, lora=None))
     plain.load_state_dict(got)
-    scored = score_sets(make_task(ctx.data.task), plain, ctx.eval_sets(val=False), cfg.eval_rows)
-    assert scored["id_accuracy"] == rec["metrics"]["id_accuracy"] and scored["id_loss"] == pytest.approx(
-        rec["metrics"]["id_loss"], rel=1e-6
-    )
+    # node 0 scored it on its own PEFT model computing these weights (the merged tensors swapped in, the
+    # adapters scaled by 0: they add exactly 0), on one thread (runtime.setup_threads, 1 CPU): scored here on
+    # one thread too, the same kernels on the same batches give the same bits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scored = score_sets(make_task(ctx.data.task), plain, ctx.eval_sets(val=False), cfg.eval_rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert scored["id_accuracy"] == rec["metrics"]["id_accuracy"] and scored["id_loss"] == rec["metrics"]["id_loss"]
 
 
 def test_eval_on_nodes_scores_the_average_on_each_nodes_own_held_out_rows(ray_session, tmp_path):
@@ -204,3 +218,21 @@ def test_eval_on_nodes_scores_the_average_on_each_nodes_own_held_out_rows(ray_se
     assert rec["metrics"]["id_accuracy"] == pytest.approx(sum(m["id_accuracy"] for m in per_node) / 2)
     assert all("id_accuracy" in n["metrics"] for n in rec["nodes"]) and "shift_accuracy" in rec["metrics"]
     assert rec["comm"]["by_kind"]["setup/eval_sets"] == 2 * payload_nbytes(ctx.data.eval_sets["shift/uci_digits"])
+
+
+def test_one_average_with_an_outer_step_scores_the_model_it_saves(ray_session, tmp_path, monkeypatch):
+    """The star's final average with DiLoCo's outer step: what the nodes are sent to score is the stepped
+    model the record saves, not the plain average before the step."""
+    from raylowcomm.actors import NodeGroup
+
+    scored, score_weights = [], NodeGroup.score_weights
+
+    def keep_what_is_scored(self, state, *args, **kwargs):
+        scored.append(state)
+        return score_weights(self, state, *args, **kwargs)
+
+    monkeypatch.setattr(NodeGroup, "score_weights", keep_what_is_scored)
+    _, rec = run_lofi(tiny_config(outer_optimizer="nesterov", bn_recalibrate=False), tmp_path)
+    saved = load_file(rec["weights"])
+    assert len(scored) == 1 and scored[0].keys() == saved.keys()
+    assert all(torch.equal(scored[0][k], saved[k]) for k in saved)

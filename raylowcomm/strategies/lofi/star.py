@@ -82,7 +82,7 @@ class StarExchange:
                node_metrics: list[dict]) -> FinalModel:
         """Full weights: the average itself; adapters: the nodes', merged where they are scored (and,
         where the driver holds no base, merged and saved by node 0). The outer step, where there is one,
-        moves the average the driver saves."""
+        moves the average the driver scores and saves."""
         o, n = ctx.cfg.options["lofi"], len(group)
         if o.soup == "greedy":
             average, kept = self._greedy_soup(group, metric, node_metrics)
@@ -92,8 +92,8 @@ class StarExchange:
             merge_on_node = plan.average.what == "node_adapters" and ctx.nodes_load_weights()
             final = FinalModel(list(range(n)), on_nodes=False,
                                weights=None if merge_on_node else plan.average.combine(to_score), to_score=to_score)
-        if self.outer is not None:
-            final.weights = self.outer.step(final.weights)
+        if self.outer is not None:  # full weights only (not offered with model.lora): what is scored is saved
+            final.weights = final.to_score = self.outer.step(final.weights)
         return final
 
     @staticmethod
