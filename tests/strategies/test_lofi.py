@@ -101,6 +101,20 @@ def test_curve_point_is_the_average_a_shorter_run_would_have_made(ray_session, t
     assert curve[0]["samples"] == 2 * 16 * 16
 
 
+def kill_own_worker(marker: str) -> int | None:
+    """SIGKILL the first Ray worker of this test session (a descendant of the test process: the raylet is its
+    child) whose command line names `marker`, as a preemption would; its pid, or None while there is none."""
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            continue
+        if any(marker in part for part in cmdline):
+            proc.kill()
+            return proc.pid
+    return None
+
+
 def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
     """Kills one node's training process once every node has a checkpoint, whichever it finds first: one of
     this test session's own Ray workers (descendants of the test process, which started Ray: driver → raylet →
@@ -112,15 +126,10 @@ def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
         except Exception:
             ready = False
         if ready:
-            for proc in psutil.Process().children(recursive=True):
-                try:
-                    cmdline = proc.cmdline()
-                except psutil.Error:
-                    continue
-                if any("LofiNode.train" in part for part in cmdline):
-                    proc.kill()
-                    killed.append(proc.pid)
-                    return
+            pid = kill_own_worker("LofiNode.train")
+            if pid is not None:
+                killed.append(pid)
+                return
         time.sleep(0.005)
 
 

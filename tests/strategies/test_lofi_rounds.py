@@ -6,7 +6,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import ray
 import torch
@@ -22,7 +21,7 @@ from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.lofi import node_rounds
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
 from raylowcomm.strategies.lofi.payload import floats
-from tests.strategies.test_lofi import run_lofi, tiny_config
+from tests.strategies.test_lofi import kill_own_worker, run_lofi, tiny_config
 
 ROUND_KINDS = {"train/control", "train/train_stats", "train/outer_gradients", "train/round_replies", "train/round_args",
                "train/verify_hash"}
@@ -427,15 +426,10 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
         except Exception:
             ready = False
         if ready:
-            for proc in psutil.Process().children(recursive=True):
-                try:
-                    cmdline = proc.cmdline()
-                except psutil.Error:
-                    continue
-                if any("LofiNode.train" in part for part in cmdline):
-                    proc.kill()
-                    killed.append(proc.pid)
-                    return
+            pid = kill_own_worker("LofiNode.train")
+            if pid is not None:
+                killed.append(pid)
+                return
         time.sleep(0.005)
 
 
