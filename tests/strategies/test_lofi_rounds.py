@@ -469,8 +469,8 @@ def test_node_0_restarted_between_bn_recalibration_and_its_save_saves_the_combin
     _, clean = run_lofi(cfg, tmp_path / "clean")
     recalibrate, killed = Lofi._recalibrate_bn, []
 
-    def recalibrate_then_kill_node_0(group, average, batches, held):
-        recalibrate(group, average, batches, held)
+    def recalibrate_then_kill_node_0(group, final, batches):
+        recalibrate(group, final, batches)
         killed.append(ray.get(group[0].info.remote())["pid"])
         ray.kill(group[0])  # the next call (scoring) finds it dead and restarts it
 
