@@ -61,7 +61,7 @@ def smollm2_config(stages: int, n: int, rule: str, split: list[int] | None, step
 def build_workers(ctx: RunContext) -> tuple[list[StageWorker], Source]:
     """The stages exactly as `Interlocking.run` builds them (untied head, split, aux heads, each its
     own optimizer), as in-process workers, and stage 0's source of micro-batches."""
-    cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
+    cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
     model = copy.deepcopy(ctx.model).float().train()
     untie_lm_head(model)
     modules = split_model(model, "hf_causal_lm", opts.stages, opts.balance, opts.split)
@@ -114,7 +114,7 @@ def measure_costs(ctx: RunContext, batches: int = 3) -> tuple[list[StageCost], l
     """Median thread-CPU seconds (what a call costs with a core to itself, even on a loaded machine)
     of every stage's forward call, backward call and optimizer step, 1 torch thread, and message
     sizes; second, the same stages without aux heads (their loss pass and share of the step removed)."""
-    opts, threads = ctx.cfg.options["interlocking"], torch.get_num_threads()
+    opts, threads = Interlocking.opts(ctx.cfg), torch.get_num_threads()
     workers, source = build_workers(ctx)
     for w in workers:
         w.clock = time.thread_time
@@ -201,7 +201,7 @@ def k2_validation(ctx: RunContext, args) -> dict:
     raw = yaml.safe_load(EXAMPLE.read_text())
     raw["optim"]["max_steps"] = max(1, args.k2_steps)
     k2 = context_for(ctx, raw)
-    opts = k2.cfg.options["interlocking"]
+    opts = Interlocking.opts(k2.cfg)
     costs, _ = measure_costs(k2)
     out = {"costs": [c.__dict__ for c in costs], "parallel": predict(costs, opts, None),
            "shared": predict(costs, opts, args.cores), "loadavg_before": os.getloadavg()}
@@ -218,7 +218,7 @@ def k4_predictions(ctx: RunContext, args) -> dict:
     rows = {}
     for n in (1, 2, 4):
         k4 = context_for(ctx, smollm2_config(4, n, "farthest", args.split, 1, 0.5))
-        opts = k4.cfg.options["interlocking"]
+        opts = Interlocking.opts(k4.cfg)
         costs, plain = measure_costs(k4)
         rows[str(n)] = {"costs": [c.__dict__ for c in costs], "parallel": predict(costs, opts, None),
                         "shared": predict(costs, opts, args.cores)}

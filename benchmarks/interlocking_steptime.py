@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n in range(1, args.stages + 1):
         run_cfg = copy.deepcopy(cfg)
-        run_cfg.options["interlocking"].n = n
+        Interlocking.opts(run_cfg).n = n
         run_ctx = RunContext(run_cfg, ctx.model, ctx.spec, ctx.data, ctx.out_dir / f"n{n}")
         rec = Interlocking().run(run_ctx).to_dict()
         d = rec["details"]

@@ -62,7 +62,7 @@ def run_replica(cfg, out: Path) -> dict:
     from raylowcomm.training import autocast, total_steps
 
     torch.set_num_threads(max(1, int(cfg.nodes.cpus)))  # a node's threads
-    ctx, o = prepare(cfg, out), cfg.options["spsa"]
+    ctx, o = prepare(cfg, out), Spsa.opts(cfg)
     shard, task = ctx.data.train.load(0, 1), make_task(ctx.data.task)
     steps = o.steps or total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
     Spsa.validate(cfg, steps)

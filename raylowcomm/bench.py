@@ -59,14 +59,17 @@ def check_wan_prerequisites() -> None:
 
 def wan_config(cfg: RunConfig) -> RunConfig:
     """One actor per host: two node actors (or two stages), spread over the two hosts."""
+    from raylowcomm.strategies import STRATEGIES
+
     if cfg.nodes.count != 2:
         raise ConfigError(
             "nodes.count", cfg.nodes.count, "the WAN bench runs one node actor per host on 2 hosts: set nodes.count: 2"
         )
-    if "interlocking" in cfg.strategies and cfg.options["interlocking"].stages != 2:
-        raise ConfigError(
-            "interlocking.stages", cfg.options["interlocking"].stages, "the WAN bench puts one stage per host: set 2"
-        )
+    for name in cfg.strategies:
+        s = STRATEGIES[name]
+        if s.count(cfg) != 2:
+            raise ConfigError(s.count_field, s.count(cfg), f"the WAN bench puts one {name} actor on each of 2 hosts: "
+                                                           "set 2")
     cfg.nodes.placement = "SPREAD"
     return cfg
 

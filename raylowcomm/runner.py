@@ -363,9 +363,9 @@ def _resource_field(cfg: RunConfig, who: str, key: str, too_big_each: bool) -> t
         if key in ("CPU", "GPU"):
             return f"nodes.{key.lower()}s", getattr(cfg.nodes, f"{key.lower()}s")
         return f"nodes.resources.{key}", cfg.nodes.resources.get(key)
-    field = STRATEGIES[who].count_field if who in STRATEGIES else "nodes.count"
-    section, key = field.split(".", 1)
-    return field, getattr(cfg.options[section] if section in cfg.options else getattr(cfg, section), key)
+    if who in STRATEGIES:
+        return STRATEGIES[who].count_field, STRATEGIES[who].count(cfg)
+    return "nodes.count", cfg.nodes.count
 
 
 def strategy_timing(record: dict) -> dict:

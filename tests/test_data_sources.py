@@ -26,7 +26,7 @@ def config(**data) -> RunConfig:
     raw = {"model": {"family": data.pop("family", "hf_classifier")}, "nodes": {"count": data.pop("nodes", 2)},
            "data": data}
     cfg = build_dataclass(RunConfig, raw, "")
-    validate(cfg)
+    validate(cfg, fp32_updating=cfg.strategies)  # lofi and ddp by default: both step every weight
     return cfg
 
 

@@ -114,17 +114,13 @@ def validate_lora(cfg: RunConfig) -> None:
         )
 
 
-FP32_UPDATES = ("lofi", "ddp", "interlocking")
-"""Strategies whose optimizer steps every weight it trains: those weights must be fp32."""
-
-
-def validate_dtype(cfg: RunConfig) -> None:
+def validate_dtype(cfg: RunConfig, updating: list[str]) -> None:
     """model.dtype: bf16/fp16 weights under LoRA (the base is frozen; adapters and head stay fp32),
-    or for SPSA, which steps the weights by a shared rule on every replica alike. A gradient step
-    on bf16/fp16 weights loses updates below their resolution, and no fp32 master copy is kept."""
+    or where no strategy of the run is `updating` (stepping every weight it trains with an
+    optimizer, `Strategy.fp32_updates`). A gradient step on bf16/fp16 weights loses updates below
+    their resolution, and no fp32 master copy is kept."""
     if cfg.model.dtype == "fp32" or cfg.model.lora is not None:
         return
-    updating = [s for s in cfg.strategies if s in FP32_UPDATES]
     if updating:
         raise ConfigError("model.dtype", cfg.model.dtype,
                           f"{', '.join(updating)} full fine-tuning updates every weight, which needs fp32 weights "
@@ -133,11 +129,12 @@ def validate_dtype(cfg: RunConfig) -> None:
                           "optim.precision: bf16 for bf16 compute")
 
 
-def validate(cfg: RunConfig) -> None:
-    """Fields every strategy shares; each strategy's `validate` checks its own options after. Your
+def validate(cfg: RunConfig, fp32_updating: list[str]) -> None:
+    """Fields every strategy shares; each strategy's `validate` checks its own options after.
+    `fp32_updating`: the run's strategies whose optimizer steps every weight (`validate_dtype`). Your
     own data left unnamed is named after its source (data.name)."""
     validate_lora(cfg)
-    validate_dtype(cfg)
+    validate_dtype(cfg, fp32_updating)
     _check_numbers(cfg)
     _check_data(cfg)
 

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from torch import nn
 
@@ -152,15 +152,33 @@ def eval_points(cfg: RunConfig, steps: int) -> list[int]:
     return list(range(cfg.eval_every, steps, cfg.eval_every)) if cfg.eval_every else []
 
 
-class Strategy(ABC):
-    """What the runner, a Tune trial and the cluster check call on every strategy. A subclass sets
-    `name` and `Config` (its YAML section's dataclass) and implements `run`; the rest has defaults
-    that fit a strategy starting `nodes.count` node actors."""
+Options = TypeVar("Options")
+
+
+class Strategy(ABC, Generic[Options]):
+    """What the runner, a Tune trial and the cluster check call on every strategy. A subclass is
+    `Strategy[ItsConfig]`, sets `name` and `Config` (its YAML section's dataclass, the same
+    `ItsConfig`) and implements `run`; it reads its options typed with `opts(cfg)`. The rest has
+    defaults that fit a strategy starting `nodes.count` node actors, whose optimizer steps every
+    weight it trains."""
 
     name: ClassVar[str]
     Config: ClassVar[type]
     count_field: ClassVar[str] = "nodes.count"
     """The option that sets how many actors it starts: the field a too-big run is told to lower."""
+    fp32_updates: ClassVar[bool] = True
+    """Its optimizer steps every weight it trains, so full fine-tuning needs fp32 weights (config
+    refuses bf16/fp16 weights without LoRA); False where updates are applied alike on every replica."""
+
+    @classmethod
+    def opts(cls, cfg: RunConfig) -> Options:
+        """This strategy's own options (its YAML section, typed as `Config`)."""
+        return cfg.options[cls.name]
+
+    @classmethod
+    def count(cls, cfg: RunConfig) -> int:
+        """How many actors it starts: the value of `count_field`."""
+        return cfg.nodes.count
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:

@@ -336,13 +336,13 @@ def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
             "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
 
 
-class Ddp(Strategy):
+class Ddp(Strategy[DdpConfig]):
     name: ClassVar[str] = "ddp"
     Config: ClassVar[type] = DdpConfig
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
-        if cfg.options["ddp"].backend == "nccl" and cfg.nodes.gpus == 0:
+        if Ddp.opts(cfg).backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
         hosts = cfg.nodes.hosts or []
         if any(h in hosts[:i - 1] for i, h in enumerate(hosts) if i and h != hosts[i - 1]):
@@ -382,7 +382,7 @@ class Ddp(Strategy):
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, clock, ledger, n = ctx.cfg, TrainClock(), Ledger(), ctx.cfg.nodes.count
-        backend = cfg.options["ddp"].backend.replace("auto", "nccl" if cfg.nodes.gpus > 0 else "gloo")
+        backend = Ddp.opts(cfg).backend.replace("auto", "nccl" if cfg.nodes.gpus > 0 else "gloo")
         ctx.fresh_state(self.name)
         (what, start), sizes = ctx.initial_model(), ctx.data.train.sizes(n)  # weights, or the recipe to load them
         steps = total_steps(cfg.optim, min(sizes)) if sizes else None  # None: node files, the workers agree on it

@@ -124,7 +124,7 @@ class SpsaNode(Node):
         super().__init__(node, cfg, spec, task, weights)
         self.storage, self.shard = storage, data.load(node, slots)  # read on the node's host
         self.hold_out(data, slots)
-        o = cfg.options["spsa"]
+        o = Spsa.opts(cfg)
         self.seed, self.losses = node_seed(cfg.seed, node), []
         self.replica = Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
                                   lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
@@ -181,18 +181,19 @@ class SpsaNode(Node):
                 **{f"replica_{k}": round(v, 3) for k, v in self.replica.times.items()}}  # perturb, forwards, replay
 
 
-class Spsa(Strategy):
+class Spsa(Strategy[SpsaConfig]):
     name: ClassVar[str] = "spsa"
     Config: ClassVar[type] = SpsaConfig
+    fp32_updates: ClassVar[bool] = False  # every replica applies the same seeded update, bf16/fp16 weights alike
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict[str, float]]:
         """Joiners may be alive beside the first nodes: reserve a slot for each."""
-        return [node_bundle(cfg)] * (cfg.nodes.count + len(cfg.options["spsa"].join))
+        return [node_bundle(cfg)] * (cfg.nodes.count + len(Spsa.opts(cfg).join))
 
     @staticmethod
     def validate(cfg: RunConfig, steps: int | None = None) -> None:
-        o = cfg.options["spsa"]
+        o = Spsa.opts(cfg)
         codec_field = "scale" if o.codec == "linear" else "g_min"
         try:
             o.make_codec()
@@ -228,7 +229,7 @@ class Spsa(Strategy):
     def check(ctx: RunContext) -> None:
         """spsa.include must match a weight SPSA tunes: the names come from the driver's architecture
         (weights or not), so a pattern that matches none stops the run before Ray starts."""
-        include = ctx.cfg.options["spsa"].include
+        include = Spsa.opts(ctx.cfg).include
         if not include:
             return
         try:
@@ -241,7 +242,7 @@ class Spsa(Strategy):
                                                        "names, or null for all") from None
 
     def run(self, ctx: RunContext) -> RunRecord:
-        cfg, opts = ctx.cfg, ctx.cfg.options["spsa"]
+        cfg, opts = ctx.cfg, Spsa.opts(ctx.cfg)
         sizes = ctx.data.train.sizes(cfg.nodes.count + len(opts.join))  # one shard per slot; None: the nodes know
         steps = opts.steps or (total_steps(cfg.optim, min(sizes)) if sizes else None)
         self.validate(cfg, steps)
@@ -253,7 +254,7 @@ class SpsaRun:
     """The driver's side of one SPSA run: membership, the byte exchange, checks and the curve."""
 
     def __init__(self, ctx: RunContext, group: NodeGroup, steps: int | None):
-        self.ctx, self.cfg, self.opts, self.group = ctx, ctx.cfg, ctx.cfg.options["spsa"], group
+        self.ctx, self.cfg, self.opts, self.group = ctx, ctx.cfg, Spsa.opts(ctx.cfg), group
         self.ledger, self.steps, self.codec = group.ledger, steps, self.opts.make_codec()
         self.slots = self.cfg.nodes.count + len(self.opts.join)
         self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0

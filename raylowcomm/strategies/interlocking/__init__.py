@@ -145,18 +145,22 @@ def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
     return metric_names({name: heads[-1] for name, heads in per_set.items() if name != "val"})
 
 
-class Interlocking(Strategy):
+class Interlocking(Strategy[InterlockingConfig]):
     name: ClassVar[str] = "interlocking"
     Config: ClassVar[type] = InterlockingConfig
     count_field: ClassVar[str] = "interlocking.stages"  # the option that sets how many actors it starts
 
+    @classmethod
+    def count(cls, cfg: RunConfig) -> int:
+        return cls.opts(cfg).stages  # one actor per stage, whatever nodes.count says
+
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict[str, float]]:
-        return [node_bundle(cfg)] * cfg.options["interlocking"].stages  # one actor per stage, whatever nodes.count says
+        return [node_bundle(cfg)] * Interlocking.count(cfg)
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
-        o = cfg.options["interlocking"]
+        o = Interlocking.opts(cfg)
         for name in ("stages", "micro_batches", "max_batches_ahead"):
             if getattr(o, name) < 1:
                 raise ConfigError(f"interlocking.{name}", getattr(o, name), "must be >= 1")
@@ -202,7 +206,7 @@ class Interlocking(Strategy):
     def check(ctx: RunContext) -> None:
         """The options against the loaded model and data: how many units (stem + blocks, or decoder
         layers) the model has and how many test rows time a measured split are known only now."""
-        cfg, opts, family = ctx.cfg, ctx.cfg.options["interlocking"], ctx.spec.family
+        cfg, opts, family = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family
         if family == "timm" and not is_timm_cnn(ctx.model):
             raise ConfigError("model.name", cfg.model.name, "has neither ResNet layers (layer1..4) nor conv_stem + "
                               "blocks: interlocking splits timm ResNets and EfficientNet/MobileNet models "
@@ -223,7 +227,7 @@ class Interlocking(Strategy):
                               f"set, which has {test}: raise data.test_size, or use blocks or params")
 
     def run(self, ctx: RunContext) -> RunRecord:
-        cfg, opts, family, clock = ctx.cfg, ctx.cfg.options["interlocking"], ctx.spec.family, TrainClock()
+        cfg, opts, family, clock = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family, TrainClock()
         torch.manual_seed(cfg.seed)
         K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
@@ -272,7 +276,7 @@ class Interlocking(Strategy):
               family: str) -> None:
         """One stage actor per module, its aux head beside it; stage 0 also gets the evaluation sets
         and how to read the training data (not the data)."""
-        opts, K, loaded = cfg.options["interlocking"], len(modules), []
+        opts, K, loaded = Interlocking.opts(cfg), len(modules), []
         for what, data in (("data_recipe", recipe), ("eval_data", source.eval_sets)):  # stage 0's
             group.ledger.send("setup", what, data)
         for k in range(K):
@@ -283,7 +287,7 @@ class Interlocking(Strategy):
         ray.get(loaded)
 
     def _train(self, ctx: RunContext, group: NodeGroup, source: Source) -> tuple[dict, list, list, list]:
-        cfg, opts = ctx.cfg, ctx.cfg.options["interlocking"]
+        cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
         K, actors, ledger = opts.stages, group.handles(), group.ledger
         steps = total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
         logger.info("[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s", K, opts.n, opts.rule, steps,

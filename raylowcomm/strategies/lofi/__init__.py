@@ -49,7 +49,7 @@ def exchange_for(opts: LofiConfig) -> type[Exchange]:
     return PeerExchange if peers else StarExchange
 
 
-class Lofi(Strategy):
+class Lofi(Strategy[LofiConfig]):
     name: ClassVar[str] = "lofi"
     Config: ClassVar[type] = LofiConfig
 
@@ -66,11 +66,12 @@ class Lofi(Strategy):
     def driver_weights(cfg: RunConfig) -> str | None:
         """What starts from, or merges into, weights the driver holds (the topology's to say); one final
         average of adapters is merged and saved on node 0, where the base is."""
-        return exchange_for(cfg.options["lofi"]).driver_weights(cfg)
+        o = Lofi.opts(cfg)
+        return exchange_for(o).driver_weights(cfg, o)
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
-        o = cfg.options["lofi"]
+        o = Lofi.opts(cfg)
         if o.average_every is not None and o.average_every <= 0:
             raise ConfigError("lofi.average_every", o.average_every, "must be > 0, or null for one average at the end")
         if o.soup == "greedy" and (cfg.data.val_size == 0 or cfg.data.eval_on_nodes):
@@ -82,8 +83,8 @@ class Lofi(Strategy):
             raise ConfigError("lofi.outer_momentum", o.outer_momentum, "must be in [0, 1)")
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
-        Lofi._validate_exchange(cfg)
-        streaming.validate(cfg, exchange_for(o).nodes_keep_rounds)
+        Lofi._validate_exchange(cfg, o)
+        streaming.validate(o, exchange_for(o).nodes_keep_rounds)
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
             raise ConfigError("lofi.outer_optimizer", o.outer_optimizer, "not offered with model.lora: set it to none")
@@ -97,14 +98,14 @@ class Lofi(Strategy):
     def check(ctx: RunContext) -> None:
         from raylowcomm.strategies.lofi.config import check_schedule
 
-        streaming.check(ctx.cfg.options["lofi"], ctx.architecture, ctx.fine_tune)
+        o = Lofi.opts(ctx.cfg)
+        streaming.check(o, ctx.architecture, ctx.fine_tune)
         sizes = ctx.data.train.sizes(ctx.cfg.nodes.count)  # None with data.node_files: only the nodes know theirs
         if sizes:
-            check_schedule(ctx.cfg, min(sizes))
+            check_schedule(ctx.cfg, o, min(sizes))
 
     @staticmethod
-    def _validate_exchange(cfg: RunConfig) -> None:
-        o = cfg.options["lofi"]
+    def _validate_exchange(cfg: RunConfig, o: LofiConfig) -> None:
         if o.compress not in CODECS:
             raise ConfigError("lofi.compress", o.compress, f"choose one of {', '.join(CODECS)}")
         if o.exchange == "driver" and o.compress != "none":
@@ -116,7 +117,7 @@ class Lofi(Strategy):
             raise ConfigError("lofi.compress_block", o.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
         if o.compress == "none":
             Lofi._warn_unused_codec(o)
-        exchange_for(o).validate(cfg)
+        exchange_for(o).validate(cfg, o)
 
     @staticmethod
     def _warn_unused_codec(o: LofiConfig) -> None:
@@ -128,13 +129,12 @@ class Lofi(Strategy):
                                "cross uncompressed)", name, getattr(o, name))
 
     def run(self, ctx: RunContext) -> RunRecord:
-        cfg, opts, n = ctx.cfg, ctx.cfg.options["lofi"], ctx.cfg.nodes.count
+        cfg, opts, n = ctx.cfg, self.opts(ctx.cfg), ctx.cfg.nodes.count
         clock, ledger = TrainClock(), Ledger()
         ctx.fresh_state(self.name)
         (what, start), watch = ctx.initial_model(), Stopwatch()
         initial = start if what == "initial_weights" else None  # None: the nodes load the weights, not the driver
-        topology = exchange_for(opts)
-        exchange = StarExchange(ctx, initial) if topology is StarExchange else PeerExchange(ctx)
+        exchange = exchange_for(opts)(ctx, opts, initial)
         with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts, bundles=self.bundles(cfg)) as group:
             with watch("start"):
                 weights_ref = group.put(start, "setup", what, copies=n)
@@ -143,7 +143,7 @@ class Lofi(Strategy):
                 recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
                 for k in range(n):
                     group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage,
-                                ctx.live.poster(k), peer_rounds=exchange.nodes_keep_rounds)
+                                ctx.live.poster(k), rounds=opts if exchange.nodes_keep_rounds else None)
                 group.ready()
             sizes = ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes")
             plan = plan_rounds(cfg, opts, sizes, ctx.fine_tune.node_average(initial, ctx.architecture,
@@ -198,7 +198,7 @@ class Lofi(Strategy):
 
     def _finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, exchange: Exchange, trained: dict,
                 clock: TrainClock, watch: Stopwatch) -> RunRecord:
-        cfg, opts, n, ledger = ctx.cfg, ctx.cfg.options["lofi"], len(group), group.ledger
+        cfg, opts, n, ledger = ctx.cfg, self.opts(ctx.cfg), len(group), group.ledger
         with watch("evaluate_nodes"):
             node_metrics = group.evaluate_all()
         metric, on_all = make_task(ctx.data.task).metric, cfg.data.eval_on_nodes

@@ -64,14 +64,13 @@ class LofiConfig:
     (0 with model.lora)."""
 
 
-def check_schedule(cfg: RunConfig, smallest_shard: int) -> None:
+def check_schedule(cfg: RunConfig, o: LofiConfig, smallest_shard: int) -> None:
     """lofi.average_every against the run's length (the steps of its smallest shard): a period
     longer than the run never comes round, and the run would train as plain lo-fi, one average at
     its end, while the config asks for rounds."""
     from raylowcomm.common.batches import steps_per_epoch
     from raylowcomm.training import total_steps
 
-    o = cfg.options["lofi"]
     if o.average_every is None:
         return
     steps, per_epoch = total_steps(cfg.optim, smallest_shard), steps_per_epoch(smallest_shard, cfg.optim.batch_size)

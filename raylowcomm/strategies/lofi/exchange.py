@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from raylowcomm.actors import NodeGroup
     from raylowcomm.config import RunConfig
     from raylowcomm.strategies.base import RunContext
+    from raylowcomm.strategies.lofi.config import LofiConfig
     from raylowcomm.strategies.lofi.plan import Plan
 
 
@@ -48,12 +49,15 @@ class Exchange(Protocol):
     nodes_keep_rounds: ClassVar[bool]
     """Whether every node keeps a global model of its own between rounds (`node_rounds.NodeRounds`)."""
 
+    def __init__(self, ctx: RunContext, opts: LofiConfig, start: dict | None):
+        """`start`: the pretrained weights, where the driver holds them (None: the nodes load them)."""
+
     @staticmethod
-    def validate(cfg: RunConfig) -> None:
+    def validate(cfg: RunConfig, opts: LofiConfig) -> None:
         """The options this topology refuses (a ConfigError), before anything starts."""
 
     @staticmethod
-    def driver_weights(cfg: RunConfig) -> str | None:
+    def driver_weights(cfg: RunConfig, opts: LofiConfig) -> str | None:
         """Why this topology needs the pretrained weights on the driver, or None."""
 
     def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:

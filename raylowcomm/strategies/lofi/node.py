@@ -14,6 +14,7 @@ from raylowcomm.config import RunConfig
 from raylowcomm.core.averaging import measure_bn_statistics
 from raylowcomm.data import TrainSource
 from raylowcomm.storage import Storage
+from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
 from raylowcomm.strategies.lofi.streaming import ALL
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
@@ -26,9 +27,10 @@ class LofiNode(Node):
     label = "lofi node"
 
     def __init__(self, node: int, spec, task, weights, data: TrainSource, cfg: RunConfig, storage: Storage,
-                 progress=None, peer_rounds: bool = False):
+                 progress=None, rounds: LofiConfig | None = None):
         # weights: the initial state dict, or the recipe this node loads them by; a checkpoint may hold
-        # what trains only: the rest comes from them. peer_rounds: the run's exchange keeps rounds here
+        # what trains only: the rest comes from them. rounds: the run's lo-fi options, where its exchange
+        # keeps rounds on the nodes (None: the driver's star)
         super().__init__(node, cfg, spec, task, weights)
         self.progress = progress  # a progress.ProgressPoster where the driver watches live
         self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
@@ -38,13 +40,13 @@ class LofiNode(Node):
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
         # peer rounds: what every node sends, as it starts (a copy: restoring a checkpoint overwrites it)
-        start = {k: v.clone() for k, v in self.weights().items()} if peer_rounds else None
+        start = {k: v.clone() for k, v in self.weights().items()} if rounds is not None else None
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
             meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-        self.peer = NodeRounds(self, cfg.options["lofi"], cfg.seed, start) if peer_rounds else None
+        self.peer = NodeRounds(self, rounds, cfg.seed, start) if rounds is not None else None
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
             self._load_bn(storage.load_tensors(self._bn_path)[0])
 

@@ -25,6 +25,7 @@ from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing
 from raylowcomm.strategies.lofi.plan import Plan
@@ -45,14 +46,14 @@ class PeerExchange:
     name: ClassVar[str] = "peers"
     nodes_keep_rounds: ClassVar[bool] = True
 
-    def __init__(self, ctx: RunContext):
-        self.opts = ctx.cfg.options["lofi"]
+    def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
+        """`start` is unused: every node starts from the weights it was given and keeps its own global model."""
+        self.opts = o
         self.on_nodes = nodes_hold_result(self.opts, ctx.fine_tune.merges_rounds)
         self.fetched = {"bytes": 0, "tensors": 0}  # what the driver read back during training: refs and sizes
 
     @staticmethod
-    def validate(cfg: RunConfig) -> None:
-        o = cfg.options["lofi"]
+    def validate(cfg: RunConfig, o: LofiConfig) -> None:
         field = "lofi.compress" if o.compress != "none" else "lofi.exchange"
         value = o.compress if o.compress != "none" else o.exchange
         if cfg.model.lora is not None and o.overlap and o.mix:
@@ -62,8 +63,8 @@ class PeerExchange:
             raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
 
     @staticmethod
-    def driver_weights(cfg: RunConfig) -> str | None:
-        if not nodes_hold_result(cfg.options["lofi"], cfg.model.lora is not None):
+    def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:
+        if not nodes_hold_result(o, cfg.model.lora is not None):
             return "lo-fi's one compressed average is decoded on the driver from the pretrained weights"
         return curve_needs_driver_weights(cfg)
 

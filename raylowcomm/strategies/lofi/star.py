@@ -11,6 +11,7 @@ from raylowcomm.actors import NodeGroup
 from raylowcomm.config import RunConfig
 from raylowcomm.core.averaging import OuterNesterov, greedy_soup
 from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.plan import Plan, average_nodes, gather_nodes
 from raylowcomm.strategies.lofi.round_file import GLOBAL, read_round, write_round
@@ -27,21 +28,21 @@ class StarExchange:
     name: ClassVar[str] = "driver"
     nodes_keep_rounds: ClassVar[bool] = False
 
-    def __init__(self, ctx: RunContext, start: dict | None):
+    def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         """`start`: the pretrained weights on the driver, where it holds them (an outer step moves them)."""
-        o = ctx.cfg.options["lofi"]
+        self.opts = o
         params = {k for k, _ in ctx.architecture.named_parameters()}
         self.storage = ctx.storage
         self.outer = OuterNesterov(start, params, o.outer_lr, o.outer_momentum) \
             if o.outer_optimizer == "nesterov" else None
 
     @staticmethod
-    def validate(cfg: RunConfig) -> None:
+    def validate(cfg: RunConfig, o: LofiConfig) -> None:
         """The star takes every lo-fi option that does not name peer rounds (`streaming.validate`)."""
 
     @staticmethod
-    def driver_weights(cfg: RunConfig) -> str | None:
-        o, adapters = cfg.options["lofi"], cfg.model.lora is not None
+    def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:
+        adapters = cfg.model.lora is not None
         if o.outer_optimizer != "none":
             return "lofi.outer_optimizer steps the global model on the driver"
         if adapters and o.average_every is not None:
@@ -83,7 +84,7 @@ class StarExchange:
         """Full weights: the average itself; adapters: the nodes', merged where they are scored (and,
         where the driver holds no base, merged and saved by node 0). The outer step, where there is one,
         moves the average the driver scores and saves."""
-        o, n = ctx.cfg.options["lofi"], len(group)
+        o, n = self.opts, len(group)
         if o.soup == "greedy":
             average, kept = self._greedy_soup(group, metric, node_metrics)
             final = FinalModel(kept, on_nodes=False, weights=average, to_score=average)

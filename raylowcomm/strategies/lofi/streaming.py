@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config import ConfigError
+from raylowcomm.strategies.lofi.config import LofiConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,8 @@ class InFlightRound:
         return self._value
 
 
-def validate(cfg: RunConfig, peers: bool) -> None:
+def validate(o: LofiConfig, peers: bool) -> None:
     """lofi.fragments, overlap and mix: in range, and with what they need (`peers`: peer rounds, every H steps)."""
-    o = cfg.options["lofi"]
     if o.fragments < 1:
         raise ConfigError("lofi.fragments", o.fragments, "must be >= 1 (1: the whole model every round)")
     if o.overlap < 0:
