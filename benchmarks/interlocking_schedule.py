@@ -62,13 +62,13 @@ def build_workers(ctx: RunContext) -> tuple[list[StageWorker], Source]:
     """The stages exactly as `Interlocking.run` builds them (untied head, split, aux heads, each its
     own optimizer), as in-process workers, and stage 0's source of micro-batches."""
     cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
-    model = copy.deepcopy(ctx.model).float().train()
+    model = copy.deepcopy(ctx.load_driver_weights()).float().train()
     untie_lm_head(model)
     modules = split_model(model, "hf_causal_lm", opts.stages, opts.balance, opts.split)
     heads = aux_heads(model, modules, "hf_causal_lm", None, opts.aux_widths, opts.aux_init_from_lm_head)
     workers = []
     for k, module in enumerate(modules):
-        stage = InterlockStage(k, opts.stages, opts.n, opts.rule, module, heads[k] if k < opts.stages - 1 else None,
+        stage = InterlockStage(k, opts.stages, opts.width, opts.rule, module, heads[k] if k < opts.stages - 1 else None,
                                LOSSES["causal_lm"], lambda params: make_optimizer(cfg.optim, params),
                                opts.micro_batches)
         workers.append(StageWorker(stage, opts.micro_batches, k == opts.stages - 1, CausalLM()))
@@ -120,7 +120,7 @@ def measure_costs(ctx: RunContext, batches: int = 3) -> tuple[list[StageCost], l
         w.clock = time.thread_time
     torch.set_num_threads(1)
     try:
-        out = replay(workers, source, message_plan(opts.stages, opts.n, opts.rule), opts.micro_batches, batches)
+        out = replay(workers, source, message_plan(opts.stages, opts.width, opts.rule), opts.micro_batches, batches)
         first = {c.stage: out[c][0] for c in out if c.kind == "forward" and c.mb == 0}  # (h, y) per stage
         shares = [aux_head_share(w, *first[k]) for k, w in enumerate(workers[:-1])] + [(0.0, 0.0)]
     finally:
@@ -175,7 +175,7 @@ def as_ran(path: str) -> dict:
 
 
 def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12) -> dict:
-    tl = simulate(costs, message_plan(opts.stages, opts.n, opts.rule), opts.micro_batches, batches, LINK,
+    tl = simulate(costs, message_plan(opts.stages, opts.width, opts.rule), opts.micro_batches, batches, LINK,
                   opts.max_batches_ahead, cores)
     return {"step_time_s": tl.step_time_s, "busy_fraction": [round(b, 3) for b in tl.busy_fraction],
             "busiest_stage_s": max(tl.busy_s) / batches}  # per batch: no schedule of these calls steps faster
@@ -183,7 +183,8 @@ def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12
 
 def real_run(ctx: RunContext, raw: dict, name: str) -> dict:
     cfg = from_dict(raw)
-    rec = Interlocking().run(RunContext(cfg, ctx.model, ctx.spec, ctx.data, ctx.out_dir / name)).to_dict()
+    weights = ctx.load_driver_weights()
+    rec = Interlocking().run(RunContext(cfg, weights, ctx.spec, ctx.data, ctx.out_dir / name)).to_dict()
     (ctx.out_dir / name).mkdir(parents=True, exist_ok=True)
     (ctx.out_dir / name / "results.json").write_text(json.dumps([rec], default=str))  # for --as-ran
     d = rec["details"]
@@ -193,7 +194,7 @@ def real_run(ctx: RunContext, raw: dict, name: str) -> dict:
 
 
 def context_for(ctx: RunContext, raw: dict) -> RunContext:
-    return RunContext(from_dict(raw), ctx.model, ctx.spec, ctx.data, ctx.out_dir)
+    return RunContext(from_dict(raw), ctx.load_driver_weights(), ctx.spec, ctx.data, ctx.out_dir)
 
 
 def k2_validation(ctx: RunContext, args) -> dict:

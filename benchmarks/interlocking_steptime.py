@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         x = ImageClassification(32).inputs(
             batch_at(ctx.data.eval_sets["test"], 0, args.batch_size // args.micro_batches, cfg.seed)
         )
-        costs = measure_balance(ctx.model, "timm", x, ctx.spec.num_classes, raw["interlocking"]["aux_widths"], cpus=1)
+        model = ctx.load_driver_weights()
+        costs = measure_balance(model, "timm", x, ctx.spec.num_classes, raw["interlocking"]["aux_widths"], cpus=1)
         sizes = balanced_sizes(costs.units, args.stages, costs.boundaries)
         ends = [sum(sizes[: k + 1]) for k in range(args.stages)]
         stage_costs = [
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in range(1, args.stages + 1):
         run_cfg = copy.deepcopy(cfg)
         Interlocking.opts(run_cfg).n = n
-        run_ctx = RunContext(run_cfg, ctx.model, ctx.spec, ctx.data, ctx.out_dir / f"n{n}")
+        run_ctx = RunContext(run_cfg, ctx.load_driver_weights(), ctx.spec, ctx.data, ctx.out_dir / f"n{n}")
         rec = Interlocking().run(run_ctx).to_dict()
         d = rec["details"]
         rows.append(

@@ -66,7 +66,7 @@ def _workload(threads: int):
     with tempfile.TemporaryDirectory() as tmp:
         ctx = _context(Path(tmp))
     batch = {k: v[:BATCH] for k, v in ctx.data.train.load_all().items()}
-    return ctx.model, batch, task_for(ctx.spec.family, 32, data=DATA["name"])
+    return ctx.load_driver_weights(), batch, task_for(ctx.spec.family, 32, data=DATA["name"])
 
 
 def step_parts(samples: int, nodes: int, steps: int, threads: int) -> dict:
@@ -110,7 +110,7 @@ def replay(threads: int, repeats: int) -> tuple[list[dict], int]:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = _context(Path(tmp))
-    params = trainable_parameters(ctx.model)
+    params = trainable_parameters(ctx.load_driver_weights())
     numel = sum(p.numel() for _, p in params)
     scratch = torch.empty(numel)
     gen = torch.Generator().manual_seed(0)

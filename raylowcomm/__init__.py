@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "run": "raylowcomm.runner",
-    "run_seeds": "raylowcomm.runner",
+    "run_seeds": "raylowcomm.seeds",
     "load_config": "raylowcomm.strategies",
     "from_dict": "raylowcomm.strategies",
     "RunConfig": "raylowcomm.config",

@@ -14,44 +14,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 from contextlib import contextmanager
 
 import ray
 import torch
 
 from raylowcomm.catalog import TaskSpec
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.common.timing import peak_rss_bytes, rss_bytes
 from raylowcomm.config import RunConfig
-from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.execution import Gang, node_bundle
 from raylowcomm.finetune import ModelRecipe, fine_tune_for
 from raylowcomm.models import ModelSpec, build_architecture
-from raylowcomm.runtime import actor_options, device_for, setup_threads
+from raylowcomm.runtime import actor_options, device_for, log_to_stdout, setup_threads
 from raylowcomm.storage import Storage
 from raylowcomm.tasks import make_task, score_sets
 from raylowcomm.training import dedupe_shared
 
 logger = logging.getLogger("raylowcomm")
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever sys.stdout is now (Ray forwards an actor's stdout to the driver)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stdout
-        super().emit(record)
-
-
-def log_to_stdout(level: int = logging.INFO) -> None:
-    """Send raylowcomm's log lines to stdout (the CLI's process, each actor's), unless logging is
-    configured already: then the process's own handlers get them, once."""
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = _StdoutHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(level)
 
 
 def start_process(cpus: float, gpus: float) -> str:
@@ -150,9 +131,6 @@ class Node:
     def weights(self) -> dict:
         """What the node has learned: every weight, or under LoRA (model.lora) the adapters and head only."""
         return self.fine_tune.node_state(self.model)
-
-    def load_weights(self, state: dict) -> None:
-        self.model.load_state_dict(state)
 
     def hash(self) -> str:
         """Exact hash of the parameters: replicas that must be identical compare it."""

@@ -250,8 +250,10 @@ def _run(args) -> int:
         if args.out or args.resume:
             cfg.out_dir = args.resume or args.out
         check_out_dir(cfg.out_dir, "--resume" if args.resume else "--out" if args.out else "out_dir")
-        from raylowcomm.actors import log_to_stdout
-        from raylowcomm.runner import check_resumable, check_seeds_resumable, run, run_seeds
+        from raylowcomm.resume import check_resumable
+        from raylowcomm.runner import run
+        from raylowcomm.runtime import log_to_stdout
+        from raylowcomm.seeds import check_seeds_resumable, run_seeds
 
         if args.resume and seeds is None:
             check_resumable(cfg, cfg.out_dir)

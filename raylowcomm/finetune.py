@@ -9,7 +9,6 @@ adapters, and `raylowcomm.lora` (peft) is imported for LoRA runs only."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -17,32 +16,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ModelConfig
-from raylowcomm.core.averaging import StreamingAverage
 from raylowcomm.models import ModelSpec, build_architecture, load_base, state_dict_of, weights_readable
 
 State = dict[str, torch.Tensor]
-
-
-class NodeAverage(Protocol):
-    """lo-fi's average of the nodes' states (`FineTune.node_average`): how they are gathered as they
-    arrive, combined into one model, and sent to the nodes to be scored."""
-
-    what: str
-    """The ledger's name for one node's state."""
-
-    def gather(self, states: Iterable[tuple[int, State]], weights: list[float]) -> object:
-        """The nodes' (key, state) pairs as they arrive, node k weighing weights[k]: what `combine` takes."""
-
-    def combine(self, gathered: object) -> State:
-        """The average, as plain weights (the architecture's own names)."""
-
-    def rebase(self, state: State) -> None:
-        """After an averaging round: the global model the nodes start the next round from."""
-
-    def sent(self, payload: object) -> tuple[str, int]:
-        """How `gather`'s or `combine`'s output crosses to be scored: the ledger's name and bytes."""
 
 
 class FineTune(Protocol):
@@ -65,9 +42,9 @@ class FineTune(Protocol):
         optimizer's state no longer fits them."""
 
     def plain_state(self, payload: object, model: nn.Module) -> State:
-        """Plain weights to score from what the driver sent (a `NodeAverage`'s output), put together on
-        this node's `model` where the payload needs its base; None: `model`'s own, which after the final
-        peer round is the average."""
+        """Plain weights to score from what the driver sent (an average of the nodes: plain weights, or
+        under LoRA the nodes' adapters), put together on this node's `model` where the payload needs its
+        base; None: `model`'s own, which after the final peer round is the average."""
 
     def plain_names(self, state: State) -> State:
         """Tensors of the model as it trains, under the plain architecture's names."""
@@ -77,49 +54,9 @@ class FineTune(Protocol):
         (a node scoring an average on the base it holds); None from it where `model` cannot without a
         copy of every weight: the caller scores in a model of its own."""
 
-    merges_rounds: bool
-    """Whether an averaging round's result is merged into frozen weights, restarting what trains (LoRA),
-    instead of being loaded as what trains: peer rounds then decode each node's payload (`merge_nodes`)."""
-
-    def sync_unit(self, name: str) -> str:
-        """The group a tensor syncs with in a fragment of a round (lofi.fragments): its module, or for an
-        adapter factor its adapted layer, so that B and A land together."""
-
-    def merge_nodes(self, model: nn.Module, node_states: list[State], weights: list[float], how: str,
-                    seed: int) -> list[str]:
-        """A peer round's landing, where `merges_rounds`: the nodes' states of some tensors (decoded from
-        their payloads) averaged into `model` (`how`: lofi.lora_average), what the merge consumed restarted
-        from `seed`; returns the names restarted."""
-
-    def node_average(self, base: State, model: nn.Module, how: str) -> NodeAverage:
-        """lo-fi's average of the nodes' states, which all started from `model`'s weights `base`;
-        `how`: lofi.lora_average."""
-
     def save_result(self, weights: State, model: nn.Module, out_dir: Path, merge: bool) -> dict[str, str]:
         """Save a strategy's result `weights` (the pretrained model: `model`) in the fine-tune's own
         forms too, under `out_dir` (model.merge: merged); the record's details saying where."""
-
-
-class WeightAverage:
-    """The nodes' full weights, streamed into one running sum as they arrive: one incoming copy at a time."""
-
-    what = "node_weights"
-
-    def gather(self, states: Iterable[tuple[int, State]], weights: list[float]) -> State:
-        avg = StreamingAverage()
-        for k, state in states:
-            avg.add(state, weights[k])
-            del state
-        return avg.result()
-
-    def combine(self, gathered: State) -> State:
-        return gathered
-
-    def rebase(self, state: State) -> None:
-        """Full weights are averaged from the nodes' states alone."""
-
-    def sent(self, payload: State) -> tuple[str, int]:
-        return "weights_to_score", payload_nbytes(payload)
 
 
 class FullWeights:
@@ -147,14 +84,6 @@ class FullWeights:
     def computing(self, model: nn.Module, plain: State) -> contextlib.AbstractContextManager[nn.Module | None]:
         """Every weight would change: a model of the caller's own is no larger than a copy to put back."""
         return contextlib.nullcontext(None)
-
-    merges_rounds = False  # a round's average is the new weights (no `merge_nodes`)
-
-    def sync_unit(self, name: str) -> str:
-        return name.rsplit(".", 1)[0]
-
-    def node_average(self, base: State, model: nn.Module, how: str) -> WeightAverage:
-        return WeightAverage()
 
     def save_result(self, weights: State, model: nn.Module, out_dir: Path, merge: bool) -> dict[str, str]:
         """model.safetensors (saved by every strategy) is the whole result."""

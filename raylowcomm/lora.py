@@ -129,11 +129,6 @@ def trainable_state(model: nn.Module) -> State:
             for name, p in model.named_parameters() if p.requires_grad}
 
 
-def trainable_nbytes(model: nn.Module) -> int:
-    """Bytes of the parameters that train: what DDP all-reduces each step (it skips frozen ones)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
 @dataclass(frozen=True)
 class AdaptedLayer:
     """One adapted layer: PEFT-form keys of its factors and frozen weight, the plain-form key of
@@ -242,8 +237,8 @@ def average_delta(base_state: State, node_states: Sequence[State], layers: Seque
 class AdapterAverage:
     """lo-fi's average of adapters on top of the nodes' common frozen `base`: `delta`, the exact
     average of what they learned, or `factors`, FedAvg of A and B (for comparison). Returns the
-    plain merged state; after an averaging round it becomes the next round's base. The
-    `finetune.NodeAverage` of a LoRA run."""
+    plain merged state; after an averaging round it becomes the next round's base (lo-fi's
+    `NodeAverage` under LoRA)."""
 
     base: State
     layers: list[AdaptedLayer]
@@ -441,19 +436,6 @@ class LoraFineTune:
     def computing(self, model: nn.Module, plain: State) -> contextlib.AbstractContextManager[nn.Module | None]:
         """This node's PEFT model, computing `plain` in place for a while (`computing`)."""
         return computing(model, plain)
-
-    merges_rounds = True
-
-    def sync_unit(self, name: str) -> str:
-        """An adapter factor's adapted layer; any other tensor's module."""
-        return name.rsplit(".lora_", 1)[0] if ".lora_" in name else name.rsplit(".", 1)[0]
-
-    def merge_nodes(self, model: nn.Module, node_states: list[State], weights: list[float], how: str,
-                    seed: int) -> list[str]:
-        return merge_nodes(model, node_states, weights, how, seed)
-
-    def node_average(self, base: State, model: nn.Module, how: str) -> AdapterAverage:
-        return AdapterAverage(base, lora_layers(model), how)
 
     def save_result(self, weights: State, model: nn.Module, out_dir: Path, merge: bool) -> dict[str, str]:
         """The adapter as peft writes it where the result is adapters on the pretrained base (SPSA,

@@ -1,11 +1,33 @@
-"""Where Ray meets the rest: starting or joining a cluster, actor resources, threads."""
+"""Where Ray meets the rest: starting or joining a cluster, actor resources, threads, and where a
+process's log lines go (the CLI's, and every actor's)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
+
+_package_logger = logging.getLogger("raylowcomm")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is now (Ray forwards an actor's stdout to the driver)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+def log_to_stdout(level: int = logging.INFO) -> None:
+    """Send raylowcomm's log lines to stdout (the CLI's process, each actor's), unless logging is
+    configured already: then the process's own handlers get them, once."""
+    if not _package_logger.handlers and not logging.getLogger().handlers:
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _package_logger.addHandler(handler)
+    _package_logger.setLevel(level)
 
 
 def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:

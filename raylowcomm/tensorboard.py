@@ -150,48 +150,43 @@ class TensorBoardLog:
             return
         strategy = record["strategy"]
         curve = [p for p in record.get("curve") or [] if isinstance(p, dict) and _number(p.get("step")) is not None]
-        metrics = record.get("metrics") or {}
-        comm = record.get("comm") or {}
         with self._lock:
             w = self._writer(strategy)
             t0, written = self._t0[strategy], self._written[strategy]
             for p in curve:
-                step = int(p["step"])
-                wall = _number(p.get("wall_s"))
-                walltime = t0 + wall if wall is not None else None
-                ms = time_step(wall) if wall is not None else None
-                for key, v in p.items():
-                    value = _number(v)
-                    if key in ("step", "wall_s") or value is None:
-                        continue
-                    if key == "bytes":
-                        w.add_scalar("comm/bytes_sent", value, global_step=step, walltime=walltime)
-                        if ms is not None:
-                            w.add_scalar("comm_vs_time/bytes_sent", value, global_step=ms, walltime=walltime)
-                        continue
-                    if key in ("samples", "forwards"):
-                        tag = "train/samples_seen" if key == "samples" else "train/forwards"
-                        w.add_scalar(tag, value, global_step=step, walltime=walltime)
-                        continue
-                    tag = metric_tag(key)
-                    if (tag, step) not in written:
-                        w.add_scalar(tag, value, global_step=step, walltime=walltime)
-                        written.add((tag, step))
-                    if ms is not None:
-                        w.add_scalar(time_tag(key), value, global_step=ms, walltime=walltime)
+                self._curve_point(w, p, t0, written)
             last = int(curve[-1]["step"]) if curve else 0
-            final = {k: x for k, v in metrics.items() if (x := _number(v)) is not None}
-            if (x := _number(comm.get("total_bytes"))) is not None:
-                final["total_bytes"] = x
-            for phase, v in (comm.get("by_phase") or {}).items():
-                if (x := _number(v)) is not None:
-                    final[f"bytes_{phase}"] = x
-            for key in ("train_s", "wall_s"):
-                if (x := _number(record.get(key))) is not None:
-                    final[key] = x
-            for key, value in final.items():
+            for key, value in final_figures(record).items():
                 w.add_scalar(f"final/{key}", value, global_step=last)
             w.flush()
+
+    @staticmethod
+    def _curve_point(w, p: dict, t0: float, written: set) -> None:
+        """One learning-curve point: by step, and by wall time where it has one; bytes and samples under
+        their own tags; a metric the strategy already reported at that step is not written twice."""
+        step = int(p["step"])
+        wall = _number(p.get("wall_s"))
+        walltime = t0 + wall if wall is not None else None
+        ms = time_step(wall) if wall is not None else None
+        for key, v in p.items():
+            value = _number(v)
+            if key in ("step", "wall_s") or value is None:
+                continue
+            if key == "bytes":
+                w.add_scalar("comm/bytes_sent", value, global_step=step, walltime=walltime)
+                if ms is not None:
+                    w.add_scalar("comm_vs_time/bytes_sent", value, global_step=ms, walltime=walltime)
+                continue
+            if key in ("samples", "forwards"):
+                tag = "train/samples_seen" if key == "samples" else "train/forwards"
+                w.add_scalar(tag, value, global_step=step, walltime=walltime)
+                continue
+            tag = metric_tag(key)
+            if (tag, step) not in written:
+                w.add_scalar(tag, value, global_step=step, walltime=walltime)
+                written.add((tag, step))
+            if ms is not None:
+                w.add_scalar(time_tag(key), value, global_step=ms, walltime=walltime)
 
     def close(self) -> None:
         """Flush and close every writer; calling it again is harmless."""
@@ -205,3 +200,18 @@ class TensorBoardLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def final_figures(record: dict) -> dict[str, float]:
+    """A record's final metrics, total bytes, bytes by phase and times: the final/ scalars."""
+    comm = record.get("comm") or {}
+    final = {k: x for k, v in (record.get("metrics") or {}).items() if (x := _number(v)) is not None}
+    if (x := _number(comm.get("total_bytes"))) is not None:
+        final["total_bytes"] = x
+    for phase, v in (comm.get("by_phase") or {}).items():
+        if (x := _number(v)) is not None:
+            final[f"bytes_{phase}"] = x
+    for key in ("train_s", "wall_s"):
+        if (x := _number(record.get(key))) is not None:
+            final[key] = x
+    return final

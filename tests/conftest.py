@@ -20,3 +20,8 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def trainable_nbytes(model) -> int:
+    """Bytes of the parameters that train: what DDP all-reduces each step (it skips frozen ones)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -20,7 +20,7 @@ from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.interlocking import evaluate_chained, final_head_metrics
 from raylowcomm.strategies.interlocking.stage import StageActor
 from raylowcomm.strategies.lofi import LofiNode
-from raylowcomm.strategies.spsa import SpsaNode
+from raylowcomm.strategies.spsa import Spsa, SpsaNode
 from raylowcomm.tasks import CausalLM, make_task, score_sets
 
 ACTOR_CLASS = {"lofi": "LofiNode", "spsa": "SpsaNode", "interlocking": "StageActor"}
@@ -120,9 +120,9 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     cfg = small_config(["lofi"])
     ctx = prepare(cfg, tmp_path)
     sets = ctx.eval_sets(val=False)
-    weights = state_dict_of(ctx.model.eval())
+    weights = state_dict_of(ctx.load_driver_weights().eval())
     task = make_task(ctx.data.task)
-    expected = score_sets(task, ctx.model, sets, cfg.eval_rows)
+    expected = score_sets(task, ctx.load_driver_weights(), sets, cfg.eval_rows)
     assert {
         "id_accuracy",
         "id_loss",
@@ -134,7 +134,8 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     sets_ref = ray.put(sets)
 
     lofi = LofiNode.remote(0, ctx.spec, ctx.data.task, weights, ctx.data.train, cfg, ctx.storage)
-    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.task, ctx.data.train, 2, cfg, ctx.storage, weights=weights)
+    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.task, ctx.data.train, 2, cfg, Spsa.opts(cfg), ctx.storage,
+                           weights=weights)
     try:
         assert ray.get(lofi.evaluate.remote([sets_ref])) == expected
         assert ray.get(spsa.evaluate.remote([sets_ref])) == expected
@@ -145,7 +146,7 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
 
     stage = StageActor.remote(1, 0)
     try:
-        [module] = split_timm_cnn(ctx.model, 1)
+        [module] = split_timm_cnn(ctx.load_driver_weights(), 1)
         source = Source(
             "image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.eval_rows
         )

@@ -9,6 +9,8 @@ import dataclasses
 import importlib.util
 import re
 import shlex
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,19 @@ def _commands() -> list[tuple[str, list[str], str | None]]:
 
 
 COMMANDS = _commands()
+
+
+def shown_python(page: str, containing: str) -> dict:
+    """The names a page's python block holding `containing` defines, the block run as the page shows it."""
+    path = ROOT / page
+    found = [(first, lines) for info, first, lines in _blocks(path)[0] if info == "python"
+             and any(containing in line for line in lines)]
+    assert len(found) == 1, f"{page}: {len(found)} python blocks hold {containing!r}"
+    first, lines = found[0]
+    module = types.ModuleType(f"shown_{path.stem.replace('-', '_')}_{first}")
+    sys.modules[module.__name__] = module  # where dataclasses look a class's module up
+    exec(compile("\n" * (first - 1) + "\n".join(lines), str(path), "exec"), module.__dict__)
+    return module.__dict__
 
 
 # --- the configuration reference ---------------------------------------------------------------
@@ -274,3 +289,29 @@ def test_the_docs_show_commands():
     programs = {argv[0] for _, argv, _ in COMMANDS}
     assert {"raylowcomm", "python", "pip", "pytest"} <= programs
     assert any(error for _, _, error in COMMANDS)
+
+
+# --- the python the docs show -------------------------------------------------------------------
+
+def test_the_smallest_strategy_shown_registers_loads_typed_and_runs(monkeypatch, tmp_path):
+    from raylowcomm import strategies
+    from raylowcomm.runner import prepare
+    from raylowcomm.tasks import make_task, score_sets
+
+    shown = shown_python("docs/python-api.md", "class Pretrained(")
+    pretrained = shown["Pretrained"]
+    monkeypatch.setitem(strategies.STRATEGIES, "pretrained", pretrained)  # the registry's one line
+    cfg = strategies.from_dict({
+        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 64, "test_size": 60, "image_size": 16},
+        "optim": {"batch_size": 16},
+        "strategies": ["pretrained"],
+        "pretrained": {"batch_size": 25},
+    })
+    opts = pretrained.opts(cfg)
+    assert isinstance(opts, shown["PretrainedConfig"]) and opts.batch_size == 25
+    ctx = prepare(cfg, tmp_path)  # no Ray: it starts no actor
+    rec = pretrained().run(ctx.for_strategy(ctx.report)).to_dict()
+    model = ctx.load_driver_weights()
+    assert rec["metrics"] == score_sets(make_task(ctx.data.task), model, ctx.eval_sets(val=False), 25)
+    assert rec["comm"]["total_bytes"] == 0 and rec["weights"].endswith("pretrained/model.safetensors")

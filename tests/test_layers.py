@@ -23,8 +23,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("actors", ["raylowcomm.actors", "raylowcomm.runtime", "raylowcomm.execution",  # placement: execution.Gang
                 "raylowcomm.progress"]),  # workers post their progress through it, the driver's view shows it
     ("strategies", ["raylowcomm.strategies"]),
-    ("drivers", ["raylowcomm.runner", "raylowcomm.tune", "raylowcomm.bench", "raylowcomm.report",
-                 "raylowcomm.tensorboard", "raylowcomm.cluster", "raylowcomm.configref",
+    ("drivers", ["raylowcomm.runner", "raylowcomm.resume", "raylowcomm.seeds", "raylowcomm.run_progress",
+                 "raylowcomm.capacity", "raylowcomm.results_table", "raylowcomm.tune", "raylowcomm.bench",
+                 "raylowcomm.report", "raylowcomm.tensorboard", "raylowcomm.cluster", "raylowcomm.configref",
                  "raylowcomm.seedstats"]),
     ("cli", ["raylowcomm.cli", "raylowcomm"]),  # `raylowcomm` itself: the lazy API names (importlib, not imports)
 ]

@@ -13,6 +13,7 @@ from raylowcomm.config import ConfigError, LoraConfig, ModelConfig, RunConfig, b
 from raylowcomm.finetune import build_model, load_pretrained
 from raylowcomm.models import state_dict_of
 from raylowcomm.tasks import PromptClassification
+from tests.conftest import trainable_nbytes
 
 A_SUFFIX, B_SUFFIX = ".lora_A.default.weight", ".lora_B.default.weight"
 SCALE = 16 / 8  # LoraConfig defaults: alpha / r
@@ -189,7 +190,7 @@ def test_trainable_state_is_small_and_counts_what_ddp_reduces(minilm):
         f"\nMiniLM r=8: full state {nbytes(full):,} B, LoRA state {nbytes(sent):,} B "
         f"({nbytes(sent) / nbytes(full):.2%})"
     )
-    assert nbytes(sent) == lora.trainable_nbytes(model) == adapters + head
+    assert nbytes(sent) == trainable_nbytes(model) == adapters + head
     assert nbytes(sent) <= 0.03 * nbytes(full)
     assert all(v.device.type == "cpu" and v.is_contiguous() for v in sent.values())
     node = copy.deepcopy(model).train()

@@ -9,9 +9,9 @@ import transformers
 from safetensors.torch import load_file
 
 from raylowcomm.actors import Node, count_tensors
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError
-from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.finetune import ModelRecipe, on_meta
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
@@ -52,8 +52,8 @@ def test_the_driver_plans_on_the_meta_device_and_falls_back_where_a_host_cannot_
     assert base == {torch.bfloat16} and trained == {torch.float32}, "a bf16 base under fp32 adapters and head"
     monkeypatch.setattr("raylowcomm.strategies.base.hosts_without", lambda check: ["10.77.0.2"])
     what, weights = ctx.initial_model()  # auto, and one host cannot read the weights: the driver sends them
-    assert what == "initial_weights" and ctx.source == "driver"
-    assert weights.keys() == {k for k, _ in ctx.architecture.state_dict().items()} and not on_meta(ctx.model)
+    assert what == "initial_weights" and ctx.held.source == "driver"
+    assert weights.keys() == set(ctx.architecture.state_dict()) and not on_meta(ctx.load_driver_weights())
 
 
 def test_who_must_hold_the_weights_and_what_bf16_cannot_train_are_one_line_errors(tmp_path):
@@ -82,17 +82,17 @@ def test_every_node_starts_bit_identical_new_head_included(ray_session, tmp_path
     ctx = prepare(text_config(), tmp_path)
     recipe = ModelRecipe(ctx.cfg.model, 2, ctx.cfg.seed)
     assert recipe == ctx.recipe
-    driver = parameter_hash(list(ctx.model.named_parameters()))  # loads here, for the comparison
+    driver = parameter_hash(list(ctx.load_driver_weights().named_parameters()))  # loads here, for the comparison
     actor = ray.remote(num_cpus=0.5)(Node)
     nodes = [actor.remote(k, ctx.cfg, ctx.spec, ctx.data.task, recipe) for k in range(2)]
-    nodes.append(actor.remote(2, ctx.cfg, ctx.spec, ctx.data.task, state_dict_of(ctx.model)))
+    nodes.append(actor.remote(2, ctx.cfg, ctx.spec, ctx.data.task, state_dict_of(ctx.load_driver_weights())))
     try:
         hashes = ray.get([n.hash.remote() for n in nodes])
     finally:
         for n in nodes:
             ray.kill(n)
     assert hashes == [driver] * 3
-    head = ctx.model.classifier.weight
+    head = ctx.load_driver_weights().classifier.weight
     assert head.abs().sum() > 0 and not torch.equal(head, torch.zeros_like(head)), "a drawn head, not zeros"
 
 
@@ -169,7 +169,7 @@ def test_ddp_lora_on_a_bf16_base_keeps_both_ranks_identical_over_20_steps(ray_se
     assert "error" not in rec and rec["details"]["steps_per_worker"] == 20
     hashes = [w["final_hash"] for w in rec["nodes"]]
     assert len(hashes) == 2 and len(set(hashes)) == 1
-    assert hashes[0] != parameter_hash(list(ctx.model.named_parameters())), "the adapters trained"
+    assert hashes[0] != parameter_hash(list(ctx.load_driver_weights().named_parameters())), "the adapters trained"
     assert rec["comm"]["by_kind"]["setup/model_recipe"] == 2 * payload_nbytes(ctx.recipe)
 
 

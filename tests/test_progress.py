@@ -16,9 +16,8 @@ def test_workers_steps_reach_the_driver_while_they_train(ray_session, tmp_path, 
     ctx = prepare(tiny_config(bn_recalibrate=False), tmp_path)
     seen = []
     with LiveProgress(every_s=0.01, post_every_s=0) as live:  # every step posted, read 100 times a second
-        ctx.live = live
         live.follow(seen.append)
-        rec = strategy().run(ctx).to_dict()
+        rec = strategy().run(ctx.for_strategy(ctx.report, live)).to_dict()
         details = live.details()
     steps = rec["details"].get("steps_per_node") or rec["details"]["steps_per_worker"]
     assert details["progress_posts"] == 2 * steps, "one post per worker per step, each counted"

@@ -117,7 +117,7 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
 
 def test_resuming_with_another_config_names_what_changed(tmp_path):
     from raylowcomm.config import ConfigError
-    from raylowcomm.runner import check_resumable
+    from raylowcomm.resume import check_resumable
     from raylowcomm.strategies import from_dict
 
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(from_dict({**CONFIG, "out_dir": "elsewhere"}).to_dict()))

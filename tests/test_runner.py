@@ -5,7 +5,8 @@ import ray
 from ray.train import WorkerGroupError
 
 from raylowcomm.config import ConfigError
-from raylowcomm.runner import failure_message, format_table
+from raylowcomm.results_table import format_results_table
+from raylowcomm.runner import failure_message
 
 BAD_ROW = ConfigError(
     "data.columns.text", "review", "row 0 of data.node_files[1] is unreadable as text (int '0' is not text)"
@@ -55,8 +56,8 @@ def test_the_table_names_its_metric_only_when_a_strategy_scored():
         "samples_per_s": 40.0,
         "peak_rss_bytes": 10**9,
     }
-    lines = format_table([failed]).splitlines()
+    lines = format_results_table([failed]).splitlines()
     assert not any(line.startswith("(id/shift") for line in lines), lines
     assert lines[-1].startswith("lofi") and "FAILED: ConfigError" in lines[-1]
-    lines = format_table([failed, scored]).splitlines()
+    lines = format_results_table([failed, scored]).splitlines()
     assert "(id/shift = accuracy)" in lines and lines[-1].split()[:2] == ["ddp", "0.7500"]

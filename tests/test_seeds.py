@@ -105,7 +105,7 @@ TINY = {
 
 def test_a_seed_changes_only_seed_out_dir_and_storage_and_resume_checks_each_started_seed(tmp_path):
     from raylowcomm.config import ConfigError
-    from raylowcomm.runner import check_seeds_resumable, seed_config
+    from raylowcomm.seeds import check_seeds_resumable, seed_config
     from raylowcomm.strategies import from_dict
 
     cfg = from_dict({**TINY, "storage": "s3://bucket/run/", "out_dir": str(tmp_path)})

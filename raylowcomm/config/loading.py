@@ -37,51 +37,71 @@ def _coerce(tp, value, name: str):
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None  # `lora: null` is no LoRA, not a LoraConfig of defaults
-        inner = None  # an option whose shape the value has, wrong inside (`lora: {rank: 8}`): its own error
-        for option in typing.get_args(tp):
-            try:
-                return _coerce(option, value, name)
-            except ConfigError as err:
-                inner = inner or (err if err.field_name != name else None)
-        raise inner or ConfigError(name, value, f"expected {_describe(tp)}")
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(name, value, f"expected {_describe(tp)}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(name, value, f"expected {_describe(tp)}")
-        return [_coerce(typing.get_args(tp)[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(name, value, f"expected {_describe(tp)}")
-        key_tp, value_tp = typing.get_args(tp)
-        return {_coerce(key_tp, k, f"{name}.{k}"): _coerce(value_tp, v, f"{name}.{k}") for k, v in value.items()}
+        return _coerce_union(tp, value, name)
+    if origin in (Literal, list, dict):
+        return _COERCE_GENERIC[origin](tp, value, name)
     if tp is type(None):
         if value is None:
             return None
         raise ConfigError(name, value, "expected null")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _YAML11_FLOAT.match(value):  # YAML 1.1 reads 3e-5 as a string
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, name)
-    elif tp is typing.Any:
+    if tp is typing.Any:
+        return value
+    scalar = _SCALARS.get(tp)
+    if scalar is not None and (got := scalar(value)) is not None:
+        return got
+    raise ConfigError(name, value, f"expected {_describe(tp)}")
+
+
+def _coerce_union(tp, value, name: str):
+    if value is None and type(None) in typing.get_args(tp):
+        return None  # `lora: null` is no LoRA, not a LoraConfig of defaults
+    inner = None  # an option whose shape the value has, wrong inside (`lora: {rank: 8}`): its own error
+    for option in typing.get_args(tp):
+        try:
+            return _coerce(option, value, name)
+        except ConfigError as err:
+            inner = inner or (err if err.field_name != name else None)
+    raise inner or ConfigError(name, value, f"expected {_describe(tp)}")
+
+
+def _coerce_literal(tp, value, name: str):
+    if value in typing.get_args(tp):
         return value
     raise ConfigError(name, value, f"expected {_describe(tp)}")
+
+
+def _coerce_list(tp, value, name: str):
+    if not isinstance(value, list):
+        raise ConfigError(name, value, f"expected {_describe(tp)}")
+    return [_coerce(typing.get_args(tp)[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+
+
+def _coerce_dict(tp, value, name: str):
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, f"expected {_describe(tp)}")
+    key_tp, value_tp = typing.get_args(tp)
+    return {_coerce(key_tp, k, f"{name}.{k}"): _coerce(value_tp, v, f"{name}.{k}") for k, v in value.items()}
+
+
+_COERCE_GENERIC = {Literal: _coerce_literal, list: _coerce_list, dict: _coerce_dict}
+
+
+def _as_float(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and _YAML11_FLOAT.match(value):  # YAML 1.1 reads 3e-5 as a string
+        return float(value)
+    return None
+
+
+_SCALARS = {  # the value as the field holds it, or None where it is not one
+    bool: lambda v: v if isinstance(v, bool) else None,
+    float: _as_float,
+    int: lambda v: v if isinstance(v, int) and not isinstance(v, bool) else None,
+    str: lambda v: v if isinstance(v, str) else None,
+}
 
 
 def build_dataclass(cls, data, prefix: str):

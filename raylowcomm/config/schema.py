@@ -94,7 +94,7 @@ class DataConfig:
     files: str | list[str] | dict[str, str | list[str]] | None = None
     """data_files: a path, a glob, a list, or {split: path}. For a preset: your copy of its files."""
     path: str | None = None
-    """Your own copy of a preset's file (the same as `files`, kept for existing configs)."""
+    """Your own copy of a preset's file: the same as `files`, under a name that says so."""
     split: str | None = None
     """The split training rows come from (None: the only split, else "train")."""
     test_split: str | None = None

@@ -22,8 +22,8 @@ logger = logging.getLogger("raylowcomm")
 @dataclass(frozen=True)
 class TrainSource:
     """The training data as a recipe, not rows: small and picklable. `load` runs on a node and
-    reads what that node trains on: its own files, or its shard of the shared source, which is
-    exactly the shard the driver used to send (same split rule, same shard indices)."""
+    reads what that node trains on: its own files, or its shard of the shared source, the one the
+    driver computes too (same split rule, same shard indices)."""
 
     encoder: Encoder
     columns: dict[str, str]

@@ -25,7 +25,7 @@ logger = logging.getLogger("raylowcomm")
 @dataclass(frozen=True)
 class SplitRule:
     """Test, val and train examples of a split as a pure function of its size: the same indices on
-    the driver and on every node (and the same as before nodes loaded their own data)."""
+    the driver and on every node."""
 
     shuffle_seed: int
     test_size: int

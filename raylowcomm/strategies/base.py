@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -32,13 +33,23 @@ def _no_report(metrics: dict) -> None:
 
 
 @dataclass
+class DriverHold:
+    """What a run's costly calls found, asked once: the model with its weights on the driver, and who
+    loads the weights ("nodes" or "driver")."""
+
+    model: nn.Module | None = None
+    source: str | None = None
+
+
+@dataclass
 class RunContext:
     """Identical inputs for every strategy of a run: config, pretrained model, data."""
 
     cfg: RunConfig
     architecture: nn.Module
     """The model as it trains: with its weights, or (`recipe` given) on the meta device, its names,
-    shapes and dtypes only, the nodes loading the weights. Strategies plan with it; `model` has the weights."""
+    shapes and dtypes only, the nodes loading the weights. Strategies plan with it, at no cost;
+    `load_driver_weights` has the weights."""
     spec: ModelSpec
     data: PreparedData
     out_dir: Path
@@ -58,38 +69,48 @@ class RunContext:
     """How the nodes load the model themselves (model.source); None: only the driver's weights."""
     fine_tune: FineTune = field(init=False)
     """What trains (every weight, or adapters), made once from `spec`: strategies ask it, not the model."""
-    source: str | None = field(init=False, default=None)
-    """Who loads the weights, "nodes" or "driver": decided at the first `initial_model`."""
+    held: DriverHold = field(default_factory=DriverHold)
+    """What the costly calls found, shared by every strategy's context of the run (`for_strategy`)."""
 
-    @property
-    def model(self) -> nn.Module:
-        """The model with its weights; where the driver held only its plan, they load here, now (a
-        caller that needs them on the driver: a test, a benchmark, a strategy's own check)."""
-        if on_meta(self.architecture) and self.recipe is not None:
-            logger.info("the driver loads the model's weights itself")
-            self.architecture = self.recipe.load()
-        return self.architecture
+    def load_driver_weights(self) -> nn.Module:
+        """The model with its weights, on the driver. Where the driver held only its plan (the nodes
+        load the weights, model.source), this loads them now: gigabytes at 8B, once per run. For a
+        strategy's own need of them (`Strategy.driver_weights`), a test, a benchmark."""
+        if self.held.model is None:
+            if on_meta(self.architecture) and self.recipe is not None:
+                logger.info("the driver loads the model's weights itself")
+                self.held.model = self.recipe.load()
+            else:
+                self.held.model = self.architecture
+        return self.held.model
 
     def initial_model(self) -> tuple[str, object]:
         """What the nodes start from, with the ledger's name for it: the recipe by which they load the
-        weights themselves ("model_recipe", a few KB) or the driver's weights ("initial_weights")."""
-        if self.recipe is not None and self.nodes_load_weights():
+        weights themselves ("model_recipe", a few KB) or the driver's weights ("initial_weights"). May
+        probe the hosts (`probe_nodes_load_weights`) and load the weights on the driver."""
+        if self.recipe is not None and self.probe_nodes_load_weights():
             return "model_recipe", self.recipe
-        return "initial_weights", state_dict_of(self.model)
+        return "initial_weights", state_dict_of(self.load_driver_weights())
 
-    def nodes_load_weights(self) -> bool:
-        """model.source: nodes, or auto where every host of the cluster can read the weights (asked
-        once, by a zero-CPU task on each host other than the driver's: `execution.hosts_without`). No
-        recipe: the strategy needs the driver's weights (`Strategy.driver_weights`)."""
+    def probe_nodes_load_weights(self) -> bool:
+        """Whether the nodes load the weights themselves: model.source nodes, or auto where every host of
+        the cluster can read them, which the first call asks by a zero-CPU Ray task on each host other
+        than the driver's (`execution.hosts_without`); later calls answer from that. No recipe: the
+        strategy needs the driver's weights (`Strategy.driver_weights`)."""
         if self.recipe is None:
             return False
-        if self.source is None:
+        if self.held.source is None:
             missing = [] if self.cfg.model.source == "nodes" else hosts_without(self.recipe.readable)
-            self.source = "driver" if missing else "nodes"
+            self.held.source = "driver" if missing else "nodes"
             if missing:
                 logger.info("model.source auto: %s cannot read the weights; the driver loads and sends them",
                             ", ".join(missing))
-        return self.source == "nodes"
+        return self.held.source == "nodes"
+
+    def for_strategy(self, report: Callable[[dict], None], live: Any = None) -> RunContext:
+        """This run's context for one strategy: its own `report` (and `live` view); the config, model,
+        data and what the costly calls found shared with the others."""
+        return dataclasses.replace(self, report=report, live=self.live if live is None else live)
 
     def eval_sets(self, val: bool = True) -> dict[str, Split]:
         """The sets the driver holds: test, shift/<name>, and (unless `val` is False) val."""

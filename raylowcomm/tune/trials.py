@@ -135,11 +135,11 @@ def run_sweep(sweep: Sweep, storage_path: str | None = None) -> dict:
 
 
 def _concurrency(sweep: Sweep) -> int | None:
-    """The biggest trial must fit the cluster (`runner.check_cluster_fits`, as a run's strategies
+    """The biggest trial must fit the cluster (`capacity.check_cluster_fits`, as a run's strategies
     must); with Ray Train reserving outside the trials, at most as many trials as leave it room."""
     import ray
 
-    from raylowcomm.runner import check_cluster_fits
+    from raylowcomm.capacity import check_cluster_fits
 
     configs = [from_dict(with_values(sweep.raw, {k: v})) for k, values in sweep.samples.items() for v in values]
     cfg = max(configs, key=lambda c: sum(_cpus(b) for b in trial_bundles(c)))

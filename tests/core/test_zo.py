@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.core.zo.codec import codec_for
 from raylowcomm.core.zo.perturb import (
     CHUNK,
@@ -21,7 +22,7 @@ from raylowcomm.core.zo.perturb import (
     spsa_projected_grads,
     trainable_parameters,
 )
-from raylowcomm.core.zo.replay import ReplayLog, Replica, SeedSchedule, parameter_hash, step_seeds
+from raylowcomm.core.zo.replay import ReplayLog, Replica, SeedSchedule, step_seeds
 
 torch.set_num_threads(1)
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.core.zo.codec import codec_for
 from raylowcomm.core.zo.estimators import (
     ESTIMATORS,
@@ -32,7 +33,7 @@ from raylowcomm.core.zo.perturb import (
     spsa_losses,
     trainable_parameters,
 )
-from raylowcomm.core.zo.replay import ReplayLog, Replica, SeedSchedule, parameter_hash, step_seeds
+from raylowcomm.core.zo.replay import ReplayLog, Replica, SeedSchedule, step_seeds
 from tests.core.test_zo import convex_problem, mse
 
 torch.set_num_threads(1)

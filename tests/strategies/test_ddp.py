@@ -16,7 +16,8 @@ from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.storage import Storage
 from raylowcomm.strategies import from_dict
-from raylowcomm.strategies.ddp import Ddp, all_gather_nbytes
+from raylowcomm.strategies.ddp import Ddp
+from raylowcomm.strategies.ddp.worker import all_gather_nbytes
 from tests.strategies.test_lofi import tiny_config
 from tests.test_data_sources import LABELS, reviews, write
 
@@ -28,7 +29,7 @@ def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
     ctx = prepare(cfg, tmp_path)
     rec = Ddp().run(ctx).to_dict()
     steps = rec["details"]["steps_per_worker"]
-    grad_bytes = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.requires_grad)
+    grad_bytes = sum(p.numel() * p.element_size() for p in ctx.load_driver_weights().parameters() if p.requires_grad)
     # every step each of the 2 ranks hands every gradient to all-reduce, once
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == steps * 2 * grad_bytes
     # the curve's bytes are the setup plus the gradients all-reduced up to each point
@@ -40,7 +41,8 @@ def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
     )
     assert all(a["wall_s"] < b["wall_s"] for a, b in zip(curve, curve[1:])) and curve[-1]["wall_s"] == rec["train_s"]
     assert rec["comm"]["by_kind"]["setup/model_recipe"] == 2 * payload_nbytes(ctx.recipe)  # the nodes load it
-    assert rec["comm"]["by_kind"]["setup/ddp_initial_broadcast"] == payload_nbytes(state_dict_of(ctx.model))
+    initial = state_dict_of(ctx.load_driver_weights())
+    assert rec["comm"]["by_kind"]["setup/ddp_initial_broadcast"] == payload_nbytes(initial)
     assert rec["comm"]["by_kind"]["setup/shard_sizes"] == all_gather_nbytes(
         [(w["examples"], None) for w in rec["nodes"]], 2
     )
@@ -92,8 +94,8 @@ def test_a_rank_that_cannot_read_its_data_stops_every_rank_without_a_restart(ray
 
 @pytest.mark.slow
 def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_session, tmp_path):
-    from raylowcomm.lora import trainable_nbytes
     from raylowcomm.strategies import from_dict
+    from tests.conftest import trainable_nbytes
 
     cfg = from_dict(
         {
@@ -108,8 +110,8 @@ def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_se
     )
     ctx = prepare(cfg, tmp_path)
     rec = Ddp().run(ctx).to_dict()
-    steps, adapters = rec["details"]["steps_per_worker"], trainable_nbytes(ctx.model)
-    assert steps == 4 and adapters < 0.01 * payload_nbytes(state_dict_of(ctx.model))
+    steps, adapters = rec["details"]["steps_per_worker"], trainable_nbytes(ctx.load_driver_weights())
+    assert steps == 4 and adapters < 0.01 * payload_nbytes(state_dict_of(ctx.load_driver_weights()))
     assert [w["allreduce_bytes"] for w in rec["nodes"]] == [steps * adapters] * 2
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == 2 * steps * adapters
     assert rec["comm"]["by_kind"]["final/model_checkpoint"] == adapters
@@ -118,7 +120,7 @@ def test_ddp_with_lora_all_reduces_exactly_the_adapter_and_head_gradients(ray_se
         p for p in (tmp_path / "state" / "ddp" / "ray_train" / "ddp").glob("checkpoint_*") if p.is_dir()
     )
     tensors, _ = Storage(checkpoints[-1]).load_tensors("state.safetensors")
-    trained = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
+    trained = {k for k, p in ctx.load_driver_weights().named_parameters() if p.requires_grad}
     assert {k[len("model.") :] for k in tensors if k.startswith("model.")} == trained, (
         "the frozen base is not checkpointed"
     )

@@ -148,7 +148,7 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     assert d["batches"] == steps and rec["samples_seen"] == steps * 16
 
     # Activation bytes are exactly (stage 0 output per micro-batch) x micro-batches x steps.
-    probe = split_timm_resnet(copy.deepcopy(ctx.model), 2)[0]
+    probe = split_timm_resnet(copy.deepcopy(ctx.load_driver_weights()), 2)[0]
     x = ImageClassification(16).inputs(batch_at(ctx.data.train.load_all(), 0, 8, cfg.seed))
     h_bytes = probe(x).nbytes
     assert kinds["train/activations"] == steps * 2 * h_bytes
@@ -162,9 +162,9 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     assert {"id_accuracy", "id_loss", "shift_accuracy"} <= rec["metrics"].keys()
 
     # The saved model is the stages' weights reassembled: it scores what the final head scored.
-    model = copy.deepcopy(ctx.model)
+    model = copy.deepcopy(ctx.load_driver_weights())
     model.load_state_dict(load_file(rec["weights"]))
-    assert not torch.equal(next(model.parameters()), next(ctx.model.parameters()))
+    assert not torch.equal(next(model.parameters()), next(ctx.load_driver_weights().parameters()))
     acc = ImageClassification(16).evaluate(model, ctx.data.eval_sets["test"], 256)["accuracy"]
     assert acc == pytest.approx(rec["metrics"]["id_accuracy"], abs=1e-9)
     assert d["heads"]["test"]["head1_final"]["accuracy"] == rec["metrics"]["id_accuracy"]
@@ -222,7 +222,7 @@ def test_decoder_run_unties_embeddings(ray_session, tmp_path):
     ctx = RunContext(cfg, model, ModelSpec("hf_causal_lm", hf_config=config), data, tmp_path)
     rec = Interlocking().run(ctx).to_dict()
     d = rec["details"]
-    assert d["lm_head_untied"] and model.lm_head.weight is model.model.embed_tokens.weight  # ctx.model untouched
+    assert d["lm_head_untied"] and model.lm_head.weight is model.model.embed_tokens.weight  # driver weights untouched
     assert {"id_loss", "id_perplexity"} <= rec["metrics"].keys()
     assert (
         rec["comm"]["by_kind"]["train/gradients"] == rec["comm"]["by_kind"]["train/activations"]

@@ -42,7 +42,7 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
     ctx, rec = run_lofi(cfg, tmp_path)
     by_phase = rec["comm"]["by_phase"]
     assert by_phase["train"] == 0, "lo-fi must not communicate while training"
-    state_bytes = payload_nbytes(state_dict_of(ctx.model))
+    state_bytes = payload_nbytes(state_dict_of(ctx.load_driver_weights()))
     # the nodes draw the same random initialisation themselves (model.source auto): only its recipe crosses
     assert rec["comm"]["by_kind"]["setup/model_recipe"] == 2 * payload_nbytes(ctx.recipe) < 4096
     assert "setup/initial_weights" not in rec["comm"]["by_kind"]
@@ -75,7 +75,7 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
 def test_averaging_rounds_are_counted(ray_session, tmp_path):
     cfg = tiny_config(average_every=8, outer_optimizer="nesterov", bn_recalibrate=False)
     ctx, rec = run_lofi(cfg, tmp_path)
-    state_bytes = payload_nbytes(state_dict_of(ctx.model))
+    state_bytes = payload_nbytes(state_dict_of(ctx.load_driver_weights()))
     rounds = len(rec["details"]["averaging_steps"]) - 1  # the last average is the final one
     assert rounds == 3
     kinds = rec["comm"]["by_kind"]
@@ -163,7 +163,8 @@ def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
 def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_session, tmp_path, how):
     """Real MiniLM with r=4 adapters on 2 nodes: only adapters and head cross; the saved model is
     base + mean_k scale·B_k·A_k (delta) or base + scale·mean(B)·mean(A) (factors)."""
-    from raylowcomm.lora import AdapterAverage, lora_layers, trainable_nbytes
+    from raylowcomm.lora import AdapterAverage, lora_layers
+    from tests.conftest import trainable_nbytes
 
     cfg = from_dict(
         {
@@ -181,11 +182,11 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
     kinds = rec["comm"]["by_kind"]
     assert (
         kinds["final/node_adapters"]
-        == 2 * trainable_nbytes(ctx.model)
-        < 0.03 * 2 * payload_nbytes(state_dict_of(ctx.model))
+        == 2 * trainable_nbytes(ctx.load_driver_weights())
+        < 0.03 * 2 * payload_nbytes(state_dict_of(ctx.load_driver_weights()))
     )
     assert "final/node_weights" not in kinds
-    trainable = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
+    trainable = {k for k, p in ctx.load_driver_weights().named_parameters() if p.requires_grad}
     nodes = []
     for k in range(2):
         saved = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}.safetensors"))
@@ -194,7 +195,8 @@ def test_lofi_with_lora_sends_adapters_only_and_averages_them_exactly(ray_sessio
         )
         nodes.append({name: saved[f"model.{name}"] for name in trainable})
     assert any(not torch.equal(nodes[0][name], nodes[1][name]) for name in trainable), "the nodes trained apart"
-    expected = AdapterAverage(state_dict_of(ctx.model), lora_layers(ctx.model), how)(nodes)
+    model = ctx.load_driver_weights()
+    expected = AdapterAverage(state_dict_of(model), lora_layers(model), how)(nodes)
     got = load_file(rec["weights"])
     assert got.keys() == expected.keys()
     for name in got:

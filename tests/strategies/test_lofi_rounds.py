@@ -30,7 +30,8 @@ REF = 28  # an ObjectRef crosses as its binary id
 
 def payload_bytes(ctx, codec: str, bn: bool = True) -> int:
     """Parameters in `codec`, BatchNorm statistics (`bn`: they cross) as float32, from the formula alone."""
-    state, params = state_dict_of(ctx.model), {k for k, _ in ctx.model.named_parameters()}
+    model = ctx.load_driver_weights()
+    state, params = state_dict_of(model), {k for k, _ in model.named_parameters()}
     buffers = {k: v for k, v in floats(state).items() if k not in params and bn}
     packed = make_codec(codec).payload_nbytes(layout_of({k: state[k] for k in params}))
     return packed + make_codec("none").payload_nbytes(layout_of(buffers))
@@ -90,13 +91,13 @@ def test_after_peer_rounds_bn_recalibration_and_scoring_send_no_model(ray_sessio
     final = {k[len("final/"):] for k in kinds if k.startswith("final/")}
     assert final == {"outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats",
                      "bn_statistics", "combined_bn_statistics", "node_metrics", "eval_metrics", "node_info"}
-    model = payload_nbytes({k: v.detach() for k, v in ctx.model.named_parameters()})
+    model = payload_nbytes({k: v.detach() for k, v in ctx.load_driver_weights().named_parameters()})
     small = rec["comm"]["by_phase"]["final"] - kinds["final/outer_gradients"]
     assert kinds["final/outer_gradients"] == n * (n - 1) * size and small < model / 4  # BN statistics, metrics
     assert "average_without_bn_recalibration" in rec["details"]
     result = load_file(rec["weights"])
     node0 = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
-    params = [k for k, _ in ctx.model.named_parameters()]
+    params = [k for k, _ in ctx.load_driver_weights().named_parameters()]
     # node 0 checkpointed the average at the final round and saved it, with the recalibrated statistics
     assert all(torch.equal(result[k], node0[f"model.{k}"]) for k in params)
     bn = [k for k in result if k.endswith("running_var")]
@@ -116,7 +117,7 @@ def test_one_compressed_average_is_decoded_on_the_driver_from_the_pretrained_wei
                      "eval_metrics", "node_info"}  # no model read back, none sent to be scored
     result = load_file(rec["weights"])
     node0 = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
-    assert all(torch.equal(result[k], node0[f"model.{k}"]) for k, _ in ctx.model.named_parameters())
+    assert all(torch.equal(result[k], node0[f"model.{k}"]) for k, _ in ctx.load_driver_weights().named_parameters())
 
 
 U32, U64, TINY = 2.0**-24, 2.0**-53, 2.0**-146
@@ -130,7 +131,7 @@ def watching_rounds(state_dir, n=2):
     them (NodeGroup.call returns once every node has answered): after each `train` call every node's checkpoint
     (its weights at the boundary, which the round then averages) and the last round's global model
     (lofi/global.safetensors: the driver's in a star, node 0's with peers); after each round lands
-    (`apply_round`, peers) or is loaded (`load_weights`, star) every node's checkpoint again."""
+    (`apply_round`, peers) or is loaded (`load_round`, star) every node's checkpoint again."""
     seen = SimpleNamespace(trained=[], landed=[])
     call = NodeGroup.call
 
@@ -148,7 +149,7 @@ def watching_rounds(state_dir, n=2):
         out = call(group, method, *args, **kwargs)
         if method == "train":
             seen.trained.append(SimpleNamespace(nodes=nodes(), global_model=global_model()))
-        elif method in ("apply_round", "load_weights"):
+        elif method in ("apply_round", "load_round"):
             seen.landed.append(nodes())
         return out
 
@@ -213,7 +214,7 @@ def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_toler
     assert len(star_rounds.landed) == 3 and len(peer_rounds.landed) == 4  # the final round lands on the nodes
 
     # peers: every round, every node, bit for bit; the saved model is node 0's after the final round
-    g = floats(state_dict_of(ctx.model))  # every node's global model as it starts: the initial weights
+    g = floats(state_dict_of(ctx.load_driver_weights()))  # every node's global model as it starts: the initial weights
     for r, before in enumerate(peer_rounds.trained, 1):
         g = peer_round(g, [floats(node) for node in before.nodes], weights)
         if r < 4:
@@ -238,7 +239,7 @@ def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_toler
     for k, node in enumerate(first):
         assert_equal(peer_rounds.trained[0].nodes[k], node, f"node {k} before any round")  # nothing crossed yet
     a, b = star_rounds.trained[1].global_model, peer_rounds.trained[1].global_model
-    bound = star_vs_peer_bound(floats(state_dict_of(ctx.model)), [floats(node) for node in first])
+    bound = star_vs_peer_bound(floats(state_dict_of(ctx.load_driver_weights())), [floats(node) for node in first])
     assert b.keys() == bound.keys()
     for name in b:
         excess = (b[name].double() - a[name].double()).abs() - bound[name]
@@ -328,16 +329,17 @@ def test_lora_peer_rounds_send_adapters_and_merge_what_the_drivers_rounds_merge(
         ctx, peers = run_lofi(lora_config(exchange="peers"), tmp_path / "peers")
     assert star["details"]["exchange"] == "driver" and peers["details"]["exchange"] == "peers"
     kinds = peers["comm"]["by_kind"]
-    adapters = make_codec("none").payload_nbytes(layout_of(trainable_state(ctx.model)))
+    adapters = make_codec("none").payload_nbytes(layout_of(trainable_state(ctx.load_driver_weights())))
     assert kinds["train/outer_gradients"] == 3 * 2 * adapters
-    assert adapters < payload_nbytes(state_dict_of(ctx.model)) / 5
+    assert adapters < payload_nbytes(state_dict_of(ctx.load_driver_weights())) / 5
     assert {k for k in kinds if k.startswith("train/")} <= ROUND_KINDS
     assert peers["details"]["driver_fetched"]["train"]["tensors"] == 0
     assert peers["comm"]["by_phase"]["final"] < 3 * adapters  # the final round's payloads; no model crossed
     a, b = load_file(star["weights"]), load_file(peers["weights"])
     assert a.keys() == b.keys() and not any(".lora_" in k for k in b)
-    trains, layers, weights = set(trainable_state(ctx.model)), lora_layers(ctx.model), [1.0, 1.0]
-    initial = state_dict_of(ctx.model)
+    model = ctx.load_driver_weights()
+    trains, layers, weights = set(trainable_state(model)), lora_layers(model), [1.0, 1.0]
+    initial = state_dict_of(model)
     assert len(star_rounds.trained) == len(peer_rounds.trained) == 4 and len(peer_rounds.landed) == 4
 
     # peers: each round's merge on the base and global adapters the nodes held, bit for bit, on every node

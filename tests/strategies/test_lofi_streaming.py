@@ -20,7 +20,8 @@ from tests.strategies.test_lofi_rounds import bare_rounds, payload_bytes, round_
 def fragment_bytes(ctx, fragments: int, codec: str = "int4") -> list[int]:
     """Each fragment's payload from the formula (parameters in `codec`, BatchNorm statistics as float32), the
     fragments cut by the same formula's bytes per tensor."""
-    state, params = floats(state_dict_of(ctx.model)), {k for k, _ in ctx.model.named_parameters()}
+    model = ctx.load_driver_weights()
+    state, params = floats(state_dict_of(model)), {k for k, _ in model.named_parameters()}
     size = {k: make_codec(codec if k in params else "none").payload_nbytes(layout_of({k: v})) for k, v in state.items()}
     return [sum(size[k] for k in names) for names in streaming.split(size, fragments)]
 
@@ -50,16 +51,16 @@ def test_with_lora_fragments_are_counted_in_adapted_layers_and_refused_before_an
     adapted layers plus its head bound lofi.fragments, not its many frozen modules; more is a ConfigError
     at check time, where it used to fail inside the node actors."""
     from raylowcomm.config import ConfigError, LoraConfig
-    from raylowcomm.finetune import fine_tune_for
     from raylowcomm.runner import prepare
     from raylowcomm.strategies.lofi import Lofi
+    from raylowcomm.strategies.lofi.merging import merging_for
 
     cfg = tiny_config(average_every=8, compress="int4", bn_recalibrate=False)
     cfg.model.lora = LoraConfig(r=4, alpha=8)
     ctx = prepare(cfg, tmp_path)
-    fine_tune = fine_tune_for(ctx.spec)
+    merging = merging_for(ctx.spec)
     sent = [k for k, p in ctx.architecture.named_parameters() if p.requires_grad]
-    units = {fine_tune.sync_unit(k) for k in sent}
+    units = {merging.sync_unit(k) for k in sent}
     assert len(units) < len({k.rsplit(".", 1)[0] for k in ctx.architecture.state_dict()})  # frozen modules not counted
     assert all(".lora_" not in u for u in units)  # A and B of a layer: one unit
     cfg.options["lofi"].fragments = len(units)

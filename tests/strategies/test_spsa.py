@@ -6,14 +6,15 @@ import torch
 from safetensors.torch import load_file
 
 from raylowcomm.actors import ReplicaMismatch, check_replicas
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.config import ConfigError
+from raylowcomm.core.membership import LeaveEvent
 from raylowcomm.core.zo.perturb import trainable_parameters
-from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.strategies import from_dict
-from raylowcomm.strategies.spsa import LeaveEvent, Spsa, SpsaNode
+from raylowcomm.strategies.spsa import Spsa, SpsaNode
 
 
 def tiny_config(steps=20, count=2, eval_every=0, **spsa):
@@ -161,7 +162,7 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     # each node says what its process held before its model loaded: a part of its peak (the scale benchmark's split)
     assert all(0 < node["rss_before_model_bytes"] < node["peak_rss_bytes"] for node in rec["nodes"])
     # the saved weights are the replicas' weights
-    model = ctx.model
+    model = ctx.load_driver_weights()
     model.load_state_dict(load_file(rec["weights"]))
     assert parameter_hash(list(model.named_parameters())) == hashes[0]
 
@@ -180,7 +181,7 @@ def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
         join=[{"step": 9}, {"step": 17}],
     )
     ctx = prepare(cfg, tmp_path)
-    initial = parameter_hash(list(ctx.model.named_parameters()))
+    initial = parameter_hash(list(ctx.load_driver_weights().named_parameters()))
     rec = Spsa().run(ctx).to_dict()
     nodes = {n["node"]: n for n in rec["nodes"]}
     assert (nodes[1]["left_step"], nodes[1]["left_how"]) == (5, "died")
@@ -198,7 +199,7 @@ def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
     assert by_kind["train/projected_grads"] == sum(4 * n for n in running)
     assert by_kind["train/projected_grads_relay"] == sum(4 * n * (n - 1) for n in running)
     assert rec["samples_seen"] == sum(running) * 16 and rec["details"]["shard_slots"] == 4
-    model = ctx.model
+    model = ctx.load_driver_weights()
     model.load_state_dict(load_file(rec["weights"]))
     assert parameter_hash(list(model.named_parameters())) == hashes[2]
 
@@ -207,7 +208,7 @@ def test_progress_every_step_and_a_learning_curve_every_eval_every_steps(ray_ses
     steps, every = 7, 3
     ctx = prepare(tiny_config(steps=steps, eval_every=every, verify_every=100), tmp_path)
     reports = []
-    ctx.report = reports.append
+    ctx = ctx.for_strategy(reports.append)
     rec = Spsa().run(ctx).to_dict()
     assert [r["step"] for r in reports] == list(range(1, steps + 1))
     assert all(0 < r["train_loss"] < 10 for r in reports)
@@ -239,8 +240,8 @@ def test_one_sided_batch_with_the_normalised_step_keeps_replicas_identical_throu
     cfg = tiny_config(steps=steps, eval_every=10, verify_every=1, samples=samples, estimator="one_sided_batch",
                       step="normalised", lr=1e-3, density=density, leave=[{"node": 1, "step": 5}], join=[{"step": 9}])
     ctx = prepare(cfg, tmp_path)
-    initial = parameter_hash(list(ctx.model.named_parameters()))
-    before = {n: p.detach().clone() for n, p in trainable_parameters(ctx.model)}
+    initial = parameter_hash(list(ctx.load_driver_weights().named_parameters()))
+    before = {n: p.detach().clone() for n, p in trainable_parameters(ctx.load_driver_weights())}
     rec = Spsa().run(ctx).to_dict()
     det, nodes = rec["details"], {n["node"]: n for n in rec["nodes"]}
     assert (nodes[1]["left_step"], nodes[1]["left_how"]) == (5, "remove")
@@ -269,13 +270,14 @@ def test_one_sided_batch_with_the_normalised_step_keeps_replicas_identical_throu
 
 def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp_path):
     ctx = prepare(tiny_config(steps=4), tmp_path)
-    state = {k: v.clone() for k, v in ctx.model.state_dict().items()}
+    state = {k: v.clone() for k, v in ctx.load_driver_weights().state_dict().items()}
 
     bad = {k: v.clone() for k, v in state.items()}
     name = next(k for k, v in bad.items() if v.is_floating_point())
     bad[name].view(-1)[0] = torch.nextafter(bad[name].view(-1)[0], torch.tensor(1e9))  # one ulp
     nodes = {
-        k: SpsaNode.remote(k, ctx.spec, ctx.data.task, ctx.data.train, 3, ctx.cfg, ctx.storage, weights=w)
+        k: SpsaNode.remote(k, ctx.spec, ctx.data.task, ctx.data.train, 3, ctx.cfg, Spsa.opts(ctx.cfg), ctx.storage,
+                           weights=w)
         for k, w in ((0, state), (1, state), (2, bad))
     }
     with pytest.raises(ReplicaMismatch, match=r"after step 7: nodes \[0, 1\] hash \w+; nodes \[2\]"):
@@ -289,7 +291,7 @@ def test_spsa_on_lora_adapters_keeps_replicas_identical_and_a_joiner_matches(ray
     """Real MiniLM with r=4 adapters: only adapters and head are perturbed and replayed; 2 nodes
     stay bit-identical for 20 steps; a node joining at step 10 from the (adapters-only) checkpoint
     of step 8 plus the log matches them; the frozen base never changes."""
-    from raylowcomm.lora import trainable_nbytes
+    from tests.conftest import trainable_nbytes
 
     cfg = from_dict(
         {
@@ -304,16 +306,17 @@ def test_spsa_on_lora_adapters_keeps_replicas_identical_and_a_joiner_matches(ray
         }
     )
     ctx = prepare(cfg, tmp_path)
-    initial = state_dict_of(ctx.model)
+    initial = state_dict_of(ctx.load_driver_weights())
     rec = Spsa().run(ctx).to_dict()
     verified = rec["details"]["verified"]
     assert len(verified) >= 20 and verified[-1]["nodes"] == [0, 1, 2]
     assert len({v["hash"] for v in verified if v["step"] > 0}) >= 19, "the adapters must change every step"
     joiner = rec["nodes"][2]
     assert joiner["joined_from_checkpoint_step"] == 8 and joiner["final_hash"] == rec["nodes"][0]["final_hash"]
-    assert rec["comm"]["by_kind"]["train/join_checkpoint"] < 1.1 * trainable_nbytes(ctx.model)
-    trainable = {k for k, p in ctx.model.named_parameters() if p.requires_grad}
-    assert {name for name, _ in trainable_parameters(ctx.model)} == trainable, "SPSA perturbs adapters and head only"
+    assert rec["comm"]["by_kind"]["train/join_checkpoint"] < 1.1 * trainable_nbytes(ctx.load_driver_weights())
+    trainable = {k for k, p in ctx.load_driver_weights().named_parameters() if p.requires_grad}
+    driver = trainable_parameters(ctx.load_driver_weights())
+    assert {name for name, _ in driver} == trainable, "SPSA perturbs adapters and head only"
     final = load_file(rec["weights"])  # the adapters and head: the base is the pretrained model's
     assert final.keys() == trainable and any(not torch.equal(final[k], initial[k]) for k in trainable)
     assert (tmp_path / "spsa" / "adapter" / "adapter_model.safetensors").exists()

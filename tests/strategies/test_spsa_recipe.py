@@ -102,9 +102,11 @@ def test_every_zo_benchmark_variant_is_a_valid_spsa_config():
     from benchmarks.zo import WORKLOADS
     from raylowcomm.strategies import load_config
     from raylowcomm.strategies.spsa import Spsa
+    from raylowcomm.strategies.spsa.config import check_membership
 
     for config, common, variants in WORKLOADS.values():
         for overrides in variants.values():
             cfg = load_config(str(config), common + overrides)
             assert cfg.strategies == ["spsa"] and cfg.nodes.count == 1  # one replica, in process
-            Spsa.validate(cfg, 10)
+            Spsa.validate(cfg)
+            check_membership(cfg.nodes.count, Spsa.opts(cfg), 10)

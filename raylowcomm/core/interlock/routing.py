@@ -45,35 +45,35 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def _check_routing(num_stages: int, n: int, rule: str) -> None:
+def _check_routing(num_stages: int, width: int, rule: str) -> None:
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if not 1 <= n <= num_stages:
-        raise ValueError(f"n must be in 1..{num_stages} (number of stages), got {n}")
+    if not 1 <= width <= num_stages:
+        raise ValueError(f"width must be in 1..{num_stages} (number of stages), got {width}")
 
 
-def update_heads(k: int, num_stages: int, n: int, rule: Rule) -> frozenset[int]:
+def update_heads(k: int, num_stages: int, width: int, rule: Rule) -> frozenset[int]:
     """U(k): the heads whose losses update stage k's parameters (see module docstring)."""
-    _check_routing(num_stages, n, rule)
-    last = min(k + n - 1, num_stages - 1)
+    _check_routing(num_stages, width, rule)
+    last = min(k + width - 1, num_stages - 1)
     return frozenset({last}) if rule == "farthest" else frozenset(range(k, last + 1))
 
 
-def upstream_heads(k: int, num_stages: int, n: int, rule: Rule) -> frozenset[int]:
+def upstream_heads(k: int, num_stages: int, width: int, rule: Rule) -> frozenset[int]:
     """Heads j whose dL_j/dx_k stage k must send to stage k - 1 (some earlier stage uses them)."""
     needed: set[int] = set()
     for i in range(k):
-        needed |= {j for j in update_heads(i, num_stages, n, rule) if j >= k}
+        needed |= {j for j in update_heads(i, num_stages, width, rule) if j >= k}
     return frozenset(needed)
 
 
-def message_plan(num_stages: int, n: int, rule: str) -> list[list[frozenset[int]]]:
+def message_plan(num_stages: int, width: int, rule: str) -> list[list[frozenset[int]]]:
     """For each stage k, the heads carried by each upstream message it emits per micro-batch,
     in emission order: first its forward's early message, then one per backward call (one
     backward call per message stage k + 1 emits). Empty sets are messages never sent."""
     plan: list[list[frozenset[int]]] = [[] for _ in range(num_stages)]
     for k in reversed(range(num_stages)):
-        up = upstream_heads(k, num_stages, n, rule)
+        up = upstream_heads(k, num_stages, width, rule)
         incoming = [h for h in plan[k + 1] if h] if k + 1 < num_stages else []
         plan[k] = [frozenset({k}) & up] + [h & up for h in incoming]
     return plan
@@ -109,21 +109,21 @@ class InterlockStage:
     1 / micro_batches_per_step so the update is that of the mean loss).
     """
 
-    def __init__(self, index: int, num_stages: int, n: int, rule: Rule, module: nn.Module,
+    def __init__(self, index: int, num_stages: int, width: int, rule: Rule, module: nn.Module,
                  head: nn.Module | None, loss_fn: LossFn = F.cross_entropy,
                  optimizer_factory: OptimizerFactory = default_optimizer,
                  micro_batches_per_step: int = 1):
         """``head`` is the aux head, None for a stage whose output is already the logits
         (the last one); ``loss_fn(logits, targets)``."""
-        _check_routing(num_stages, n, rule)
-        self.index, self.num_stages, self.n, self.rule = index, num_stages, n, rule
+        _check_routing(num_stages, width, rule)
+        self.index, self.num_stages, self.width, self.rule = index, num_stages, width, rule
         self.module, self.head, self.loss_fn = module, head, loss_fn
-        self.update_set = update_heads(index, num_stages, n, rule)
-        self.upstream_set = upstream_heads(index, num_stages, n, rule)
+        self.update_set = update_heads(index, num_stages, width, rule)
+        self.upstream_set = upstream_heads(index, num_stages, width, rule)
         self._handled = self.update_set | self.upstream_set
         self._params_only = self.update_set - self.upstream_set  # heads batched into one θ pass
         self._from_downstream = (frozenset() if index == num_stages - 1
-                                 else upstream_heads(index + 1, num_stages, n, rule))
+                                 else upstream_heads(index + 1, num_stages, width, rule))
         self.params = [p for p in module.parameters() if p.requires_grad]
         head_params = [p for p in head.parameters() if p.requires_grad] if head is not None else []
         self.optimizer = optimizer_factory(self.params + head_params)
@@ -215,14 +215,14 @@ class InterlockStage:
         return losses
 
 
-def build_stages(modules: Sequence[nn.Module], heads: Sequence[nn.Module], n: int, rule: Rule,
+def build_stages(modules: Sequence[nn.Module], heads: Sequence[nn.Module], width: int, rule: Rule,
                  loss_fn: LossFn = F.cross_entropy, optimizer_factory: OptimizerFactory = default_optimizer,
                  micro_batches_per_step: int = 1) -> list[InterlockStage]:
     """One :class:`InterlockStage` per module; ``heads`` are the K - 1 aux heads."""
     if len(heads) != len(modules) - 1:
         raise ValueError(f"need {len(modules) - 1} aux heads for {len(modules)} stages, got {len(heads)}")
     return [
-        InterlockStage(k, len(modules), n, rule, m, heads[k] if k < len(heads) else None,
+        InterlockStage(k, len(modules), width, rule, m, heads[k] if k < len(heads) else None,
                        loss_fn, optimizer_factory, micro_batches_per_step)
         for k, m in enumerate(modules)
     ]
@@ -284,13 +284,13 @@ def run_interlocked_batch(stages: Sequence[InterlockStage], micro_batches: Itera
 
 
 def reference_gradients(full_model_parts: Sequence[nn.Module], heads: Sequence[nn.Module],
-                        batch: tuple[Tensor, Tensor], n: int, rule: Rule,
+                        batch: tuple[Tensor, Tensor], width: int, rule: Rule,
                         loss_fn: LossFn = F.cross_entropy) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
     """Ground truth from ONE autograd graph, no detach: for each stage k the gradient of its
     n-way objective (farthest: ∂L_{f(k)}/∂θ_k; sum: ∂Σ_{j in U(k)} L_j/∂θ_k) and for each aux
     head j ∂L_j/∂φ_j. Returns (per-stage, per-head) dicts name -> gradient (zeros if unused)."""
     K = len(full_model_parts)
-    _check_routing(K, n, rule)
+    _check_routing(K, width, rule)
     inputs, targets = batch
     h, losses = inputs, []
     for k, part in enumerate(full_model_parts):
@@ -303,7 +303,7 @@ def reference_gradients(full_model_parts: Sequence[nn.Module], heads: Sequence[n
                                  allow_unused=True, materialize_grads=True)
         return {name: g for (name, _), g in zip(named, gs)}
 
-    stage_grads = [grads(sum(losses[j] for j in sorted(update_heads(k, K, n, rule))), part)
+    stage_grads = [grads(sum(losses[j] for j in sorted(update_heads(k, K, width, rule))), part)
                    for k, part in enumerate(full_model_parts)]
     head_grads = [grads(losses[j], heads[j]) for j in range(K - 1)]
     return stage_grads, head_grads

@@ -115,7 +115,7 @@ class Timeline:
 def simulate(costs: Sequence[StageCost], plan: Sequence[Sequence[frozenset[int]]], micro_batches: int,
              batches: int = 8, link: Link = Link(), max_ahead: int = 2, cores: float | None = None) -> Timeline:
     """The schedule of ``batches`` batches (see the module docstring); ``plan`` is
-    ``routing.message_plan(K, n, rule)`` and ``costs`` one :class:`StageCost` per stage."""
+    ``routing.message_plan(K, width, rule)`` and ``costs`` one :class:`StageCost` per stage."""
     K, order = len(costs), batch_calls(plan, micro_batches)
     heads = _message_heads(plan, micro_batches)
     last = {k: max(i for i, c in enumerate(order) if c.stage == k) for k in range(K)}

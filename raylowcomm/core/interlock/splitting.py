@@ -36,25 +36,25 @@ def balanced_sizes(costs: Sequence[float], num_parts: int, boundaries: Sequence[
     (its aux head); among optimal partitions later parts are kept small (the last stage also
     carries the real head)."""
     boundaries = list(boundaries) if boundaries is not None else [0.0] * len(costs)
-    n = len(costs)
-    if not 1 <= num_parts <= n:
-        raise ValueError(f"cannot split {n} units into {num_parts} non-empty stages")
+    units = len(costs)
+    if not 1 <= num_parts <= units:
+        raise ValueError(f"cannot split {units} units into {num_parts} non-empty stages")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
     inf = float("inf")
     # best[p][i]: smallest possible max part cost for the first i units in p parts.
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    start = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best = [[inf] * (units + 1) for _ in range(num_parts + 1)]
+    start = [[0] * (units + 1) for _ in range(num_parts + 1)]
     best[0][0] = 0.0
     for p in range(1, num_parts + 1):
-        for i in range(p, n + 1):
-            head = boundaries[i - 1] if p < num_parts and i < n else 0.0
+        for i in range(p, units + 1):
+            head = boundaries[i - 1] if p < num_parts and i < units else 0.0
             for j in range(p - 1, i):  # last part = units j..i-1; larger j wins ties
                 value = max(best[p - 1][j], prefix[i] - prefix[j] + head)
                 if value <= best[p][i]:
                     best[p][i], start[p][i] = value, j
-    sizes, i = [], n
+    sizes, i = [], units
     for p in range(num_parts, 0, -1):
         sizes.append(i - start[p][i])
         i = start[p][i]

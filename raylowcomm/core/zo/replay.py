@@ -136,16 +136,6 @@ class ReplayLog:
         return log
 
 
-def parameter_hash(params: NamedParams) -> str:
-    """sha256 of names, dtypes, shapes and exact bytes, in order: equal iff replicas agree bitwise."""
-    h = hashlib.sha256()
-    for name, p in params:
-        t = p.detach().cpu().contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(p.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
 class Replica:
     """One node's side of SPSA with shared randomness, without Ray: at its step it measures its
     projected gradients with its `estimator` and publishes them as codes; it then applies the

@@ -60,7 +60,7 @@ class InterlockingConfig:
     stages: int = 2
     """K: depth-wise stages, one actor each (nodes.cpus / nodes.gpus per stage)."""
     n: int = 1
-    """Communication width, 1..stages: a head's loss trains at most n stages."""
+    """Communication width, 1..stages: a head's loss trains at most n stages (`width` in the code)."""
     rule: Literal["farthest", "sum"] = "farthest"
     """farthest: stage k learns from the loss of the farthest head within n stages (n = stages:
     end-to-end backprop); sum: from the sum of those heads' losses."""
@@ -80,6 +80,11 @@ class InterlockingConfig:
     max_batches_ahead: int = 2
     """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier)."""
 
+    @property
+    def width(self) -> int:
+        """The communication width: the config's `n` (the paper's name), not a count of nodes."""
+        return self.n
+
 
 def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
     """Submit every call of batch ``step`` in the order of `batch_calls` (the schedule model replays
@@ -94,12 +99,12 @@ def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micr
     return [actor.report.remote() for actor in actors]
 
 
-def train_interlocked(actors: list, num_stages: int, n: int, rule: str, micro_batches: int, steps: int,
+def train_interlocked(actors: list, num_stages: int, width: int, rule: str, micro_batches: int, steps: int,
                       fetch: DriverFetches, time_budget_s: float | None = None, max_ahead: int = 2,
                       on_reports=None, eval_at: frozenset[int] = frozenset(), evaluate=None) -> dict:
     """Up to ``steps`` batches (or ``time_budget_s`` of training); ``on_reports`` sees each batch's stage reports;
     after batch b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock."""
-    plan = message_plan(num_stages, n, rule)
+    plan = message_plan(num_stages, width, rule)
     clock, pending, reports, batches = TrainClock(), [], [], 0
 
     def drain(keep: int) -> None:
@@ -207,15 +212,15 @@ class Interlocking(Strategy[InterlockingConfig]):
         """The options against the loaded model and data: how many units (stem + blocks, or decoder
         layers) the model has and how many test rows time a measured split are known only now."""
         cfg, opts, family = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family
-        if family == "timm" and not is_timm_cnn(ctx.model):
+        if family == "timm" and not is_timm_cnn(ctx.architecture):
             raise ConfigError("model.name", cfg.model.name, "has neither ResNet layers (layer1..4) nor conv_stem + "
                               "blocks: interlocking splits timm ResNets and EfficientNet/MobileNet models "
                               "(e.g. resnet18)")
-        if family == "hf_causal_lm" and not is_hf_decoder(ctx.model):
+        if family == "hf_causal_lm" and not is_hf_decoder(ctx.architecture):
             field = "model.path" if cfg.model.path else "model.name"
             raise ConfigError(field, getattr(cfg.model, field[6:]), "is not a Llama-style decoder (model.embed_tokens, "
                               "layers, norm, rotary_emb and lm_head): interlocking splits those")
-        units, what = model_units(ctx.model, family), "stem + blocks" if family == "timm" else "decoder layers"
+        units, what = model_units(ctx.architecture, family), "stem + blocks" if family == "timm" else "decoder layers"
         if opts.split is not None and sum(opts.split) != units:
             raise ConfigError("interlocking.split", opts.split,
                               f"must add up to the model's {units} units ({what}), one entry per stage")
@@ -229,7 +234,8 @@ class Interlocking(Strategy[InterlockingConfig]):
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, family, clock = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family, TrainClock()
         torch.manual_seed(cfg.seed)
-        K, model = opts.stages, copy.deepcopy(ctx.model).float().train()  # the driver's copy: final weights land in it
+        K = opts.stages
+        model = copy.deepcopy(ctx.load_driver_weights()).float().train()  # the driver's copy: final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         task = ctx.data.task  # one stream of batches from one source: stage 0 reads the training rows
         source = Source("image" if family == "timm" else "tokens", None, ctx.eval_sets(), cfg.optim.batch_size,
@@ -254,7 +260,7 @@ class Interlocking(Strategy[InterlockingConfig]):
                 module.load_state_dict(state)
         train_s, batches = trained["train_s"], trained["batches"]
         details = {
-            "stages": K, "n": opts.n, "rule": opts.rule, "micro_batches": opts.micro_batches,
+            "stages": K, "n": opts.width, "rule": opts.rule, "micro_batches": opts.micro_batches,
             "micro_batch_size": cfg.optim.batch_size // opts.micro_batches, "balance": opts.balance,
             "units_per_stage": units_per_stage(modules, family), "batches": batches,
             "step_time_s": train_s / batches if batches else None,
@@ -282,7 +288,7 @@ class Interlocking(Strategy[InterlockingConfig]):
         for k in range(K):
             ref = group.put((modules[k], heads[k] if k < K - 1 else None), "setup", "stage_modules")
             actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
-            loaded.append(actor.load.remote(k, K, opts.n, opts.rule, ref, LOSS_OF_FAMILY[family], cfg.optim,
+            loaded.append(actor.load.remote(k, K, opts.width, opts.rule, ref, LOSS_OF_FAMILY[family], cfg.optim,
                                             opts.micro_batches, *((source, recipe) if k == 0 else ())))
         ray.get(loaded)
 
@@ -290,7 +296,7 @@ class Interlocking(Strategy[InterlockingConfig]):
         cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
         K, actors, ledger = opts.stages, group.handles(), group.ledger
         steps = total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
-        logger.info("[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s", K, opts.n, opts.rule, steps,
+        logger.info("[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s", K, opts.width, opts.rule, steps,
                     opts.micro_batches, f", budget {opts.time_budget_s}s" if opts.time_budget_s else "")
         stage_losses, busy, curve = [[] for _ in range(K)], [0.0] * K, []
 
@@ -313,7 +319,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, sent_so_far,
                                      final_head_metrics(per_set)))
 
-        trained = train_interlocked(actors, K, opts.n, opts.rule, opts.micro_batches, steps, group.fetch,
+        trained = train_interlocked(actors, K, opts.width, opts.rule, opts.micro_batches, steps, group.fetch,
                                     opts.time_budget_s, opts.max_batches_ahead, absorb,
                                     frozenset(eval_points(cfg, steps)), evaluate)
         for k in (k for k in range(K) if stage_losses[k]):

@@ -122,14 +122,14 @@ class StageActor:
     def __init__(self, cpus: float, gpus: float):
         self.device, self.worker = start_process(cpus, gpus), None
 
-    def load(self, index: int, num_stages: int, n: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
+    def load(self, index: int, num_stages: int, width: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
              micro_batches: int, source: Source | None = None, recipe: TrainSource | None = None) -> None:
         """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is
         reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host."""
         if recipe is not None:
             source.train = recipe.load(0, 1)
         module, head = (m.to(self.device) if m is not None else None for m in payload)
-        stage = InterlockStage(index, num_stages, n, rule, module, head, LOSSES[loss],
+        stage = InterlockStage(index, num_stages, width, rule, module, head, LOSSES[loss],
                                lambda params: make_optimizer(optim, params), micro_batches)
         if loss == "causal_lm":
             task = CausalLM(self.device)

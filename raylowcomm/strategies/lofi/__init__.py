@@ -30,6 +30,7 @@ from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, curve_po
 from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig
 from raylowcomm.strategies.lofi.exchange import Exchange, FinalModel
+from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.plan import Plan, average_nodes, plan_rounds
@@ -99,7 +100,7 @@ class Lofi(Strategy[LofiConfig]):
         from raylowcomm.strategies.lofi.config import check_schedule
 
         o = Lofi.opts(ctx.cfg)
-        streaming.check(o, ctx.architecture, ctx.fine_tune)
+        streaming.check(o, ctx.architecture, ctx.fine_tune, merging_for(ctx.spec).sync_unit)
         sizes = ctx.data.train.sizes(ctx.cfg.nodes.count)  # None with data.node_files: only the nodes know theirs
         if sizes:
             check_schedule(ctx.cfg, o, min(sizes))
@@ -146,7 +147,7 @@ class Lofi(Strategy[LofiConfig]):
                                 ctx.live.poster(k), rounds=opts if exchange.nodes_keep_rounds else None)
                 group.ready()
             sizes = ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes")
-            plan = plan_rounds(cfg, opts, sizes, ctx.fine_tune.node_average(initial, ctx.architecture,
+            plan = plan_rounds(cfg, opts, sizes, merging_for(ctx.spec).node_average(initial, ctx.architecture,
                                                                              opts.lora_average))
             ctx.live.expect(n, plan.steps)
             logger.info("[lofi] %d nodes x %d steps, averaging at steps %s", n, plan.steps,

@@ -41,7 +41,7 @@ class LofiConfig:
     (a star); peers: each node puts its outer gradient Δ = θ_global − θ_k (encoded by `compress`) in the
     object store, every node fetches its peers' and averages them itself, bit-identical (hash-checked),
     and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
-    driver (as before). With model.lora the adapters' and head's Δ cross and every node merges the exact
+    driver. With model.lora the adapters' and head's Δ cross and every node merges the exact
     average into its own base. Not with soup: greedy."""
     compress: Literal["none", "int8", "int4", "topk"] = "none"
     """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise

@@ -15,6 +15,7 @@ from raylowcomm.core.averaging import measure_bn_statistics
 from raylowcomm.data import TrainSource
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
 from raylowcomm.strategies.lofi.streaming import ALL
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
@@ -46,7 +47,7 @@ class LofiNode(Node):
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-        self.peer = NodeRounds(self, rounds, cfg.seed, start) if rounds is not None else None
+        self.peer = NodeRounds(self, rounds, cfg.seed, start, merging_for(spec)) if rounds is not None else None
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
             self._load_bn(storage.load_tensors(self._bn_path)[0])
 
@@ -92,8 +93,8 @@ class LofiNode(Node):
     def snapshot(self, step: int) -> dict:
         return self.storage.load_tensors(self._snapshot_path(step))[0]
 
-    def load_weights(self, state: dict, rounds: int) -> None:
-        """The global model of averaging round `rounds`; checkpointed at once so a restart keeps it
+    def load_round(self, state: dict, rounds: int) -> None:
+        """The star's global model of averaging round `rounds`; checkpointed at once so a restart keeps it
         (a node that has it already, resuming, keeps what it has)."""
         if rounds <= self.rounds:
             return

@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from raylowcomm.actors import ActorDied
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.seeding import epoch_seed
 from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.core.compression import Payload
-from raylowcomm.core.zo.replay import parameter_hash
-from raylowcomm.finetune import FineTune
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.merging import RoundMerging
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, floats
 from raylowcomm.strategies.lofi.round_file import GLOBAL, node_states, read_round, round_meta, round_path, write_round
 
@@ -36,7 +36,6 @@ class RoundHost(Protocol):
     storage: Storage
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    fine_tune: FineTune
     step: int
     rounds: int
 
@@ -57,21 +56,21 @@ class NodeRounds:
     codec with its error feedback, its fragments and outer step, the payload it sent and the round in
     flight. It reads and moves the node's model through `RoundHost`.
 
-    Where the fine-tune merges rounds (`merges_rounds`: LoRA), what crosses is the adapters and head:
+    Where rounds are merged (`RoundMerging.merges_rounds`: LoRA), what crosses is the adapters and head:
     a node decodes every peer's Δ, and the round merges the nodes' exact average into the frozen base
-    and restarts the adapters from the round's seed (`FineTune.merge_nodes`), as the driver's rounds do."""
+    and restarts the adapters from the round's seed (`AdapterMerging.merge_nodes`), as the driver's rounds do."""
 
-    def __init__(self, node: RoundHost, opts: LofiConfig, seed: int, initial: dict):
+    def __init__(self, node: RoundHost, opts: LofiConfig, seed: int, initial: dict, merging: RoundMerging):
         """Codec, error feedback, the global model (`initial`: what this node sends, as it started),
-        its fragments and outer step; then what this node's round file holds, if it has one (a restart,
-        or a resumed run)."""
-        self.node, self.opts, self.seed = node, opts, seed
+        its fragments and outer step (`merging`: how a round lands in what trains); then what this node's
+        round file holds, if it has one (a restart, or a resumed run)."""
+        self.node, self.opts, self.seed, self.merging = node, opts, seed, merging
         params = {k for k, _ in node.model.named_parameters()}
         self.codec = DeltaCodec(opts, initial, params)
         self.global_state = crossing(initial, opts)  # the caller's copy, kept
         sizes = self.codec.sizes()
         self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments,
-                                         node.fine_tune.sync_unit)
+                                         self.merging.sync_unit)
         self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
         self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
             if opts.outer_optimizer == "nesterov" else None
@@ -89,7 +88,7 @@ class NodeRounds:
         self.codec.load_residual(residual)
         if round_ > self.node.rounds:  # died after writing its round file, before its checkpoint: merge again
             meta = round_meta(storage, path)
-            if self.node.fine_tune.merges_rounds:
+            if self.merging.merges_rounds:
                 self._merge_nodes(node_states(storage, path), meta["weights"], round_)
             else:
                 self._merge(meta["fragment"], meta["mix"], round_)
@@ -159,7 +158,7 @@ class NodeRounds:
     def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None):
         """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node."""
         payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
-        if self.node.fine_tune.merges_rounds:
+        if self.merging.merges_rounds:
             return [{k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
                     for delta in self.codec.decode_each(payloads)], weights
         return self.codec.average(payloads, weights)
@@ -167,7 +166,7 @@ class NodeRounds:
     def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
         """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint;
         where rounds merge, `_land_merged`."""
-        if self.node.fine_tune.merges_rounds:
+        if self.merging.merges_rounds:
             return self._land_merged(round_, fragment, *mean, step)
         if self.outer is not None:
             self.global_state = self.outer.step_delta(mean)
@@ -191,10 +190,10 @@ class NodeRounds:
         self.node.save_state(step)
 
     def _merge_nodes(self, states: list[dict], weights: list[float], round_: int) -> None:
-        """`FineTune.merge_nodes` with the round's seed (the same on every node); the merged tensors'
+        """`AdapterMerging.merge_nodes` with the round's seed (the same on every node); the merged tensors'
         optimizer state starts again (zeroed in place: the other fragments' keep theirs), what restarted
         loses its residual, and their new values are the global ones."""
-        restarted = self.node.fine_tune.merge_nodes(self.node.model, states, weights, self.opts.lora_average,
+        restarted = self.merging.merge_nodes(self.node.model, states, weights, self.opts.lora_average,
                                                     seed=epoch_seed(self.seed, round_))
         self.codec.forget(restarted)
         params, mine = dict(self.node.model.named_parameters()), floats(self.node.weights())

@@ -19,14 +19,15 @@ from typing import ClassVar
 import torch
 
 from raylowcomm.actors import NodeGroup, ReplicaMismatch, check_replicas, count_tensors
+from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.averaging import OuterNesterov
-from raylowcomm.core.zo.replay import parameter_hash
 from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
+from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.round_file import GLOBAL
@@ -49,7 +50,7 @@ class PeerExchange:
     def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         """`start` is unused: every node starts from the weights it was given and keeps its own global model."""
         self.opts = o
-        self.on_nodes = nodes_hold_result(self.opts, ctx.fine_tune.merges_rounds)
+        self.on_nodes = nodes_hold_result(self.opts, merging_for(ctx.spec).merges_rounds)
         self.fetched = {"bytes": 0, "tensors": 0}  # what the driver read back during training: refs and sizes
 
     @staticmethod
@@ -105,8 +106,8 @@ class PeerExchange:
             exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0},
                            "final")
             return FinalModel(everyone, on_nodes=True)
-        order = [k for k, _ in ctx.model.named_parameters()]
-        start, outer = driver_start(state_dict_of(ctx.model), set(order), self.opts)
+        order = [k for k, _ in ctx.architecture.named_parameters()]
+        start, outer = driver_start(state_dict_of(ctx.load_driver_weights()), set(order), self.opts)
         average = final_round(group, self.opts, start, outer, plan, order, {"bytes": 0, "tensors": 0})
         return FinalModel(everyone, on_nodes=True, weights=average)
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from raylowcomm.actors import DriverFetches, NodeGroup
 from raylowcomm.common.batches import steps_per_epoch
 from raylowcomm.config import RunConfig
-from raylowcomm.finetune import NodeAverage
 from raylowcomm.strategies.base import eval_points
 from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.merging import NodeAverage
 from raylowcomm.training import total_steps
 
 

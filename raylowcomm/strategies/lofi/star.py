@@ -55,7 +55,7 @@ class StarExchange:
         return None
 
     def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:
-        """Nodes whose checkpoint predates the last global model saved in storage load it (the others
+        """Nodes whose checkpoint is older than the last global model saved in storage load it (the others
         have it already)."""
         if not self.storage.exists(GLOBAL):
             return 0
@@ -63,7 +63,7 @@ class StarExchange:
         if self.outer is not None:
             self.outer.state, self.outer.buf = state, momentum
         plan.average.rebase(state)
-        group.call("load_weights", group.put(state, "train", "resume_global_weights", copies=len(group)), done)
+        group.call("load_round", group.put(state, "train", "resume_global_weights", copies=len(group)), done)
         return done
 
     def landing(self, plan: Plan, i: int) -> list:
@@ -77,7 +77,7 @@ class StarExchange:
         average = self.outer.step(average) if self.outer is not None else average
         plan.average.rebase(average)
         write_round(self.storage, GLOBAL, round_, average, self.outer.buf if self.outer is not None else None)
-        group.call("load_weights", group.put(average, "train", "global_weights", copies=len(group)), round_)
+        group.call("load_round", group.put(average, "train", "global_weights", copies=len(group)), round_)
 
     def finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
                node_metrics: list[dict]) -> FinalModel:
@@ -90,7 +90,7 @@ class StarExchange:
             final = FinalModel(kept, on_nodes=False, weights=average, to_score=average)
         else:
             to_score = gather_nodes(group, plan, "final")
-            merge_on_node = plan.average.what == "node_adapters" and ctx.nodes_load_weights()
+            merge_on_node = plan.average.what == "node_adapters" and ctx.probe_nodes_load_weights()
             final = FinalModel(list(range(n)), on_nodes=False,
                                weights=None if merge_on_node else plan.average.combine(to_score), to_score=to_score)
         if self.outer is not None:  # full weights only (not offered with model.lora): what is scored is saved

@@ -38,7 +38,7 @@ def module_of(name: str) -> str:
 def split(sizes: dict[str, int], count: int, unit=module_of) -> list[list[str]]:
     """Names cut into `count` contiguous groups of about equal total size, in the given order, never
     inside a `unit` (a module by default: a layer's weight, bias and BatchNorm statistics sync together;
-    the fine-tune's `sync_unit`, which keeps a LoRA layer's two factors together): a new group
+    lo-fi's `merging.RoundMerging.sync_unit`, which keeps a LoRA layer's two factors together): a new group
     starts at a module once the running total reaches the next multiple of total/count (or when only
     as many modules are left as groups still to come). Needs at least `count` modules."""
     modules: list[list[str]] = []
@@ -126,14 +126,14 @@ def validate(o: LofiConfig, peers: bool) -> None:
         logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
 
 
-def check(opts, model, fine_tune) -> None:
-    """More fragments than units of what crosses (`fine_tune.sync_unit` of the floating-point tensors a node
+def check(opts, model, fine_tune, sync_unit) -> None:
+    """More fragments than units of what crosses (`sync_unit` of the floating-point tensors a node
     sends: modules, or under LoRA adapted layers and the head) cannot be cut."""
     if fine_tune.trainable_only():  # a node sends what trains (adapters and head); names only: the model may be meta
         sent = [k for k, p in model.named_parameters() if p.requires_grad]
     else:
         sent = [k for k, v in model.state_dict().items() if v.is_floating_point()]
-    count = len({fine_tune.sync_unit(k) for k in sent})
+    count = len({sync_unit(k) for k in sent})
     if opts.fragments > count:
         raise ConfigError("lofi.fragments", opts.fragments, f"the model sends {count} modules with floating-point "
                                                             f"tensors to cut into fragments: set at most {count}")

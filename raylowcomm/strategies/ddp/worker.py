@@ -1,19 +1,5 @@
-"""The baseline: ordinary data-parallel fine-tuning with gradients all-reduced every step
-(Ray Train's TorchTrainer; gloo on CPU, nccl on GPU), on the same shards, batch size per worker,
-optimizer and number of steps as the lo-fi nodes. A DDP communication hook adds up the gradient
-buckets each rank hands to all-reduce: the `train` bytes are counted, not a formula. Curve: at
-every `eval_every` step the ranks meet while rank 0 scores its replica (identical but for BN
-statistics; rank 0's is the model saved), out of the training time.
-
-Failures: each evaluation is a `ray.train.report`, and every `checkpoint_every` steps (and at
-the end) it carries a checkpoint: rank 0 writes model + optimizer + step + curve, every rank its
-BN statistics and its tally (safetensors). Ray Train restarts the group up to `nodes.max_restarts`
-times; every rank loads the latest checkpoint and continues `train_steps` from its step (data
-order and dropout are an uninterrupted run's). The Train run's name is stable (storage
-`ddp/ray_train/ddp`): `run --resume` continues from its latest checkpoint; a new run deletes it.
-A rank that cannot read its data (a ConfigError) is not restarted: it would fail again. The ranks
-agree on it when they tell each other their shard sizes, return, and the driver raises the error.
-"""
+"""A DDP rank's side: the training loop each Ray Train worker runs (`train_worker`), its byte count
+of every all-reduce (`counting_allreduce_hook`), its checkpoints and its record of attempts."""
 
 from __future__ import annotations
 
@@ -24,8 +10,6 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from itertools import pairwise
-from typing import ClassVar, Literal
 
 import ray
 import torch
@@ -34,22 +18,15 @@ from torch import nn
 from raylowcomm.actors import Node, process_info
 from raylowcomm.catalog import TaskSpec
 from raylowcomm.common.batches import group_seed, num_examples
-from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.seeding import node_seed
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import TrainSource
-from raylowcomm.execution import node_bundle, pin_bundles, resolve_hosts
 from raylowcomm.models import ModelSpec
 from raylowcomm.progress import ProgressPoster
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import (
-    RunContext,
-    RunRecord,
-    Strategy,
-    curve_point,
     eval_points,
-    finish_record,
 )
 from raylowcomm.tasks import mean_metrics
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, total_steps, train_steps
@@ -58,13 +35,6 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE, RANK_FILE = "state.safetensors", "rank{}.safetensors"
 ATTEMPTS, DATA_ERROR = "ddp/attempts.json", "ddp/data_error.json"
-
-
-@dataclass
-class DdpConfig:
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """auto: nccl when nodes.gpus > 0, else gloo."""
-
 
 @dataclass
 class DdpLoop:
@@ -202,7 +172,7 @@ def _read_shard(loop: DdpLoop, node: Node, rank: int, world: int) -> tuple[objec
     return shard, steps, refused, all_gather_nbytes(everyone, world)
 
 
-def _train_worker(config: dict) -> None:
+def train_worker(config: dict) -> None:
     """One Ray Train worker (`config`: {"loop": DdpLoop}): a `Node` (model, task, device) whose
     gradients DDP all-reduces; rank 0 scores the curve at a barrier and the final model, where the
     model lives."""
@@ -296,144 +266,3 @@ class _Rank:
         _report(metrics, steps, self.rank, self.node, self.optimizer, done, self.curve)
 
 
-def _release_leaked_placement_groups(before: set[str], bundles: list[dict]) -> None:
-    """When a Train run fails while it starts (e.g. gloo cannot connect), Ray Train 2.60 can leave
-    its workers' placement group reserved, and the strategies after it would wait forever for
-    those CPUs. Remove the groups with exactly our bundles that appeared during the failed fit."""
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
-    want = [{k: float(v) for k, v in b.items()} for b in bundles]
-    for pg_id, info in ray.util.placement_group_table().items():
-        if pg_id in before or info["state"] == "REMOVED" or list(info["bundles"].values()) != want:
-            continue
-        logger.warning("[ddp] releasing placement group %s that the failed Train run left behind", pg_id)
-        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
-
-
-def _attempts_ledger(ledger: Ledger, attempts: list[dict], restarts: int, n: int) -> dict:
-    """What failures cost. `train/gradient_allreduce` counts each step's all-reduce once (the hook's
-    count, carried in the checkpoints), as an uninterrupted run does. Steps an attempt took past the
-    checkpoint the next one resumed from were all-reduced again: `gradient_allreduce_redone`, up to
-    that attempt's last report (evaluation or checkpoint), so a lower bound. Each restart of this
-    fit repeats the setup: weights, shards and eval sets fetched, weights broadcast by DDP."""
-    redone = sum(max(0, a["allreduce_bytes"] - b["bytes_at_start"]) for a, b in pairwise(attempts))
-    if redone:
-        ledger.record("train", "gradient_allreduce_redone", redone, copies=n)
-    if restarts:
-        ledger.record("train", "restart_setup_again", ledger.bytes_by_phase["setup"], copies=restarts)
-    return {"attempts": attempts, "restarts": restarts, "allreduce_redone_bytes_per_rank_at_least": redone}
-
-
-def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
-    """Where the Train run's time went: Ray Train starting the workers (controller, placement
-    group, process group) until the first entered our loop (after a restart: the earlier attempts
-    too), rank 0's own parts, and the end: from rank 0's final report (its checkpoint) until `fit`
-    returned. Start and end compare wall clocks of the driver's and the workers' hosts."""
-    rank0 = workers[0]
-    return {"train_run_start": round(min(w["entered_at"] for w in workers) - fit_at, 3), **rank0["phases_s"],
-            "train": round(max(w["train_s"] for w in workers), 3),
-            "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
-
-
-class Ddp(Strategy[DdpConfig]):
-    name: ClassVar[str] = "ddp"
-    Config: ClassVar[type] = DdpConfig
-
-    @staticmethod
-    def validate(cfg: RunConfig) -> None:
-        if Ddp.opts(cfg).backend == "nccl" and cfg.nodes.gpus == 0:
-            raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
-        hosts = cfg.nodes.hosts or []
-        if any(h in hosts[:i - 1] for i, h in enumerate(hosts) if i and h != hosts[i - 1]):
-            raise ConfigError("nodes.hosts", hosts, "Ray Train numbers DDP's workers host by host: list each host's "
-                              "workers together (e.g. [A, A, B]), so rank k runs on nodes.hosts[k]")
-
-    @staticmethod
-    def bundles(cfg: RunConfig) -> list[dict]:
-        """Nothing inside a caller's reservation: Ray Train places its workers in a placement group
-        of its own (the supported way to run Train inside a Tune trial)."""
-        return []
-
-    @staticmethod
-    def external_bundles(cfg: RunConfig) -> list[dict]:
-        return [node_bundle(cfg)] * cfg.nodes.count
-
-    def _trainer(self, ctx: RunContext, backend: str, loop: DdpLoop):
-        """A Train run with a stable name in storage, so a resumed run finds its checkpoints."""
-        from ray.train import CheckpointConfig, FailureConfig, ScalingConfig
-        from ray.train import RunConfig as TrainRunConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
-
-        cfg = ctx.cfg
-        pins = {}  # ScalingConfig takes label_selector from Ray 2.53 on: only a pinned run needs one
-        if cfg.nodes.hosts:
-            pins["label_selector"] = pin_bundles(cfg.nodes.count, resolve_hosts(cfg.nodes.hosts))
-        return TorchTrainer(
-            _train_worker, train_loop_config={"loop": loop},
-            scaling_config=ScalingConfig(num_workers=cfg.nodes.count, use_gpu=cfg.nodes.gpus > 0,
-                                         resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement,
-                                         **pins),
-            torch_config=TorchConfig(backend=backend),
-            run_config=TrainRunConfig(name=self.name, storage_path=ctx.storage.uri_of(f"{self.name}/ray_train"),
-                                      failure_config=FailureConfig(max_failures=cfg.restarts),
-                                      checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        )
-
-    def run(self, ctx: RunContext) -> RunRecord:
-        cfg, clock, ledger, n = ctx.cfg, TrainClock(), Ledger(), ctx.cfg.nodes.count
-        backend = Ddp.opts(cfg).backend.replace("auto", "nccl" if cfg.nodes.gpus > 0 else "gloo")
-        ctx.fresh_state(self.name)
-        (what, start), sizes = ctx.initial_model(), ctx.data.train.sizes(n)  # weights, or the recipe to load them
-        steps = total_steps(cfg.optim, min(sizes)) if sizes else None  # None: node files, the workers agree on it
-        ledger.send("setup", what, start, copies=n)
-        ledger.send("setup", "ddp_initial_broadcast", ctx.architecture.state_dict(), copies=n - 1)  # sizes only
-        ledger.send("setup", "data_recipe", ctx.data.train, copies=n)  # how to read the data, not the data
-        eval_sets = ctx.eval_sets(val=False)
-        for split in eval_sets.values():  # rank 0 scores the curve and the final model
-            ledger.send("setup", "eval_sets", split)
-        logger.info("[ddp] %d workers x %s steps, %s", n, steps or "(their shards')", backend)
-        ctx.live.expect(n, steps)
-        earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
-        trainer = self._trainer(ctx, backend, DdpLoop(
-            cfg=cfg, spec=ctx.spec, task=ctx.data.task, weights=ray.put(start), steps=steps, storage=ctx.storage,
-            data=ctx.data.train, eval_sets=ray.put(eval_sets), progress=ctx.live.poster()))
-        ctx.storage.delete(DATA_ERROR)  # a resumed run's earlier refusal
-        before, fit_at = set(ray.util.placement_group_table()), time.time()
-        try:
-            result = trainer.fit()
-        except Exception:
-            _release_leaked_placement_groups(before, [node_bundle(cfg)] * n)
-            raise
-        if ctx.storage.exists(DATA_ERROR):
-            raise ConfigError(*ctx.storage.read_json(DATA_ERROR))
-        ledger.record("setup", "shard_sizes", result.metrics["shard_sizes_bytes"])
-        attempts = ctx.storage.read_json(ATTEMPTS)
-        details = _attempts_ledger(ledger, attempts, len(attempts) - earlier - 1, n)
-        details["phases_s"] = _phases(result.metrics["workers"], fit_at, time.time())
-        return self._finish(ctx, ledger, clock, result, backend, details)
-
-    def _finish(self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str,
-                details: dict) -> RunRecord:
-        cfg, n, steps = ctx.cfg, ctx.cfg.nodes.count, result.metrics["steps"]
-        workers, setup_bytes = result.metrics["workers"], ledger.bytes_by_phase["setup"]
-        ctx.report({"step": steps, "steps": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
-        curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n,
-                             setup_bytes + n * p["allreduce_bytes"],
-                             {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")})
-                 for p in result.metrics["curve"]]
-        for w in workers:
-            ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
-        ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
-        ledger.send("final", "eval_metrics", result.metrics["final"])
-        collecting = time.perf_counter()
-        with result.checkpoint.as_directory() as d:
-            tensors, _ = Storage(d).load_tensors(STATE_FILE)
-        details["phases_s"]["collect"] = round(time.perf_counter() - collecting, 3)
-        state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
-        ledger.send("final", "model_checkpoint", state)  # under LoRA rank 0 checkpoints the adapters and head only
-        details = {"steps_per_worker": steps, "backend": backend,
-                   "allreduce_buckets_per_rank": [w["buckets"] for w in workers], **details, "train_run": result.path}
-        return finish_record(self.name, ctx, ledger, clock, metrics=result.metrics["final"], step=steps,
-                             samples=sum(w["samples"] for w in workers), train_s=max(w["train_s"] for w in workers),
-                             infos=workers, weights=state, curve=curve, nodes=workers, details=details)

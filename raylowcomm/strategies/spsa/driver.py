@@ -1,0 +1,245 @@
+"""The driver's side of one SPSA run: membership, the byte exchange, replica checks and the curve."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import ray
+
+from raylowcomm.actors import NodeGroup, check_replicas
+from raylowcomm.common.ledger import Ledger
+from raylowcomm.common.timing import TrainClock
+from raylowcomm.core.zo.estimators import forwards_per_step
+from raylowcomm.runtime import wire_nbytes
+from raylowcomm.strategies.base import (
+    RunContext,
+    RunRecord,
+    curve_point,
+    eval_points,
+    finish_record,
+)
+from raylowcomm.strategies.spsa.config import NAME, SpsaConfig, check_membership
+from raylowcomm.strategies.spsa.node import CHECKPOINT, LOSS_BYTES, LOSS_FORMAT
+from raylowcomm.tasks import mean_metrics
+from raylowcomm.training import total_steps
+
+logger = logging.getLogger(__name__)
+
+DRIVER_STATE = "spsa/driver.json"
+"""In storage: the driver's counts at the last checkpoint (what `--resume` continues from)."""
+
+
+@dataclass
+class DriverCounts:
+    """What the driver has counted so far: kept in DRIVER_STATE at every checkpoint beside the step, the
+    running nodes, the ledger and the nodes' records, so that a resumed run continues them."""
+
+    samples: int = 0
+    forwards: int = 0
+    curve: list = field(default_factory=list)
+    verified: list = field(default_factory=list)
+    per_step: dict = field(default_factory=lambda: {"payload": [], "wire": [], "control": [], "wall": []})
+    step0: dict = field(default_factory=dict)
+    ckpt_step: int = 0
+    ckpt_size: int = 0
+
+    @classmethod
+    def restored(cls, state: dict) -> DriverCounts:
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
+
+
+class SpsaRun:
+    """The driver's side of one SPSA run: membership, the byte exchange, checks and the curve."""
+
+    def __init__(self, ctx: RunContext, group: NodeGroup, steps: int | None, opts: SpsaConfig):
+        self.ctx, self.cfg, self.opts, self.group = ctx, ctx.cfg, opts, group
+        self.ledger, self.steps, self.codec = group.ledger, steps, self.opts.make_codec()
+        self.slots = self.cfg.nodes.count + len(self.opts.join)
+        self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0
+        self.weights_ref, self.start = None, None
+        self.records, self.infos, self.counts = {}, {}, DriverCounts()
+        self.node_forwards = forwards_per_step(self.opts.estimator, self.opts.samples)
+
+    def start_nodes(self) -> int:
+        """The first nodes, or (resuming) the nodes running at the last checkpoint, from it; the step to start at."""
+        group, count, state = self.group, self.cfg.nodes.count, None
+        if self.ctx.resume and self.storage.exists(DRIVER_STATE):
+            state = self.storage.read_json(DRIVER_STATE)
+            self.ledger.merge(Ledger.from_dict(state["ledger"]))
+            # a state written before forwards were counted: every node-step published made node_forwards
+            state.setdefault("forwards", state["samples"] // self.cfg.optim.batch_size * self.node_forwards)
+            self.counts = DriverCounts.restored(state)
+            self.records = {int(k): v for k, v in state["records"].items()}
+            self.resumed_train_s = state["train_s"]
+            logger.info("[spsa] resuming at step %d from %s", state["step"], self.storage.uri_of(CHECKPOINT))
+        else:
+            self.ctx.fresh_state(NAME)
+        for k in state["running"] if state else range(count):
+            self.start_node(k, "train" if state else "setup", until=state["step"] if state else None)
+            self.records.setdefault(k, {"node": k, "joined_step": 0, "left_step": None, "left_how": None})
+        group.share_eval_sets(self.ctx.eval_sets(val=False))
+        group.ready()
+        if self.steps is None:  # node files: each node knows its own size
+            self.steps = total_steps(self.cfg.optim, min(group.call("examples", phase="setup", what="shard_sizes")))
+            check_membership(count, self.opts, self.steps)
+        return state["step"] if state else 0
+
+    def start_node(self, k: int, phase: str, until: int | None) -> None:
+        """Node `k`: the initial weights, or (`until`) the checkpoint and log in storage, on top of
+        the initial weights where the checkpoint holds only what SPSA tunes (LoRA). It reads its
+        own shard (of `slots`) where it runs: only the recipe crosses."""
+        initial = until is None or self.ctx.fine_tune.trainable_only()
+        if initial:
+            if self.weights_ref is None:  # the driver's weights, or the recipe the node loads them by
+                self.start = self.ctx.initial_model()
+                self.weights_ref = ray.put(self.start[1])
+            self.ledger.send(phase, *self.start)
+        recipe = self.group.put(self.ctx.data.train, phase, "data_recipe")
+        self.group.start(k, k, self.ctx.spec, self.ctx.data.task, recipe, self.slots, self.cfg, self.opts, self.storage,
+                         weights=self.weights_ref if initial else None, until=until)
+
+    def checkpoint(self, step: int) -> None:
+        """θ at `step` (from the lowest running node) and the driver's counts, into storage."""
+        self.counts.ckpt_step, self.counts.ckpt_size = step, ray.get(self.group[min(self.group.keys())].save.remote())
+        self.storage.write_json(DRIVER_STATE, {
+            "step": step, "running": self.group.keys(), "ledger": self.ledger.to_dict(),
+            "train_s": self.train_clock.elapsed(), "records": self.records,
+            **asdict(self.counts)})
+
+    def run(self) -> RunRecord:
+        cfg = self.cfg
+        start = self.start_nodes()
+        if start == 0:
+            self.counts.step0 = self.evaluate(0)
+        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s, %s, %s step, %d forwards), "
+                    "verify every %d", len(self.group), self.steps, self.opts.samples, self.codec.nbytes,
+                    self.opts.codec, self.opts.perturbation, self.opts.estimator, self.opts.step, self.node_forwards,
+                    self.opts.verify_every)
+        self.train_clock = TrainClock()
+        self.train_clock.start -= self.resumed_train_s
+        if start == 0:
+            with self.train_clock.paused():
+                self.checkpoint(0)
+        points = set(eval_points(cfg, self.steps))
+        for step in range(start, self.steps):
+            self.membership(step)
+            progress = self.exchange(step)
+            if (step + 1) % self.opts.verify_every == 0 or step + 1 == self.steps:
+                self.verify(step + 1)
+            if (step + 1) % cfg.checkpoint_steps == 0 and step + 1 < self.steps:
+                self.checkpoint(step + 1)
+            if step + 1 in points:
+                with self.train_clock.paused():
+                    metrics = self.evaluate(step + 1)
+                self.counts.curve.append({**curve_point(step + 1, self.train_clock.elapsed(), self.counts.samples,
+                                                 self.ledger.total_bytes, metrics), "forwards": self.counts.forwards})
+                progress.update(metrics)
+            self.ctx.report(progress)
+        return self.finish(self.counts.step0)
+
+    def leave(self, k: int, step: int, how: str) -> None:
+        if how == "remove":
+            self.infos[k] = self.group.fetch.get([self.group[k].info.remote()], "final", "node_info")[0]
+        self.group.remove(k, kill=how == "remove")
+        self.records[k].update(left_step=step, left_how=how)
+        logger.info("[spsa] step %d: node %d left (%s); running: %s", step, k, how, self.group.keys())
+
+    def membership(self, step: int) -> None:
+        for ev in self.opts.leave:
+            if ev.step == step and ev.how == "kill":
+                self.group[ev.node].crash.remote()  # found dead by the compute call that follows
+            elif ev.step == step:
+                self.leave(ev.node, step, "remove")
+        for i, ev in enumerate(self.opts.join):
+            if ev.step == step:
+                k, group = self.cfg.nodes.count + i, self.group
+                # a node writes it, the joiner reads it
+                log_size = ray.get(group[min(group.keys())].save_log.remote(self.counts.ckpt_step))
+                self.ledger.record("train", "join_log", log_size)
+                self.ledger.record("train", "join_checkpoint", self.counts.ckpt_size)
+                self.start_node(k, "train", step)
+                self.records[k] = {"node": k, "joined_step": step, "left_step": None, "left_how": None,
+                                   "joined_from_checkpoint_step": self.counts.ckpt_step, "join_log_bytes": log_size}
+                self.verify(step)
+
+    def exchange(self, step: int) -> dict:
+        """Every node's step message up, the others' codes down; returns the step's progress."""
+        t0, group, ledger = time.perf_counter(), self.group, self.ledger
+        messages, dead = group.gather({k: group[k].compute.remote() for k in group.keys()})
+        for k in dead:
+            self.leave(k, step, "died")
+        if not (pubs := sorted(messages)):
+            raise RuntimeError(f"step {step}: every node has left")
+        codes = {k: m[:-LOSS_BYTES] for k, m in messages.items()}
+        wire, control, applies = sum(wire_nbytes(m) for m in messages.values()), 0, {}
+        for k in pubs:
+            ledger.record("train", "projected_grads", len(codes[k]))
+            ledger.record("train", "train_loss", LOSS_BYTES)
+            others = b"".join(codes[j] for j in pubs if j != k)
+            ledger.record("train", "projected_grads_relay", len(others))
+            wire, control = wire + wire_nbytes(others), control + wire_nbytes(pubs)
+            applies[k] = group[k].apply.remote(pubs, others)
+        ledger.send("train", "control", pubs, copies=len(applies))
+        for k in group.gather(applies)[1]:
+            self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
+        self.counts.samples += len(pubs) * self.cfg.optim.batch_size
+        self.counts.forwards += len(pubs) * self.node_forwards
+        for key, value in (("payload", sum(map(len, codes.values()))), ("wire", wire), ("control", control),
+                           ("wall", time.perf_counter() - t0)):
+            self.counts.per_step[key].append(value)
+        losses = [struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()]
+        return {"step": step + 1, "steps": self.steps, "bytes": ledger.total_bytes,
+                "train_loss": sum(losses) / len(pubs)}
+
+    def verify(self, step: int) -> None:
+        digest = check_replicas(self.group.actors, step, self.ledger)
+        self.counts.verified.append({"step": step, "nodes": self.group.keys(), "hash": digest})
+        logger.info("[spsa] step %d: %d replicas bit-identical (%s)", step, len(self.group), digest[:16])
+
+    def evaluate(self, step: int) -> dict:
+        """Metrics of the lowest-id running replica (they are bit-identical), scored where it lives."""
+        while self.group.keys():
+            k = min(self.group.keys())
+            try:
+                metrics = self.group.evaluate_on(k)
+                logger.info("[spsa] step %d: %s (node %d)", step, metrics, k)
+                return metrics
+            except ray.exceptions.RayActorError:
+                self.leave(k, step, "died")
+        raise RuntimeError(f"step {step}: every node has left")
+
+    def finish(self, step0: dict) -> RunRecord:
+        group, steps, opts = self.group, self.steps, self.opts
+        train_s = self.train_clock.elapsed()
+        metrics = self.evaluate(steps)
+        if self.cfg.data.eval_on_nodes:  # identical replicas, each scored on its own held-out rows
+            metrics = mean_metrics(group.evaluate_all())
+        hashes = dict(zip(group.keys(), ray.get([group[k].hash.remote() for k in group.keys()])))
+        self.infos.update(zip(group.keys(), group.call("info", phase="final", what="node_info")))
+        state = group.fetch.get([group[min(group.keys())].weights.remote()], "final", "model_weights")[0]
+        nodes = [{**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)}
+                 for k in sorted(self.records)]
+        infos = list(self.infos.values())
+        compute, replay = (max((i[key] for i in infos), default=0.0) for key in ("compute_s", "replay_s"))
+        total = {key: sum(values) for key, values in self.counts.per_step.items()}
+        details = {
+            "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
+            "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "estimator": opts.estimator,
+            "step_rule": opts.step, "density": opts.density, "forwards": self.counts.forwards,
+            "forwards_per_node_step": self.node_forwards,
+            "lr": opts.lr or self.cfg.optim.lr, "eps": opts.eps, "shard_slots": self.slots,
+            "verified": self.counts.verified,
+            "grad_bytes": total["payload"], "grad_wire_bytes": total["wire"],
+            "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
+            "payload_bytes_per_step": total["payload"] / steps, "wire_bytes_per_step": total["wire"] / steps,
+            "control_wire_bytes_per_step": total["control"] / steps, "mean_step_s": total["wall"] / steps,
+            "curve_eval_s": self.train_clock.paused_s, "mean_compute_s": compute / steps,
+            "mean_replay_s": replay / steps,
+            "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps)}
+        return finish_record(NAME, self.ctx, self.ledger, self.clock, metrics=metrics, step=steps,
+                             samples=self.counts.samples, train_s=train_s, infos=infos, weights=state,
+                             curve=self.counts.curve, nodes=nodes, details=details,
+                             final_point={"forwards": self.counts.forwards})
