@@ -55,15 +55,45 @@ SETTINGS: dict[str, list[str]] = {
     "H4_topk5": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.05"],
     "H6_topk3": [*_PEERS, "lofi.average_every=6", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
     "H8_topk3": [*_PEERS, "lofi.average_every=8", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
-    "H4_topk1_F2": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.01",
-                    "lofi.fragments=2"],
-    "H4_topk1_ov1": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.01",
-                     "lofi.overlap=1", "lofi.mix=0"],
+    "H4_topk1_F2": [
+        *_PEERS,
+        "lofi.average_every=4",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.01",
+        "lofi.fragments=2",
+    ],
+    "H4_topk1_ov1": [
+        *_PEERS,
+        "lofi.average_every=4",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.01",
+        "lofi.overlap=1",
+        "lofi.mix=0",
+    ],
 }
 DEFAULT = {
-    "mnist": ["ddp", "lofi", "lofi_int4", "H16_none", "H16_int8", "H16_int4", "H32_int4", "H8_int4", "H8_topk5",
-              "H4_topk1", "H16_topk5", "H8_topk1", "H4_topk1_F2", "H4_topk1_ov1", "H2_topk1", "H4_topk2", "H4_topk3",
-              "H4_topk5", "H6_topk3", "H8_topk3"],
+    "mnist": [
+        "ddp",
+        "lofi",
+        "lofi_int4",
+        "H16_none",
+        "H16_int8",
+        "H16_int4",
+        "H32_int4",
+        "H8_int4",
+        "H8_topk5",
+        "H4_topk1",
+        "H16_topk5",
+        "H8_topk1",
+        "H4_topk1_F2",
+        "H4_topk1_ov1",
+        "H2_topk1",
+        "H4_topk2",
+        "H4_topk3",
+        "H4_topk5",
+        "H6_topk3",
+        "H8_topk3",
+    ],
     "minilm": ["ddp", "lofi", "lofi_int8", "lofi_int4"],
 }
 
@@ -88,9 +118,15 @@ def measure(out: Path, workload: str, setting: str, seed: int) -> dict:
         logger.warning("dial: %s %s seed %d failed: %s", workload, setting, seed, rec["error"])
         return {**row, "error": rec["error"]}
     phases, metrics = rec["comm"]["by_phase"], rec["metrics"]
-    return {**row, "id": metrics["id_accuracy"], "shift": metrics.get("shift_accuracy"),
-            "after_setup_bytes": phases.get("train", 0) + phases.get("final", 0),
-            "total_bytes": rec["comm"]["total_bytes"], "train_s": rec["train_s"], "wall_s": rec["wall_s"]}
+    return {
+        **row,
+        "id": metrics["id_accuracy"],
+        "shift": metrics.get("shift_accuracy"),
+        "after_setup_bytes": phases.get("train", 0) + phases.get("final", 0),
+        "total_bytes": rec["comm"]["total_bytes"],
+        "train_s": rec["train_s"],
+        "wall_s": rec["wall_s"],
+    }
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -119,8 +155,11 @@ def frontier(summary: list[dict], workload: str) -> list[str]:
 
     def beaten(r: dict) -> bool:
         b, a = r["after_setup_bytes"]["mean"], r["id"]["mean"]
-        return any((o["after_setup_bytes"]["mean"] <= b and o["id"]["mean"] > a)
-                   or (o["after_setup_bytes"]["mean"] < b and o["id"]["mean"] >= a) for o in rows)
+        return any(
+            (o["after_setup_bytes"]["mean"] <= b and o["id"]["mean"] > a)
+            or (o["after_setup_bytes"]["mean"] < b and o["id"]["mean"] >= a)
+            for o in rows
+        )
 
     return [r["setting"] for r in sorted(rows, key=lambda r: r["after_setup_bytes"]["mean"]) if not beaten(r)]
 
@@ -133,15 +172,18 @@ def _shown(stat: dict | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def table(summary: list[dict], workload: str, on_frontier: list[str]) -> str:
-    lines = [f"{workload}: mean ± 95% interval over the seeds run (ID/shift in %, bytes in MB)",
-             f"{'setting':<11} {'seeds':<7} {'ID':<13} {'shift':<13} {'MB after setup':<18} {'DDP÷':>7} "
-             f"{'train s':<12} frontier"]
-    for r in sorted((r for r in summary if r["workload"] == workload),
-                    key=lambda r: -r["after_setup_bytes"]["mean"]):
+    lines = [
+        f"{workload}: mean ± 95% interval over the seeds run (ID/shift in %, bytes in MB)",
+        f"{'setting':<11} {'seeds':<7} {'ID':<13} {'shift':<13} {'MB after setup':<18} {'DDP÷':>7} "
+        f"{'train s':<12} frontier",
+    ]
+    for r in sorted((r for r in summary if r["workload"] == workload), key=lambda r: -r["after_setup_bytes"]["mean"]):
         ratio = f"{r['ddp_bytes_over_these']:.0f}" if r["ddp_bytes_over_these"] else "-"
-        lines.append(f"{r['setting']:<11} {len(r['seeds']):<7} {_shown(r['id'], 100):<13} "
-                     f"{_shown(r['shift'], 100):<13} {_shown(r['after_setup_bytes'], 1e-6):<18} {ratio:>7} "
-                     f"{_shown(r['train_s']):<12} {'*' if r['setting'] in on_frontier else ''}")
+        lines.append(
+            f"{r['setting']:<11} {len(r['seeds']):<7} {_shown(r['id'], 100):<13} "
+            f"{_shown(r['shift'], 100):<13} {_shown(r['after_setup_bytes'], 1e-6):<18} {ratio:>7} "
+            f"{_shown(r['train_s']):<12} {'*' if r['setting'] in on_frontier else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -157,8 +199,14 @@ def plot(summary: list[dict], workload: str, on_frontier: list[str], path: Path)
     for r in rows:
         x, y = r["after_setup_bytes"]["mean"], r["id"]["mean"] * 100
         err = (r["id"]["half_width"] or 0) * 100
-        ax.errorbar(x, y, yerr=err, fmt="s" if r["setting"] == "ddp" else "o", capsize=3,
-                    color="black" if r["setting"] == "ddp" else None)
+        ax.errorbar(
+            x,
+            y,
+            yerr=err,
+            fmt="s" if r["setting"] == "ddp" else "o",
+            capsize=3,
+            color="black" if r["setting"] == "ddp" else None,
+        )
         ax.annotate(r["setting"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     front = sorted((r for r in rows if r["setting"] in on_frontier), key=lambda r: r["after_setup_bytes"]["mean"])
     ax.plot([r["after_setup_bytes"]["mean"] for r in front], [r["id"]["mean"] * 100 for r in front], "--", color="grey")
@@ -176,8 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), help="default: each workload's list")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds every setting runs")
-    parser.add_argument("--frontier-seeds", nargs="+", type=int, default=[0, 1, 2],
-                        help="seeds the frontier's settings and DDP run")
+    parser.add_argument(
+        "--frontier-seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds the frontier's settings and DDP run"
+    )
     parser.add_argument("--out", default="runs/bench/dial.json", help="the JSON to write (runs go beside it)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -189,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += [measure(out, workload, s, seed) for s in settings for seed in args.seeds]
         on_frontier = frontier(summarize(rows), workload)
         extra = [s for s in settings if s in on_frontier or s == "ddp"]
-        rows += [measure(out, workload, s, seed) for s in extra for seed in args.frontier_seeds
-                 if seed not in args.seeds]
+        rows += [
+            measure(out, workload, s, seed) for s in extra for seed in args.frontier_seeds if seed not in args.seeds
+        ]
     summary, plots, tables = summarize(rows), [], {}
     for workload in args.workloads:
         on_frontier = frontier(summary, workload)

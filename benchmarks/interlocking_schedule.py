@@ -47,8 +47,9 @@ LINK = Link(latency_s=0.005, bytes_per_s=125e6)
 """5 ms + 1 Gbit/s per message: RAY_NOTES measured a 1 MB tensor through 2 local stages in 20-27 ms."""
 
 
-def smollm2_config(stages: int, n: int, rule: str, split: list[int] | None, steps: int, cpus: float,
-                   eval_every: int = 0) -> dict:
+def smollm2_config(
+    stages: int, n: int, rule: str, split: list[int] | None, steps: int, cpus: float, eval_every: int = 0
+) -> dict:
     """The SmolLM2 example (examples/interlocking_smollm2_hamlet.yaml) with K, n, rule and split set."""
     raw = yaml.safe_load(EXAMPLE.read_text())
     raw["interlocking"].update(stages=stages, n=n, rule=rule, split=split)
@@ -68,9 +69,17 @@ def build_workers(ctx: RunContext) -> tuple[list[StageWorker], Source]:
     heads = aux_heads(model, modules, "hf_causal_lm", None, opts.aux_widths, opts.aux_init_from_lm_head)
     workers = []
     for k, module in enumerate(modules):
-        stage = InterlockStage(k, opts.stages, opts.width, opts.rule, module, heads[k] if k < opts.stages - 1 else None,
-                               LOSSES["causal_lm"], lambda params: make_optimizer(cfg.optim, params),
-                               opts.micro_batches)
+        stage = InterlockStage(
+            k,
+            opts.stages,
+            opts.width,
+            opts.rule,
+            module,
+            heads[k] if k < opts.stages - 1 else None,
+            LOSSES["causal_lm"],
+            lambda params: make_optimizer(cfg.optim, params),
+            opts.micro_batches,
+        )
         workers.append(StageWorker(stage, opts.micro_batches, k == opts.stages - 1, CausalLM()))
     source = Source("tokens", None, ctx.eval_sets(), cfg.optim.batch_size, cfg.seed)
     source.train = ctx.data.train.load(0, 1)
@@ -90,8 +99,9 @@ def replay(workers: list[StageWorker], source: Source, plan, micro_batches: int,
             if call.kind == "backward":
                 out[call] = (None, w.backward(step, call.mb, out[call.source][1]))
                 continue
-            x, y = w.inputs(source.micro_batch(step, call.mb, micro_batches)) if call.stage == 0 \
-                else out[call.source][0]
+            x, y = (
+                w.inputs(source.micro_batch(step, call.mb, micro_batches)) if call.stage == 0 else out[call.source][0]
+            )
             h, early = w.forward(step, call.mb, x, y)
             out[call] = ((h, y), early)
     return out
@@ -127,10 +137,20 @@ def measure_costs(ctx: RunContext, batches: int = 3) -> tuple[list[StageCost], l
         torch.set_num_threads(threads)
     med = [{kind: statistics.median(v) if v else 0.0 for kind, v in w.call_s.items()} for w in workers]
     sent = [{kind: statistics.median(v) if v else 0 for kind, v in w.sent.items()} for w in workers]
-    costs = [StageCost(m["forward"], m["backward"], m["step"], int(s["activations"] + s["targets"]),
-                       int(sent[k - 1]["activations"]) if k else 0) for k, (m, s) in enumerate(zip(med, sent))]
-    plain = [dataclasses.replace(c, forward_s=c.forward_s - head_s, step_s=c.step_s * (1 - share))
-             for c, (head_s, share) in zip(costs, shares)]
+    costs = [
+        StageCost(
+            m["forward"],
+            m["backward"],
+            m["step"],
+            int(s["activations"] + s["targets"]),
+            int(sent[k - 1]["activations"]) if k else 0,
+        )
+        for k, (m, s) in enumerate(zip(med, sent))
+    ]
+    plain = [
+        dataclasses.replace(c, forward_s=c.forward_s - head_s, step_s=c.step_s * (1 - share))
+        for c, (head_s, share) in zip(costs, shares)
+    ]
     return costs, plain
 
 
@@ -138,8 +158,10 @@ def costs_from_record(rec: dict, measured: list[StageCost] | None = None, wall: 
     """The run's own median per-call times, CPU contention included: whole actor calls (``wall``:
     object-store get and put included) or the stage work inside them; message sizes from
     ``measured``, else from the record's `sent` bytes per message."""
-    out, sizes = [], _message_sizes(rec) if measured is None else [(c.activation_bytes, c.gradient_bytes)
-                                                                    for c in measured]
+    out, sizes = (
+        [],
+        _message_sizes(rec) if measured is None else [(c.activation_bytes, c.gradient_bytes) for c in measured],
+    )
     for node, (act, grad) in zip(rec["nodes"], sizes):
         m, suffix = node["median_call_s"], "_wall" if wall else ""
         out.append(StageCost(m["forward" + suffix], m["backward" + suffix] or 0.0, m["step"], act, grad))
@@ -162,23 +184,36 @@ def as_ran(path: str) -> dict:
     step time: how well the schedule alone explains it."""
     rec = next(r for r in json.loads(Path(path).read_text()) if r["strategy"] == "interlocking")
     d = rec["details"]
-    opts = argparse.Namespace(stages=d["stages"], n=d["n"], rule=d["rule"], micro_batches=d["micro_batches"],
-                              max_batches_ahead=2)
+    opts = argparse.Namespace(
+        stages=d["stages"], n=d["n"], rule=d["rule"], micro_batches=d["micro_batches"], max_batches_ahead=2
+    )
     real = d["steady_step_time_s"]
     out = {"real_steady_s": real}
     for what, wall in (("work", False), ("wall", True)):
         if all(node["median_call_s"].get("forward_wall") for node in rec["nodes"]) or not wall:
             out[what] = predict(costs_from_record(rec, wall=wall), opts, None)["step_time_s"]
-            print(f"{path}: model on the run's {what} times {out[what]:.3f} s/step vs measured {real:.3f} "
-                  f"({(out[what] / real - 1) * 100:+.1f}%)")
+            print(
+                f"{path}: model on the run's {what} times {out[what]:.3f} s/step vs measured {real:.3f} "
+                f"({(out[what] / real - 1) * 100:+.1f}%)"
+            )
     return out
 
 
 def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12) -> dict:
-    tl = simulate(costs, message_plan(opts.stages, opts.width, opts.rule), opts.micro_batches, batches, LINK,
-                  opts.max_batches_ahead, cores)
-    return {"step_time_s": tl.step_time_s, "busy_fraction": [round(b, 3) for b in tl.busy_fraction],
-            "busiest_stage_s": max(tl.busy_s) / batches}  # per batch: no schedule of these calls steps faster
+    tl = simulate(
+        costs,
+        message_plan(opts.stages, opts.width, opts.rule),
+        opts.micro_batches,
+        batches,
+        LINK,
+        opts.max_batches_ahead,
+        cores,
+    )
+    return {
+        "step_time_s": tl.step_time_s,
+        "busy_fraction": [round(b, 3) for b in tl.busy_fraction],
+        "busiest_stage_s": max(tl.busy_s) / batches,
+    }  # per batch: no schedule of these calls steps faster
 
 
 def real_run(ctx: RunContext, raw: dict, name: str) -> dict:
@@ -188,9 +223,15 @@ def real_run(ctx: RunContext, raw: dict, name: str) -> dict:
     (ctx.out_dir / name).mkdir(parents=True, exist_ok=True)
     (ctx.out_dir / name / "results.json").write_text(json.dumps([rec], default=str))  # for --as-ran
     d = rec["details"]
-    return {"steady_step_time_s": d["steady_step_time_s"], "step_time_s": d["step_time_s"], "batches": d["batches"],
-            "busy_fraction": d["busy_fraction"], "perplexity": rec["metrics"]["id_perplexity"],
-            "curve": [(p["step"], p["id_perplexity"]) for p in rec["curve"]], "record": rec}
+    return {
+        "steady_step_time_s": d["steady_step_time_s"],
+        "step_time_s": d["step_time_s"],
+        "batches": d["batches"],
+        "busy_fraction": d["busy_fraction"],
+        "perplexity": rec["metrics"]["id_perplexity"],
+        "curve": [(p["step"], p["id_perplexity"]) for p in rec["curve"]],
+        "record": rec,
+    }
 
 
 def context_for(ctx: RunContext, raw: dict) -> RunContext:
@@ -204,8 +245,12 @@ def k2_validation(ctx: RunContext, args) -> dict:
     k2 = context_for(ctx, raw)
     opts = Interlocking.opts(k2.cfg)
     costs, _ = measure_costs(k2)
-    out = {"costs": [c.__dict__ for c in costs], "parallel": predict(costs, opts, None),
-           "shared": predict(costs, opts, args.cores), "loadavg_before": os.getloadavg()}
+    out = {
+        "costs": [c.__dict__ for c in costs],
+        "parallel": predict(costs, opts, None),
+        "shared": predict(costs, opts, args.cores),
+        "loadavg_before": os.getloadavg(),
+    }
     if args.k2_steps:
         run = real_run(ctx, raw, "k2")
         out["real"] = {k: v for k, v in run.items() if k != "record"}
@@ -221,11 +266,17 @@ def k4_predictions(ctx: RunContext, args) -> dict:
         k4 = context_for(ctx, smollm2_config(4, n, "farthest", args.split, 1, 0.5))
         opts = Interlocking.opts(k4.cfg)
         costs, plain = measure_costs(k4)
-        rows[str(n)] = {"costs": [c.__dict__ for c in costs], "parallel": predict(costs, opts, None),
-                        "shared": predict(costs, opts, args.cores)}
+        rows[str(n)] = {
+            "costs": [c.__dict__ for c in costs],
+            "parallel": predict(costs, opts, None),
+            "shared": predict(costs, opts, args.cores),
+        }
         if n == 4:
-            rows["4 plain"] = {"costs": [c.__dict__ for c in plain], "parallel": predict(plain, opts, None),
-                               "shared": predict(plain, opts, args.cores)}
+            rows["4 plain"] = {
+                "costs": [c.__dict__ for c in plain],
+                "parallel": predict(plain, opts, None),
+                "shared": predict(plain, opts, args.cores),
+            }
     for row in rows.values():
         row["ratio_parallel"] = row["parallel"]["step_time_s"] / rows["4"]["parallel"]["step_time_s"]
         row["ratio_shared"] = row["shared"]["step_time_s"] / rows["4"]["shared"]["step_time_s"]
@@ -250,15 +301,25 @@ def k4_runs(ctx: RunContext, args, preds: dict) -> dict:
     if any("error" in r for r in runs.values()):
         return {"runs": runs}
     at_s4 = dict(runs[2]["curve"]).get(s4, runs[2]["perplexity"])
-    return {"runs": runs, "equal_steps": {"steps": s4, "n4": runs[4]["perplexity"], "n2": at_s4},
-            "equal_predicted_wall": {"predicted_s": s4 * t4, "n4_steps": s4, "n2_steps": s2,
-                                     "n4": runs[4]["perplexity"], "n2": runs[2]["perplexity"]}}
+    return {
+        "runs": runs,
+        "equal_steps": {"steps": s4, "n4": runs[4]["perplexity"], "n2": at_s4},
+        "equal_predicted_wall": {
+            "predicted_s": s4 * t4,
+            "n4_steps": s4,
+            "n2_steps": s2,
+            "n4": runs[4]["perplexity"],
+            "n2": runs[2]["perplexity"],
+        },
+    }
 
 
 def print_tables(result: dict, args) -> None:
     v = result["k2"]
-    print(f"\nK=2 SmolLM2 example (n=2 sum, 15+15 layers, 2 micro-batches of 2 x 64 tokens); load before "
-          f"{'/'.join(f'{x:.1f}' for x in v['loadavg_before'])}")
+    print(
+        f"\nK=2 SmolLM2 example (n=2 sum, 15+15 layers, 2 micro-batches of 2 x 64 tokens); load before "
+        f"{'/'.join(f'{x:.1f}' for x in v['loadavg_before'])}"
+    )
     print(f"  model, isolated costs, own cores : {v['parallel']['step_time_s']:.3f} s/step")
     print(f"  model, isolated costs, {args.cores:g} cores : {v['shared']['step_time_s']:.3f} s/step")
     if "real" in v:
@@ -266,41 +327,59 @@ def print_tables(result: dict, args) -> None:
         for what in ("shared", "as_ran"):
             p = v[what]["step_time_s"]
             print(f"  model ({what:>6}) vs real steady {real:.3f} s/step: {p:.3f} s ({(p / real - 1) * 100:+.1f}%)")
-    print(f"\nK=4 SmolLM2, split {args.split}, rule farthest, 2 micro-batches; predicted step time, "
-          "link 5 ms + 1 Gbit/s")
-    print(f"{'n':>7}  {'own cores s':>11}  {'ratio':>5}  {f'{args.cores:g} cores s':>9}  {'ratio':>5}  "
-          "busiest stage s  busy (own cores)")
+    print(
+        f"\nK=4 SmolLM2, split {args.split}, rule farthest, 2 micro-batches; predicted step time, link 5 ms + 1 Gbit/s"
+    )
+    print(
+        f"{'n':>7}  {'own cores s':>11}  {'ratio':>5}  {f'{args.cores:g} cores s':>9}  {'ratio':>5}  "
+        "busiest stage s  busy (own cores)"
+    )
     for n, row in result["k4"].items():
-        print(f"{n:>7}  {row['parallel']['step_time_s']:11.3f}  {row['ratio_parallel']:5.2f}  "
-              f"{row['shared']['step_time_s']:9.3f}  {row['ratio_shared']:5.2f}  "
-              f"{row['parallel']['busiest_stage_s']:15.3f}  "
-              f"{'/'.join(f'{b:.2f}' for b in row['parallel']['busy_fraction'])}")
+        print(
+            f"{n:>7}  {row['parallel']['step_time_s']:11.3f}  {row['ratio_parallel']:5.2f}  "
+            f"{row['shared']['step_time_s']:9.3f}  {row['ratio_shared']:5.2f}  "
+            f"{row['parallel']['busiest_stage_s']:15.3f}  "
+            f"{'/'.join(f'{b:.2f}' for b in row['parallel']['busy_fraction'])}"
+        )
     if "k4_real" in result:
         r = result["k4_real"]
         for n, run in r["runs"].items():
             if "error" in run:
                 print(f"  real n={n}: failed: {run['error']}")
                 continue
-            print(f"  real n={n}: {run['batches']} steps, steady {run['steady_step_time_s']:.3f} s/step on shared "
-                  f"cores (model {run['shared_predicted_s']:.3f}), perplexity {run['perplexity']:.2f}")
+            print(
+                f"  real n={n}: {run['batches']} steps, steady {run['steady_step_time_s']:.3f} s/step on shared "
+                f"cores (model {run['shared_predicted_s']:.3f}), perplexity {run['perplexity']:.2f}"
+            )
         if "equal_steps" not in r:
             return
         eq, ew = r["equal_steps"], r["equal_predicted_wall"]
         print(f"  equal steps ({eq['steps']}): perplexity n=2 {eq['n2']:.2f} vs end to end {eq['n4']:.2f}")
-        print(f"  equal predicted wall time ({ew['predicted_s']:.1f} s on own cores): n=2 after {ew['n2_steps']} "
-              f"steps {ew['n2']:.2f} vs end to end after {ew['n4_steps']} steps {ew['n4']:.2f}")
+        print(
+            f"  equal predicted wall time ({ew['predicted_s']:.1f} s on own cores): n=2 after {ew['n2_steps']} "
+            f"steps {ew['n2']:.2f} vs end to end after {ew['n4_steps']} steps {ew['n4']:.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k2-steps", type=int, default=16, help="steps of the real K=2 run (0: none)")
     ap.add_argument("--k4-steps", type=int, default=16, help="steps of the real K=4 end-to-end run (0: none)")
-    ap.add_argument("--split", type=lambda s: [int(x) for x in s.split(",")], default=[7, 8, 8, 7],
-                    help="K=4 decoder layers per stage (SmolLM2 has 30)")
+    ap.add_argument(
+        "--split",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[7, 8, 8, 7],
+        help="K=4 decoder layers per stage (SmolLM2 has 30)",
+    )
     ap.add_argument("--cores", type=float, default=2.0, help="cores the stages of a real run here share")
     ap.add_argument("--out", default="runs/interlocking_schedule.json")
-    ap.add_argument("--as-ran", nargs="+", metavar="RESULTS", help="only model saved runs (results.json) "
-                    "with the per-call times they met, and compare with their measured step time")
+    ap.add_argument(
+        "--as-ran",
+        nargs="+",
+        metavar="RESULTS",
+        help="only model saved runs (results.json) "
+        "with the per-call times they met, and compare with their measured step time",
+    )
     args = ap.parse_args(argv)
     if args.as_ran:
         for path in args.as_ran:

@@ -31,20 +31,28 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS: dict[str, tuple[Path, list[str], dict[str, list[str]]]] = {
     # (example, overrides every variant takes, variants). The example is the two-point recipe (final norm
     # only, plain steps, lr 3e-2); the others change what they name.
-    "smollm2": (ROOT / "examples" / "spsa_smollm2_rotten_tomatoes.yaml", [], {
-        "two_point": [],
-        "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.samples=3", "spsa.lr=1.0e-2"],
-        # MeZO's full-parameter recipe (the example before it tuned the final norm only): for comparison.
-        "two_point_all": ["spsa.include=null", "spsa.lr=1.0e-5"],
-        # LoRA adapters (r 8 on q_proj and v_proj, peft's default for Llama): the norm is frozen under peft.
-        "two_point_lora": ["model.lora.r=8", "spsa.include=null", "spsa.lr=1.0e-3"],
-    }),
+    "smollm2": (
+        ROOT / "examples" / "spsa_smollm2_rotten_tomatoes.yaml",
+        [],
+        {
+            "two_point": [],
+            "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.samples=3", "spsa.lr=1.0e-2"],
+            # MeZO's full-parameter recipe (the example before it tuned the final norm only): for comparison.
+            "two_point_all": ["spsa.include=null", "spsa.lr=1.0e-5"],
+            # LoRA adapters (r 8 on q_proj and v_proj, peft's default for Llama): the norm is frozen under peft.
+            "two_point_lora": ["model.lora.r=8", "spsa.include=null", "spsa.lr=1.0e-3"],
+        },
+    ),
     # The WAN bench's SPSA: the new classifier only (12,810 weights), 4 samples a step, lr 0.06, 62 steps
     # (2 epochs); `--set spsa.steps=N` runs longer, as SPSA's bytes allow.
-    "wan": (ROOT / "examples" / "wan_compare.yaml", ["strategies=[spsa]", "nodes.count=1", "eval_every=31"], {
-        "two_point": [],
-        "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.lr=2.0e-2"],
-    }),
+    "wan": (
+        ROOT / "examples" / "wan_compare.yaml",
+        ["strategies=[spsa]", "nodes.count=1", "eval_every=31"],
+        {
+            "two_point": [],
+            "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.lr=2.0e-2"],
+        },
+    ),
 }
 
 
@@ -67,15 +75,34 @@ def run_replica(cfg, out: Path) -> dict:
     shard, task = ctx.data.train.load(0, 1), make_task(ctx.data.task)
     steps = o.steps or total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
     Spsa.validate(cfg)
-    replica = Replica(ctx.load_driver_weights(), 0, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
-                      lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                      kind=o.perturbation, include=o.include, estimator=o.estimator, rule=o.step, density=o.density)
+    replica = Replica(
+        ctx.load_driver_weights(),
+        0,
+        cfg.seed,
+        o.make_codec(),
+        eps=o.eps,
+        samples=o.samples,
+        lr=o.lr if o.lr is not None else cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        kind=o.perturbation,
+        include=o.include,
+        estimator=o.estimator,
+        rule=o.step,
+        density=o.density,
+    )
     sets, train_s, points = ctx.eval_sets(val=False), 0.0, []
     for step in range(steps + 1):
         if step % (cfg.eval_every or steps) == 0 or step == steps:
             metrics = score_sets(task, ctx.load_driver_weights(), sets, cfg.eval_rows)
-            points.append({"step": step, "forwards": replica.forwards, "accuracy": metrics["id_accuracy"],
-                           "loss": metrics["id_loss"], "train_s": round(train_s, 1)})
+            points.append(
+                {
+                    "step": step,
+                    "forwards": replica.forwards,
+                    "accuracy": metrics["id_accuracy"],
+                    "loss": metrics["id_loss"],
+                    "train_s": round(train_s, 1),
+                }
+            )
             print(f"  seed {cfg.seed} step {step}: {points[-1]}", flush=True)
         if step == steps:
             break
@@ -93,14 +120,21 @@ def mean_curve(runs: list[dict]) -> list[dict]:
     rows = []
     for points in zip(*(r["curve"] for r in runs), strict=True):
         n = len(points)
-        rows.append({"step": points[0]["step"], "forwards": points[0]["forwards"],
-                     "accuracy": sum(p["accuracy"] for p in points) / n, "loss": sum(p["loss"] for p in points) / n,
-                     "per_seed": [round(p["accuracy"], 4) for p in points]})
+        rows.append(
+            {
+                "step": points[0]["step"],
+                "forwards": points[0]["forwards"],
+                "accuracy": sum(p["accuracy"] for p in points) / n,
+                "loss": sum(p["loss"] for p in points) / n,
+                "per_seed": [round(p["accuracy"], 4) for p in points],
+            }
+        )
     return rows
 
 
-def variant_runs(workload: str, name: str, seeds: list[int], overrides: list[str], out: Path,
-                 reuse: bool) -> list[dict]:
+def variant_runs(
+    workload: str, name: str, seeds: list[int], overrides: list[str], out: Path, reuse: bool
+) -> list[dict]:
     """Each seed's run of a variant: read from OUT/<name>/seed_<s>.json with `reuse`, else run and saved there."""
     from raylowcomm.strategies import load_config
 
@@ -122,11 +156,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="smollm2")
-    parser.add_argument("--variants", nargs="+", default=["two_point", "one_sided"],
-                        help="the workload's: " + "; ".join(f"{w}: {', '.join(v[2])}" for w, v in WORKLOADS.items()))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["two_point", "one_sided"],
+        help="the workload's: " + "; ".join(f"{w}: {', '.join(v[2])}" for w, v in WORKLOADS.items()),
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override every variant's config, as raylowcomm run --set")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override every variant's config, as raylowcomm run --set",
+    )
     parser.add_argument("--reuse", action="store_true", help="read the runs OUT already holds instead of rerunning")
     parser.add_argument("--out", default="runs/zo")
     args = parser.parse_args(argv)
@@ -136,13 +180,18 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"no variant {', '.join(sorted(unknown))} for --workload {args.workload}")
     for name in args.variants:
         runs = variant_runs(args.workload, name, seeds, args.overrides, out, args.reuse)
-        result[name] = {"curve": mean_curve(runs), "seeds": seeds,
-                        "final": interval([r["curve"][-1]["accuracy"] for r in runs])}
+        result[name] = {
+            "curve": mean_curve(runs),
+            "seeds": seeds,
+            "final": interval([r["curve"][-1]["accuracy"] for r in runs]),
+        }
     print(f"\n{'variant':14s} {'step':>5s} {'forwards':>9s} {'accuracy':>9s} {'loss':>7s}  per seed")
     for name, r in result.items():
         for p in r["curve"]:
-            print(f"{name:14s} {p['step']:5d} {p['forwards']:9d} {100 * p['accuracy']:8.1f}% {p['loss']:7.4f}  "
-                  f"{', '.join(f'{100 * a:.1f}' for a in p['per_seed'])}")
+            print(
+                f"{name:14s} {p['step']:5d} {p['forwards']:9d} {100 * p['accuracy']:8.1f}% {p['loss']:7.4f}  "
+                f"{', '.join(f'{100 * a:.1f}' for a in p['per_seed'])}"
+            )
     for name, r in result.items():
         f = r["final"]
         half = f"± {100 * f['half_width']:.1f}" if f["half_width"] is not None else "(one seed, no interval)"

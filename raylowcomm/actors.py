@@ -46,10 +46,14 @@ def start_process(cpus: float, gpus: float) -> str:
 def process_info() -> dict:
     """Where an actor runs and how much memory it peaked at (GPU memory: where it computed on one)."""
     context = ray.get_runtime_context() if ray.is_initialized() else None
-    return {"host": socket.gethostname(), "ray_node_id": context.get_node_id() if context else None,
-            "pid": os.getpid(), "placement_group": context.get_placement_group_id() if context else None,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None}
+    return {
+        "host": socket.gethostname(),
+        "ray_node_id": context.get_node_id() if context else None,
+        "pid": os.getpid(),
+        "placement_group": context.get_placement_group_id() if context else None,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None,
+    }
 
 
 def count_tensors(obj) -> int:
@@ -69,8 +73,9 @@ class Node:
 
     label = "node"
 
-    def __init__(self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec,
-                 weights: dict | ModelRecipe | None = None):
+    def __init__(
+        self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec, weights: dict | ModelRecipe | None = None
+    ):
         self.rank, self.cfg, self.spec = rank, cfg, spec
         self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
         self.rss_before_model = rss_bytes()  # the process's own share of its peak: imports, Ray's worker
@@ -141,8 +146,12 @@ class Node:
         os._exit(1)
 
     def info(self) -> dict:
-        return {"node": self.rank, **process_info(), "rss_before_model_bytes": self.rss_before_model,
-                **self.extra_info()}
+        return {
+            "node": self.rank,
+            **process_info(),
+            "rss_before_model_bytes": self.rss_before_model,
+            **self.extra_info(),
+        }
 
     def extra_info(self) -> dict:
         return {}
@@ -203,8 +212,9 @@ class NodeGroup:
     resumes from its own checkpoint) and the call is repeated. Ray's own actor restarts would
     pin the constructor's object-store arguments and warn on every healthy run (ray#53727)."""
 
-    def __init__(self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0,
-                 bundles: list[dict] | None = None):
+    def __init__(
+        self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0, bundles: list[dict] | None = None
+    ):
         self.actor_class, self.ledger, self.restarts = actor_class, ledger, restarts
         n = cfg.nodes
         self.options = actor_options(n.cpus, n.gpus, 0, n.resources)
@@ -255,8 +265,9 @@ class NodeGroup:
             raise err
         lost = self.gang.host_lost(key)
         if lost is not None:
-            raise ActorDied(f"node {key} died and its host {lost} (nodes.hosts[{key}]) is gone: a pinned node "
-                            "restarts only there") from err
+            raise ActorDied(
+                f"node {key} died and its host {lost} (nodes.hosts[{key}]) is gone: a pinned node restarts only there"
+            ) from err
         self.restarted[key] = done + 1
         logger.warning("node %d died (%s); restarting it (%d of %d)", key, type(err).__name__, done + 1, self.restarts)
         self.actors[key] = self._launch(key)
@@ -270,19 +281,28 @@ class NodeGroup:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=every_s)
             ray.get(done)
             if pending:
-                logger.info("%d of %d actors still starting or waiting for resources (each %s); "
-                            "free in the cluster now: %s", len(pending), len(self.actors),
-                            {k: v for k, v in self.options.items() if k in ("num_cpus", "num_gpus", "resources")},
-                            {k: v for k, v in ray.available_resources().items()
-                             if not k.startswith(("node:", "object_store"))})
+                logger.info(
+                    "%d of %d actors still starting or waiting for resources (each %s); free in the cluster now: %s",
+                    len(pending),
+                    len(self.actors),
+                    {k: v for k, v in self.options.items() if k in ("num_cpus", "num_gpus", "resources")},
+                    {k: v for k, v in ray.available_resources().items() if not k.startswith(("node:", "object_store"))},
+                )
 
     def put(self, obj, phase: str, what: str, copies: int = 1) -> ray.ObjectRef:
         """One object in the store for `copies` actors to fetch: each fetch is booked."""
         self.ledger.send(phase, what, obj, copies=copies)
         return ray.put(obj)
 
-    def stream(self, method: str, *args, phase: str, what: str | None, keys: list[int] | None = None,
-               fetch: DriverFetches | None = None):
+    def stream(
+        self,
+        method: str,
+        *args,
+        phase: str,
+        what: str | None,
+        keys: list[int] | None = None,
+        fetch: DriverFetches | None = None,
+    ):
         """Yield (key, result) of `method(*args)` on the actors as each arrives, booked by `fetch`
         (the group's; none without `what`); an actor that dies is restarted and asked again."""
         fetch = fetch or self.fetch
@@ -298,8 +318,9 @@ class NodeGroup:
                 continue
             yield key, (fetch.book(value, phase, what) if what else value)
 
-    def call(self, method: str, *args, phase: str = "final", what: str | None = None,
-             keys: list[int] | None = None) -> list:
+    def call(
+        self, method: str, *args, phase: str = "final", what: str | None = None, keys: list[int] | None = None
+    ) -> list:
         """`method(*args)` on the actors (all, or `keys`), in key order; results booked under
         `what` (nothing is booked without it)."""
         keys = self.keys() if keys is None else keys
@@ -325,8 +346,15 @@ class NodeGroup:
         self._book_eval_sets(key, sets_phase)
         return self.fetch.get([self.actors[key].evaluate.remote([self._eval_ref])], phase, "eval_metrics")[0]
 
-    def score_weights(self, state: dict, phase: str, on_all: bool = False, val: bool = False,
-                      ledger: Ledger | None = None, sent: tuple[str, int] | None = None) -> list[dict]:
+    def score_weights(
+        self,
+        state: dict,
+        phase: str,
+        on_all: bool = False,
+        val: bool = False,
+        ledger: Ledger | None = None,
+        sent: tuple[str, int] | None = None,
+    ) -> list[dict]:
         """Metrics of weights the driver holds, scored on the lowest node (or, `on_all`, on every
         node, each on its own held-out rows: data.eval_on_nodes); the weights sent are booked in
         `ledger` (the group's, or a scratch one for measurement) as `sent` says, (what, bytes), or
@@ -337,8 +365,15 @@ class NodeGroup:
         for k in keys:
             self._book_eval_sets(k, "setup")
         ref = ray.put(state)
-        return self.call("score_weights", ref, [self._eval_ref], val, phase=phase, keys=keys,
-                         what="eval_metrics" if ledger is None else None)
+        return self.call(
+            "score_weights",
+            ref,
+            [self._eval_ref],
+            val,
+            phase=phase,
+            keys=keys,
+            what="eval_metrics" if ledger is None else None,
+        )
 
     def evaluate_all(self, phase: str = "final") -> list[dict]:
         return self.evaluate_nodes(self.keys(), phase, "node_metrics")
@@ -383,8 +418,9 @@ class NodeGroup:
             if not dead:
                 raise
             names = ", ".join(f"{what} {k}" for k in dead)
-            raise ActorDied(f"{names} (of {len(self.actors)}) died: {why}; "
-                            "every actor of the run was released") from err
+            raise ActorDied(
+                f"{names} (of {len(self.actors)}) died: {why}; every actor of the run was released"
+            ) from err
 
     def remove(self, key: int, kill: bool = True) -> None:
         """Take an actor out of the group: killed, or (kill=False) already dead by itself."""

@@ -68,8 +68,9 @@ def wan_config(cfg: RunConfig) -> RunConfig:
     for name in cfg.strategies:
         s = STRATEGIES[name]
         if s.count(cfg) != 2:
-            raise ConfigError(s.count_field, s.count(cfg), f"the WAN bench puts one {name} actor on each of 2 hosts: "
-                                                           "set 2")
+            raise ConfigError(
+                s.count_field, s.count(cfg), f"the WAN bench puts one {name} actor on each of 2 hosts: set 2"
+            )
     cfg.nodes.placement = "SPREAD"
     return cfg
 

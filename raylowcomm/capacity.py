@@ -36,8 +36,12 @@ def check_cluster_fits(
             name: STRATEGIES[name].bundles(cfg) + STRATEGIES[name].external_bundles(cfg) for name in cfg.strategies
         }
     for bundles in groups or demands.values():  # STRICT_SPREAD over too few nodes, too much pinned to one
-        check_placement(bundles, cfg.nodes.placement, node_ids if len(bundles) == len(node_ids or ()) else None,
-                        local=not os.environ.get("RAY_ADDRESS"))
+        check_placement(
+            bundles,
+            cfg.nodes.placement,
+            node_ids if len(bundles) == len(node_ids or ()) else None,
+            local=not os.environ.get("RAY_ADDRESS"),
+        )
     for name, bundles in demands.items():
         for key in sorted({k for b in bundles for k in b}):
             need, each, have = (

@@ -41,8 +41,12 @@ GCS_PORT = 6380
 DASHBOARD_PORT = 8265
 # Fixed agent ports (each host has its own network stack, so they cannot collide): with dynamic
 # ones the raylet waits for the agents to publish theirs and aborts after ~15 s on a busy machine.
-AGENT_PORTS = ["--metrics-export-port=8090", "--dashboard-agent-listen-port=52365",
-               "--dashboard-agent-grpc-port=52366", "--runtime-env-agent-port=52367"]
+AGENT_PORTS = [
+    "--metrics-export-port=8090",
+    "--dashboard-agent-listen-port=52365",
+    "--dashboard-agent-grpc-port=52366",
+    "--runtime-env-agent-port=52367",
+]
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """Where Ray reads its authentication settings; the cluster alone sets them for what it runs."""
 
@@ -66,8 +70,10 @@ def tc_rate_bits(rate: str) -> float:
     m = _TC_RATE.match(rate)
     unit = m and m.group(2).lower()
     if unit not in _TC_RATE_BITS:
-        raise ValueError("a tc rate: a positive number and a unit (bit, kbit, mbit, gbit, tbit; kbps, mbps... are "
-                         "bytes/s), e.g. 100mbit, 1gbit or 500kbit")
+        raise ValueError(
+            "a tc rate: a positive number and a unit (bit, kbit, mbit, gbit, tbit; kbps, mbps... are "
+            "bytes/s), e.g. 100mbit, 1gbit or 500kbit"
+        )
     bits = float(m.group(1)) * _TC_RATE_BITS[unit]
     if not 8 <= bits < 8 * 2.0**64:
         raise ValueError("tc shapes from 8bit (1 byte/s) to below 2**64 bytes/s: give a link rate such as 100mbit")
@@ -78,8 +84,9 @@ class ClusterError(RuntimeError):
     """The cluster could not be made or did not come up; the message says what and where."""
 
 
-def _sh(args: list[str], check: bool = True, timeout: float = 60, capture: bool = True,
-        **kwargs) -> subprocess.CompletedProcess:
+def _sh(
+    args: list[str], check: bool = True, timeout: float = 60, capture: bool = True, **kwargs
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, capture_output=capture, text=True, timeout=timeout, **kwargs)
     if check and proc.returncode != 0:
         detail = ((proc.stderr or "").strip()[-3000:] + "\n" + (proc.stdout or "").strip()[-3000:]) if capture else ""
@@ -91,8 +98,15 @@ class NamespaceCluster:
     """`hosts` Ray nodes, each in its own network namespace; `cpus` and `resources` per host
     (a number/dict for all, or a list per host). Names and subnet are unique per instance."""
 
-    def __init__(self, hosts: int = 2, cpus: float | list[float] = 1, resources: dict | list[dict] | None = None,
-                 start_timeout_s: float = 180, gpus: list[int] | None = None, host_env: list[dict] | None = None):
+    def __init__(
+        self,
+        hosts: int = 2,
+        cpus: float | list[float] = 1,
+        resources: dict | list[dict] | None = None,
+        start_timeout_s: float = 180,
+        gpus: list[int] | None = None,
+        host_env: list[dict] | None = None,
+    ):
         if hosts < 1:
             raise ValueError("hosts must be >= 1")
         self.tag = secrets.token_hex(3)
@@ -164,8 +178,16 @@ class NamespaceCluster:
         self._make_network()
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self._make_token()
-        self._ray_start(0, ["--head", f"--port={GCS_PORT}", f"--dashboard-host={self.addresses[0]}",
-                            f"--dashboard-port={DASHBOARD_PORT}", "--include-dashboard=true"])
+        self._ray_start(
+            0,
+            [
+                "--head",
+                f"--port={GCS_PORT}",
+                f"--dashboard-host={self.addresses[0]}",
+                f"--dashboard-port={DASHBOARD_PORT}",
+                "--include-dashboard=true",
+            ],
+        )
         for i in range(1, len(self.hosts)):
             self._ray_start(i, [f"--address={self.address}"])
         self._wait_for_nodes()
@@ -222,8 +244,9 @@ class NamespaceCluster:
         for i, (ns, addr) in enumerate(zip(self.hosts, self.addresses)):
             _sh(["ip", "netns", "add", ns])
             self._made.append(ns)
-            _sh(["ip", "link", "add", "rl0", "netns", ns, "type", "veth", "peer", "name", f"h{i}",
-                 "netns", self.switch])
+            _sh(
+                ["ip", "link", "add", "rl0", "netns", ns, "type", "veth", "peer", "name", f"h{i}", "netns", self.switch]
+            )
             _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "master", "br0"])
             _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "up"])
             _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "rl0"])
@@ -234,10 +257,18 @@ class NamespaceCluster:
         """`ray start` on a host; retried from scratch on that host because on a busy machine a
         raylet can miss Ray's fixed 30 s registration deadline."""
         res = json.dumps(self.resources[host]) if self.resources[host] else None
-        command = [self.ray, "start", f"--node-ip-address={self.addresses[host]}",
-                   f"--num-cpus={math.ceil(self.cpus[host])}", f"--num-gpus={self.gpus[host]}",
-                   f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *AGENT_PORTS, *args,
-                   *([f"--resources={res}"] if res else [])]
+        command = [
+            self.ray,
+            "start",
+            f"--node-ip-address={self.addresses[host]}",
+            f"--num-cpus={math.ceil(self.cpus[host])}",
+            f"--num-gpus={self.gpus[host]}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+            *AGENT_PORTS,
+            *args,
+            *([f"--resources={res}"] if res else []),
+        ]
         for attempt in range(attempts):
             try:
                 self.run(host, command, env=self.host_env[host], timeout=self.start_timeout_s)
@@ -256,45 +287,74 @@ class NamespaceCluster:
             if len(re.findall(r"node_[0-9a-f]+", active)) == len(self.hosts):
                 return
             time.sleep(2)
-        raise ClusterError(f"{len(self.hosts)} Ray nodes did not come up in {self.start_timeout_s:.0f} s; "
-                           f"last `ray status`:\n{out}")
+        raise ClusterError(
+            f"{len(self.hosts)} Ray nodes did not come up in {self.start_timeout_s:.0f} s; last `ray status`:\n{out}"
+        )
 
     # --- running things ------------------------------------------------------------------------
 
-    def run(self, host: int, args: list[str], env: dict | None = None, check: bool = True, timeout: float = 600,
-            cwd: str | Path | None = None, capture: bool = True,
-            auth: bool | str = True) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        host: int,
+        args: list[str],
+        env: dict | None = None,
+        check: bool = True,
+        timeout: float = 600,
+        cwd: str | Path | None = None,
+        capture: bool = True,
+        auth: bool | str = True,
+    ) -> subprocess.CompletedProcess:
         """Run a command on a host (in its namespace), with RAY_ADDRESS pointing at the head and
         the cluster's token (`auth`: see `env`)."""
         full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})}, auth=auth)
-        return _sh(["ip", "netns", "exec", self.hosts[host], *args], check=check, timeout=timeout, capture=capture,
-                   env=full_env, cwd=cwd)
+        return _sh(
+            ["ip", "netns", "exec", self.hosts[host], *args],
+            check=check,
+            timeout=timeout,
+            capture=capture,
+            env=full_env,
+            cwd=cwd,
+        )
 
     def start_on(self, host: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
         """Start a command on a host without waiting (a driver a test kills or watches); its
         output, stdout and stderr together, is the returned process's `stdout`."""
-        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *args],
-                                env=self.env({"RAY_ADDRESS": self.address, **(env or {})}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.hosts[host], *args],
+            env=self.env({"RAY_ADDRESS": self.address, **(env or {})}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def kill_host(self, host: int) -> None:
         """Every process of a host at once (its raylet and the actors on it), as a lost machine."""
         self._kill_in([self.hosts[host]])
 
-    def submit(self, entrypoint: list[str], working_dir: str | Path = ".", runtime_env: dict | None = None,
-               check: bool = True, timeout: float = 600, auth: bool | str = True) -> subprocess.CompletedProcess:
+    def submit(
+        self,
+        entrypoint: list[str],
+        working_dir: str | Path = ".",
+        runtime_env: dict | None = None,
+        check: bool = True,
+        timeout: float = 600,
+        auth: bool | str = True,
+    ) -> subprocess.CompletedProcess:
         """`ray job submit` from the head host, authenticated with the cluster's token unless
         `auth` says otherwise (see `env`); waits for the job and returns its output."""
         args = [self.ray, "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}"]
         if runtime_env:
             args.append(f"--runtime-env-json={json.dumps(runtime_env)}")
-        return self.run(0, [*args, "--", *entrypoint], env={"RAY_ADDRESS": self.dashboard}, check=check,
-                        timeout=timeout, auth=auth)
+        return self.run(
+            0, [*args, "--", *entrypoint], env={"RAY_ADDRESS": self.dashboard}, check=check, timeout=timeout, auth=auth
+        )
 
     def node_ids(self) -> dict[str, str]:
         """Ray node id -> host address, from the cluster itself."""
-        code = ("import json, ray; ray.init(); "
-                "print(json.dumps({n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}))")
+        code = (
+            "import json, ray; ray.init(); "
+            "print(json.dumps({n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}))"
+        )
         out = self.run(0, [sys.executable, "-c", code], timeout=120).stdout
         return json.loads(out.strip().splitlines()[-1])
 
@@ -302,8 +362,27 @@ class NamespaceCluster:
         """Limit every host's outgoing link with a token bucket (tc tbf); both directions of each
         pair are then shaped. netem (delay, loss) may be missing from the kernel; tbf is not."""
         for ns in self.hosts:
-            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "rl0", "root", "tbf",
-                 "rate", rate, "burst", burst, "latency", latency])
+            _sh(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    "rl0",
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    latency,
+                ]
+            )
 
     def unshape(self) -> None:
         for ns in self.hosts:
@@ -331,10 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     with NamespaceCluster(args.hosts, args.cpus) as cluster:
         if args.shape:
             cluster.shape(args.shape)
-        print(f"cluster up: head {cluster.address}, hosts {cluster.addresses}, token auth "
-              f"(RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path})", flush=True)
-        return cluster.run(0, command, check=False, timeout=24 * 3600, cwd=os.getcwd(),
-                           capture=False).returncode
+        print(
+            f"cluster up: head {cluster.address}, hosts {cluster.addresses}, token auth "
+            f"(RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={cluster.token_path})",
+            flush=True,
+        )
+        return cluster.run(0, command, check=False, timeout=24 * 3600, cwd=os.getcwd(), capture=False).returncode
 
 
 if __name__ == "__main__":

@@ -66,8 +66,11 @@ def field_docs(cls: type) -> dict[str, str]:
     for stmt, following in zip(body, body[1:] + [None]):
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
             continue
-        if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
+        if (
+            isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[stmt.target.id] = inspect.cleandoc(following.value.value)
     return docs
 

@@ -99,8 +99,9 @@ def fine_tune_for(spec: ModelSpec) -> FineTune:
     return LoraFineTune(spec)
 
 
-def load_pretrained(cfg: ModelConfig, num_classes: int | None, seed: int,
-                    meta: bool = False) -> tuple[nn.Module, ModelSpec, object]:
+def load_pretrained(
+    cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool = False
+) -> tuple[nn.Module, ModelSpec, object]:
     """(model, spec, tokenizer): the pretrained model as it trains. A new head is drawn from `seed`,
     so it is the same on every node; with `cfg.lora` so are the adapters (base frozen). `meta`: its
     architecture on the meta device only (`models.load_base`): what the driver plans with."""

@@ -46,12 +46,16 @@ State = dict[str, torch.Tensor]
 
 # --- building ----------------------------------------------------------------------------------
 
+
 def _timm_targets(model: nn.Module, head: str) -> list[str]:
     """peft knows no default for timm: every Linear and ungrouped Conv2d outside the head (grouped,
     i.e. depthwise, convolutions cannot be merged by peft)."""
-    return [name for name, module in model.named_modules()
-            if not (name == head or name.startswith(head + "."))
-            and (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1))]
+    return [
+        name
+        for name, module in model.named_modules()
+        if not (name == head or name.startswith(head + "."))
+        and (isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1))
+    ]
 
 
 def peft_config(cfg: LoraConfig, family: str, model: nn.Module) -> peft.LoraConfig:
@@ -122,11 +126,15 @@ def init_adapters(model: nn.Module, seed: int, only: set[str] | None = None) -> 
 
 # --- what a node has and sends -----------------------------------------------------------------
 
+
 def trainable_state(model: nn.Module) -> State:
     """The tensors that train (adapters and head): what a node sends. CPU copies, contiguous, so
     later steps do not change what was sent."""
-    return {name: p.detach().cpu().clone(memory_format=torch.contiguous_format)
-            for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        name: p.detach().cpu().clone(memory_format=torch.contiguous_format)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 @dataclass(frozen=True)
@@ -151,9 +159,11 @@ class AdaptedLayer:
 def _check_mergeable(name: str, layer: LoraLayer) -> None:
     base = layer.get_base_layer()
     if ADAPTER in layer.lora_embedding_A or getattr(layer, "fan_in_fan_out", False) or getattr(base, "groups", 1) > 1:
-        raise NotImplementedError(f"{name}: only Linear and ungrouped Conv LoRA layers can be averaged exactly; "
-                                  "leave embeddings, GPT-2 Conv1D and depthwise convolutions out of "
-                                  "model.lora.target_modules")
+        raise NotImplementedError(
+            f"{name}: only Linear and ungrouped Conv LoRA layers can be averaged exactly; "
+            "leave embeddings, GPT-2 Conv1D and depthwise convolutions out of "
+            "model.lora.target_modules"
+        )
 
 
 def lora_layers(model: nn.Module) -> list[AdaptedLayer]:
@@ -162,9 +172,16 @@ def lora_layers(model: nn.Module) -> list[AdaptedLayer]:
     for name, layer in _lora_modules(model):
         _check_mergeable(name, layer)
         base = f"{name}.base_layer.weight"
-        layers.append(AdaptedLayer(a=f"{name}.lora_A.{ADAPTER}.weight", b=f"{name}.lora_B.{ADAPTER}.weight", base=base,
-                                   plain=plain_key(base), scale=float(layer.scaling[ADAPTER]),
-                                   shape=tuple(layer.get_base_layer().weight.shape)))
+        layers.append(
+            AdaptedLayer(
+                a=f"{name}.lora_A.{ADAPTER}.weight",
+                b=f"{name}.lora_B.{ADAPTER}.weight",
+                base=base,
+                plain=plain_key(base),
+                scale=float(layer.scaling[ADAPTER]),
+                shape=tuple(layer.get_base_layer().weight.shape),
+            )
+        )
     return layers
 
 
@@ -177,6 +194,7 @@ def plain_key(key: str) -> str | None:
 
 
 # --- averaging ---------------------------------------------------------------------------------
+
 
 def _normalised(weights: Sequence[float] | None, n: int) -> list[float]:
     w = [1.0] * n if weights is None else [float(x) for x in weights]
@@ -212,8 +230,12 @@ def average_factors(node_states: Sequence[State], weights: Sequence[float] | Non
     return {key: _mean(node_states, w, key) for key in node_states[0]}
 
 
-def average_delta(base_state: State, node_states: Sequence[State], layers: Sequence[AdaptedLayer],
-                  weights: Sequence[float] | None = None) -> State:
+def average_delta(
+    base_state: State,
+    node_states: Sequence[State],
+    layers: Sequence[AdaptedLayer],
+    weights: Sequence[float] | None = None,
+) -> State:
     """The exact lo-fi average of the nodes' models, as a plain (merged, adapter-free) state dict:
     W = W0 + Σ_k w_k·scale·B_k·A_k per adapted layer (w_k normalised; uniform by default), the head
     and any other trainable tensor averaged plainly, everything else W0. Exact because every node's
@@ -308,8 +330,9 @@ def computing(model: nn.Module, plain: State) -> Iterator[nn.Module]:
     for key, tensor in model.state_dict(keep_vars=True).items():
         if (pk := plain_key(key)) is not None:
             tensors.setdefault(id(tensor), (tensor, []))[1].append(pk)
-    pairs = [(tensor, next((plain[pk] for pk in names if pk in plain), None), names)
-             for tensor, names in tensors.values()]
+    pairs = [
+        (tensor, next((plain[pk] for pk in names if pk in plain), None), names) for tensor, names in tensors.values()
+    ]
     missing = [names for _, new, names in pairs if new is None]
     if missing:  # before anything is swapped
         raise KeyError(f"the plain state to compute has none of {missing[0]}")
@@ -330,8 +353,9 @@ def computing(model: nn.Module, plain: State) -> Iterator[nn.Module]:
             m.scaling = scaling
 
 
-def merge_nodes(model: nn.Module, node_states: Sequence[State], weights: Sequence[float], how: str = "delta",
-                seed: int = 0) -> list[str]:
+def merge_nodes(
+    model: nn.Module, node_states: Sequence[State], weights: Sequence[float], how: str = "delta", seed: int = 0
+) -> list[str]:
     """A peer round landing on a node: the nodes' adapters and head (`node_states`, all or one fragment's
     tensors) averaged as `average_delta` does, in place: each adapted layer's frozen weight += Σ_k
     w_k·scale·B_k·A_k (float64, rounded once to its dtype), the head and other trainables their mean;
@@ -355,6 +379,7 @@ def merge_nodes(model: nn.Module, node_states: Sequence[State], weights: Sequenc
 
 # --- saving ------------------------------------------------------------------------------------
 
+
 def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str | Path, merge: bool) -> Path:
     """Save a LoRA result. merge=False: the adapter and head as peft writes them
     (adapter_model.safetensors + adapter_config.json: small, `PeftModel.from_pretrained` puts them
@@ -377,8 +402,9 @@ def save_lora(model_or_state: nn.Module | State, spec: ModelSpec, out_dir: str |
         plain = build_architecture(spec)
         plain.load_state_dict(state)
     else:
-        raise ValueError("an averaged (merged) state cannot be saved as an adapter: "
-                         "save it with merge=True (model.merge: true)")
+        raise ValueError(
+            "an averaged (merged) state cannot be saved as an adapter: save it with merge=True (model.merge: true)"
+        )
     if hasattr(plain, "save_pretrained"):
         plain.save_pretrained(str(out))
     else:
@@ -400,6 +426,7 @@ def save_adapter(weights: State, model: nn.Module, out_dir: Path) -> Path:
 
 
 # --- the fine-tune ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LoraFineTune:

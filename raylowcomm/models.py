@@ -78,11 +78,13 @@ def fetch_model(uri: str, weights: bool = True, field: str = "model.path") -> tu
     if info.type == fs.FileType.File:
         files, root = [info], base.rsplit("/", 1)[0]
     else:
-        files, root = [i for i in storage.fs.get_file_info(fs.FileSelector(base, recursive=True))
-                       if i.type == fs.FileType.File], base
-    names = {f.path[len(root):].lstrip("/") for f in files}
+        files, root = (
+            [i for i in storage.fs.get_file_info(fs.FileSelector(base, recursive=True)) if i.type == fs.FileType.File],
+            base,
+        )
+    names = {f.path[len(root) :].lstrip("/") for f in files}
     for f in files:
-        name = f.path[len(root):].lstrip("/")
+        name = f.path[len(root) :].lstrip("/")
         if weights or not name.endswith(WEIGHT_SUFFIXES):
             _copy(storage.fs, f, local / name)
     return (local / next(iter(names)) if info.type == fs.FileType.File else local), names
@@ -127,22 +129,32 @@ def check_model_files(cfg: ModelConfig) -> None:
         raise ConfigError(field, value, "no such file or folder; point it at your local weights or remove it")
     if cfg.family == "timm":
         if path.is_dir():
-            raise ConfigError(field, value, "is a folder; a timm checkpoint is one file (.safetensors, .pth or .bin): "
-                                            "give the file")
+            raise ConfigError(
+                field, value, "is a folder; a timm checkpoint is one file (.safetensors, .pth or .bin): give the file"
+            )
         _check_weights(field, value, path)
         return
     if not path.is_dir():
-        raise ConfigError(field, value, "is a file; a Hugging Face model is a folder (config.json, weights, "
-                                        "tokenizer): give the folder")
+        raise ConfigError(
+            field,
+            value,
+            "is a file; a Hugging Face model is a folder (config.json, weights, tokenizer): give the folder",
+        )
     names = listed if listed is not None else {p.name for p in path.iterdir()}
     tokenizer = {"tokenizer.json", "vocab.txt", "vocab.json"} & names or {n for n in names if n.endswith(".model")}
-    parts = {"config.json": "config.json" in names,
-             "weights (model.safetensors or pytorch_model.bin)": set(HF_WEIGHTS) & names,
-             "a tokenizer (tokenizer.json, vocab.txt, vocab.json or a .model file)": tokenizer}
+    parts = {
+        "config.json": "config.json" in names,
+        "weights (model.safetensors or pytorch_model.bin)": set(HF_WEIGHTS) & names,
+        "a tokenizer (tokenizer.json, vocab.txt, vocab.json or a .model file)": tokenizer,
+    }
     missing = [what for what, found in parts.items() if not found]
     if missing:
-        raise ConfigError(field, value, f"is not a Hugging Face model folder: it lacks {', '.join(missing)} "
-                                        f"(it holds {', '.join(sorted(names)[:8]) or 'nothing'})")
+        raise ConfigError(
+            field,
+            value,
+            f"is not a Hugging Face model folder: it lacks {', '.join(missing)} "
+            f"(it holds {', '.join(sorted(names)[:8]) or 'nothing'})",
+        )
     try:
         json.loads((path / "config.json").read_text())
     except (ValueError, OSError) as err:
@@ -161,8 +173,11 @@ def _check_weights(field: str, value: str, file: Path) -> None:
         if len(head) < 9 or head[8:9] != b"{" or int.from_bytes(head[:8], "little") > file.stat().st_size:
             raise ConfigError(field, value, f"{file.name} is not a safetensors file: give the model's weights")
     elif not head.startswith((b"PK\x03\x04", b"\x80")):
-        raise ConfigError(field, value, f"{file.name} is not a torch checkpoint (.pth, .bin) nor a .safetensors file: "
-                                        "give the model's weights")
+        raise ConfigError(
+            field,
+            value,
+            f"{file.name} is not a torch checkpoint (.pth, .bin) nor a .safetensors file: give the model's weights",
+        )
 
 
 def _resolve(cfg: ModelConfig) -> str:
@@ -195,8 +210,9 @@ def _timm_model(cfg: ModelConfig, arch: str, num_classes: int | None, source: st
         if "state_dict" not in str(err):
             raise
         detail = (str(err).splitlines()[1:] or [str(err)])[0].strip().rstrip(".")  # the first tensor that does not fit
-        raise ConfigError(field, value, f"the weights do not fit timm architecture {arch!r} ({detail}): "
-                                        f"{fix}") from None
+        raise ConfigError(
+            field, value, f"the weights do not fit timm architecture {arch!r} ({detail}): {fix}"
+        ) from None
 
 
 def _check_fits(arch: str, num_classes: int | None, source: str, field: str, value: str, fix: str) -> None:
@@ -213,9 +229,13 @@ def _check_fits(arch: str, num_classes: int | None, source: str, field: str, val
     held = load_state_dict(source).keys()
     missing = [k for k in names if k not in held]
     if len(missing) > len(names) / 2:
-        raise ConfigError(field, value, f"the weights do not fit timm architecture {arch!r}: {len(missing)} of its "
-                                        f"{len(names)} tensors are not in {Path(source).name} (e.g. {missing[0]}): "
-                                        f"{fix}")
+        raise ConfigError(
+            field,
+            value,
+            f"the weights do not fit timm architecture {arch!r}: {len(missing)} of its "
+            f"{len(names)} tensors are not in {Path(source).name} (e.g. {missing[0]}): "
+            f"{fix}",
+        )
 
 
 def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool = False):
@@ -237,8 +257,12 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
         if cfg.pretrained:
             source = _resolve(cfg) if (cfg.path or cfg.name in assets.ASSETS) else None
             if source is None:
-                raise ConfigError("model.path", None, f"pretrained '{arch}' needs local weights: set model.path to a "
-                                                      "checkpoint file, or model.pretrained=false")
+                raise ConfigError(
+                    "model.path",
+                    None,
+                    f"pretrained '{arch}' needs local weights: set model.path to a "
+                    "checkpoint file, or model.pretrained=false",
+                )
         if meta:  # the checkpoint's tensor names still checked here, before any node starts
             if source is not None and Path(source).exists():
                 _check_fits(arch, num_classes, source, *_timm_field(cfg))

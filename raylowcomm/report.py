@@ -137,9 +137,14 @@ def load_bench(bench_dir: str | Path) -> dict:
         }
     elif (bench_dir / "seeds.json").exists():  # raylowcomm run --seeds: one run per seed
         seeds = json.loads((bench_dir / "seeds.json").read_text())
-        bench = {"mode": "local", "config": seeds.get("config"), "confidence": seeds.get("confidence"),
-                 "runs": [{"label": f"seed {s}", "rate": None, "dir": d, "seed": int(s)}
-                          for s, d in seeds.get("dirs", {}).items()]}
+        bench = {
+            "mode": "local",
+            "config": seeds.get("config"),
+            "confidence": seeds.get("confidence"),
+            "runs": [
+                {"label": f"seed {s}", "rate": None, "dir": d, "seed": int(s)} for s, d in seeds.get("dirs", {}).items()
+            ],
+        }
     elif (bench_dir / "benchmarks").is_dir():
         bench = {"mode": "local", "config": None, "runs": []}
     else:

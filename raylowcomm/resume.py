@@ -37,8 +37,12 @@ def _saved_config(saved: Path) -> dict:
     except (UnicodeDecodeError, OSError) as err:
         before, problem = None, f"cannot be read ({err})"
     if not isinstance(before, dict):
-        raise ConfigError("--resume", str(saved), f"{problem}: the run's saved config is damaged; copy the config "
-                                                  "the run was started with over it, or start afresh in a new folder")
+        raise ConfigError(
+            "--resume",
+            str(saved),
+            f"{problem}: the run's saved config is damaged; copy the config "
+            "the run was started with over it, or start afresh in a new folder",
+        )
     return before
 
 

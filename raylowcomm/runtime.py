@@ -59,8 +59,12 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=verbose,
-                 logging_level=logging.INFO if verbose else logging.WARNING)
+        ray.init(
+            address=os.environ["RAY_ADDRESS"],
+            runtime_env=runtime_env,
+            log_to_driver=verbose,
+            logging_level=logging.INFO if verbose else logging.WARNING,
+        )
         return
     for key, value in LOCAL_RAY_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -69,15 +73,23 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     import ray
     from ray._private import ray_constants, ray_logging
 
-    for module, name, key in ((ray_constants, "ENABLE_RAY_CLUSTER", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
-                              (ray_logging, "RAY_DEDUP_LOGS", "RAY_DEDUP_LOGS")):
+    for module, name, key in (
+        (ray_constants, "ENABLE_RAY_CLUSTER", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
+        (ray_logging, "RAY_DEDUP_LOGS", "RAY_DEDUP_LOGS"),
+    ):
         if hasattr(module, name):
             setattr(module, name, os.environ[key].lower() in ("true", "1"))  # as Ray parses it (env_bool)
         else:
-            warnings.warn(f"this Ray has no {module.__name__}.{name}: {key} counts only if set before `import ray`",
-                          stacklevel=2)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, runtime_env=runtime_env,
-             logging_level=logging.INFO if verbose else logging.WARNING)
+            warnings.warn(
+                f"this Ray has no {module.__name__}.{name}: {key} counts only if set before `import ray`", stacklevel=2
+            )
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=verbose,
+        runtime_env=runtime_env,
+        logging_level=logging.INFO if verbose else logging.WARNING,
+    )
 
 
 def actor_options(cpus: float, gpus: float, max_restarts: int = 0, resources: dict[str, float] | None = None) -> dict:

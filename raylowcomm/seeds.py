@@ -63,8 +63,12 @@ def run_seeds(
         logger.info("##### seed %d (%d of %d): %s #####", seed, i, len(seeds), one.out_dir)
         again = resume and (Path(one.out_dir) / "config.yaml").is_file()
         per_seed[seed] = run(one, verbose=verbose, bar=bar, resume=again)
-        summary = {**summarize(per_seed), "planned": list(seeds), "dirs": {s: f"seed_{s}" for s in per_seed},
-                   "config": {**cfg.to_dict(), "seed": None, "out_dir": str(out)}}
+        summary = {
+            **summarize(per_seed),
+            "planned": list(seeds),
+            "dirs": {s: f"seed_{s}" for s in per_seed},
+            "config": {**cfg.to_dict(), "seed": None, "out_dir": str(out)},
+        }
         out.mkdir(parents=True, exist_ok=True)
         (out / "seeds.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info("\n%s", seeds_table(summary))

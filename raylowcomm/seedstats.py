@@ -69,20 +69,32 @@ def summarize(per_seed: dict[int, list[dict]], confidence: float = CONFIDENCE) -
     strategies = []
     for name in names:
         ok = [s for s in seeds if (s, name) in values]
-        failed = [{"seed": s, "error": _first_line(found[s, name]["error"]) if (s, name) in found else "no record"}
-                  for s in seeds if s not in ok]
+        failed = [
+            {"seed": s, "error": _first_line(found[s, name]["error"]) if (s, name) in found else "no record"}
+            for s in seeds
+            if s not in ok
+        ]
         keys = list(dict.fromkeys(k for s in ok for k in values[s, name]))
-        stats = {k: _with_values(interval, [(s, values[s, name][k]) for s in ok if k in values[s, name]], confidence)
-                 for k in keys}
+        stats = {
+            k: _with_values(interval, [(s, values[s, name][k]) for s in ok if k in values[s, name]], confidence)
+            for k in keys
+        }
         paired = {}
         if name != BASELINE and BASELINE in names:
             for k in (k for k in keys if METRIC.match(k)):
-                pairs = [(s, values[s, name][k] - values[s, BASELINE][k]) for s in ok
-                         if (s, BASELINE) in values and k in values[s, name] and k in values[s, BASELINE]]
+                pairs = [
+                    (s, values[s, name][k] - values[s, BASELINE][k])
+                    for s in ok
+                    if (s, BASELINE) in values and k in values[s, name] and k in values[s, BASELINE]
+                ]
                 paired[k] = _with_values(interval, pairs, confidence)
         strategies.append({"strategy": name, "seeds_ok": ok, "failed": failed, "stats": stats, "vs_ddp": paired})
-    return {"seeds": seeds, "confidence": confidence, "baseline": BASELINE if BASELINE in names else None,
-            "strategies": strategies}
+    return {
+        "seeds": seeds,
+        "confidence": confidence,
+        "baseline": BASELINE if BASELINE in names else None,
+        "strategies": strategies,
+    }
 
 
 def _with_values(fn, pairs: list[tuple[int, float]], confidence: float) -> dict:
@@ -134,15 +146,22 @@ def rows(summary: dict) -> list[list[str]]:
 
 def header(summary: dict) -> list[str]:
     pct = f"{summary['confidence']:.0%}"
-    return ["strategy", "seeds ok", "quantity", f"mean ± {pct} interval",
-            f"paired − {summary['baseline']}" if summary["baseline"] else "paired − ddp (no ddp)"]
+    return [
+        "strategy",
+        "seeds ok",
+        "quantity",
+        f"mean ± {pct} interval",
+        f"paired − {summary['baseline']}" if summary["baseline"] else "paired − ddp (no ddp)",
+    ]
 
 
 def caption(summary: dict) -> str:
     seeds = ", ".join(str(s) for s in summary["seeds"])
-    return (f"{len(summary['seeds'])} seeds ({seeds}); mean ± {summary['confidence']:.0%} Student-t interval "
-            "(n − 1 dof) over the seeds a strategy finished; paired: the interval of the per-seed differences to "
-            "DDP on the same test rows. An interval that contains 0 is no evidence of a difference.")
+    return (
+        f"{len(summary['seeds'])} seeds ({seeds}); mean ± {summary['confidence']:.0%} Student-t interval "
+        "(n − 1 dof) over the seeds a strategy finished; paired: the interval of the per-seed differences to "
+        "DDP on the same test rows. An interval that contains 0 is no evidence of a difference."
+    )
 
 
 def format_table(summary: dict) -> str:
@@ -157,5 +176,11 @@ def markdown(summary: dict) -> list[str]:
     """The same table in markdown, for report.md."""
     table = [header(summary)] + rows(summary)
     clean = [[c.replace("|", "\\|") for c in r] for r in table]
-    return [caption(summary), "", "| " + " | ".join(clean[0]) + " |", "|" + "---|" * len(clean[0]),
-            *("| " + " | ".join(r) + " |" for r in clean[1:]), ""]
+    return [
+        caption(summary),
+        "",
+        "| " + " | ".join(clean[0]) + " |",
+        "|" + "---|" * len(clean[0]),
+        *("| " + " | ".join(r) + " |" for r in clean[1:]),
+        "",
+    ]

@@ -40,8 +40,10 @@ def storage_problem(uri: str) -> str | None:
             return f"names no bucket: give {scheme}://BUCKET/PATH"
         if scheme in SCHEMES:
             return None
-        return (f"pyarrow.fs cannot open {scheme}:// URIs: give a path every node can reach (a shared mount) or a URI "
-                f"of {', '.join(s + '://' for s in SCHEMES[:-1])}")
+        return (
+            f"pyarrow.fs cannot open {scheme}:// URIs: give a path every node can reach (a shared mount) or a URI "
+            f"of {', '.join(s + '://' for s in SCHEMES[:-1])}"
+        )
     target = Path(uri).expanduser().absolute()
     try:
         existing = next(p for p in (target, *target.parents) if p.exists())  # the root always exists
@@ -101,8 +103,11 @@ class Storage:
         worker = threading.Thread(target=write_and_delete, name="storage-probe", daemon=True)
         worker.start()
         worker.join(timeout_s)
-        fix = ("give a folder the driver and every node can write (made if missing)" if self.is_local
-               else "check the bucket, the endpoint and the credentials")
+        fix = (
+            "give a folder the driver and every node can write (made if missing)"
+            if self.is_local
+            else "check the bucket, the endpoint and the credentials"
+        )
         if worker.is_alive():
             return f"writing a test file there got no answer in {timeout_s:g} s: {fix}"
         if failure:
@@ -201,8 +206,12 @@ def _quick(filesystem, base: str) -> tuple:
 
     name = type(filesystem).__name__
     if name == "S3FileSystem":
-        options = {**filesystem.__reduce__()[1][0], "connect_timeout": 5, "request_timeout": 10,
-                   "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=2)}
+        options = {
+            **filesystem.__reduce__()[1][0],
+            "connect_timeout": 5,
+            "request_timeout": 10,
+            "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=2),
+        }
         return fs.S3FileSystem(**options), base
     if name == "GcsFileSystem":
         return fs.GcsFileSystem(**{**filesystem.__reduce__()[1][0], "retry_time_limit": timedelta(seconds=10)}), base

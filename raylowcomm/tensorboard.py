@@ -70,7 +70,7 @@ _CURVE_AXES = ("step", "steps", "wall_s", "samples", "bytes")  # "steps": the pl
 
 def metric_tag(key: str) -> str:
     """The step-indexed tag of a reported metric: ``train_<x>`` → ``train/<x>``, else ``eval/<key>``."""
-    return f"train/{key[len('train_'):]}" if key.startswith("train_") else f"eval/{key}"
+    return f"train/{key[len('train_') :]}" if key.startswith("train_") else f"eval/{key}"
 
 
 def time_tag(key: str) -> str:

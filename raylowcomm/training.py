@@ -34,8 +34,11 @@ def total_steps(cfg: OptimConfig, smallest_shard: int) -> int:
     """Steps every node (and DDP worker) takes, so all strategies see the same samples."""
     per_epoch = steps_per_epoch(smallest_shard, cfg.batch_size)
     if per_epoch == 0:
-        raise ConfigError("optim.batch_size", cfg.batch_size,
-                          f"larger than a node's shard ({smallest_shard} examples): lower it or raise data.train_size")
+        raise ConfigError(
+            "optim.batch_size",
+            cfg.batch_size,
+            f"larger than a node's shard ({smallest_shard} examples): lower it or raise data.train_size",
+        )
     steps = per_epoch * cfg.epochs
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
@@ -63,7 +66,7 @@ class StepHooks:
 
     def after(self, done: int, stop: int, losses: list[float]) -> None:
         if self.log and self.log_every and (done % self.log_every == 0 or done == stop):
-            recent = losses[-self.log_every:]
+            recent = losses[-self.log_every :]
             self.log(f"step {done}/{stop} loss {sum(recent) / len(recent):.4f}")
         if self.progress is not None:
             self.progress(done, losses[-1], last=done == stop)
@@ -71,9 +74,20 @@ class StepHooks:
             self.on_step(done)
 
 
-def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, batch_size: int, seed: int,
-                hooks: StepHooks | None = None, precision: str = "fp32", device: str = "cpu",
-                group_seed: int | None = None) -> dict:
+def train_steps(
+    model,
+    task,
+    optimizer,
+    shard: Split,
+    start: int,
+    stop: int,
+    batch_size: int,
+    seed: int,
+    hooks: StepHooks | None = None,
+    precision: str = "fp32",
+    device: str = "cpu",
+    group_seed: int | None = None,
+) -> dict:
     """Steps [start, stop): per-step seeding makes dropout identical on a resumed run. `train_s`
     is `hooks.clock`'s time. `group_seed`: batches grouped by length (see `batch_at`)."""
     hooks = hooks or StepHooks()
@@ -89,12 +103,23 @@ def train_steps(model, task, optimizer, shard: Split, start: int, stop: int, bat
         optimizer.step()
         losses.append(loss.item())
         hooks.after(step + 1, stop, losses)
-    return {"steps": stop - start, "samples": (stop - start) * batch_size, "train_s": hooks.clock.elapsed(),
-            "mean_loss": sum(losses) / len(losses) if losses else None}
+    return {
+        "steps": stop - start,
+        "samples": (stop - start) * batch_size,
+        "train_s": hooks.clock.elapsed(),
+        "mean_loss": sum(losses) / len(losses) if losses else None,
+    }
 
 
-def save_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
-                    extra: dict | None = None, trainable_only: bool = False) -> int:
+def save_checkpoint(
+    storage: Storage,
+    rel: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    extra: dict | None = None,
+    trainable_only: bool = False,
+) -> int:
     """Model + optimizer state as one safetensors file in `storage` (atomic); returns its size.
     `trainable_only`: the parameters that train (a LoRA model's adapters and head), for a model
     whose frozen rest every reader has already (`FineTune.trainable_only` says when)."""
@@ -132,8 +157,10 @@ def load_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: tor
     result = model.load_state_dict(state, strict=False)  # a trainable_only checkpoint leaves the frozen rest as it is
     lacking = {k for k, p in model.named_parameters() if p.requires_grad} & set(result.missing_keys)
     if lacking or result.unexpected_keys:
-        raise ValueError(f"checkpoint {rel} does not fit the model: missing {sorted(lacking)[:3]}, "
-                         f"unexpected {result.unexpected_keys[:3]}")
+        raise ValueError(
+            f"checkpoint {rel} does not fit the model: missing {sorted(lacking)[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}"
+        )
     if optimizer is not None and "param_groups" in meta:
         state: dict[int, dict] = {}
         for k, v in tensors.items():

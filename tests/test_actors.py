@@ -134,8 +134,9 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     sets_ref = ray.put(sets)
 
     lofi = LofiNode.remote(0, ctx.spec, ctx.data.task, weights, ctx.data.train, cfg, ctx.storage)
-    spsa = SpsaNode.remote(1, ctx.spec, ctx.data.task, ctx.data.train, 2, cfg, Spsa.opts(cfg), ctx.storage,
-                           weights=weights)
+    spsa = SpsaNode.remote(
+        1, ctx.spec, ctx.data.task, ctx.data.train, 2, cfg, Spsa.opts(cfg), ctx.storage, weights=weights
+    )
     try:
         assert ray.get(lofi.evaluate.remote([sets_ref])) == expected
         assert ray.get(spsa.evaluate.remote([sets_ref])) == expected

@@ -52,8 +52,14 @@ def _interlocking(tmp: Path, **options) -> str:
 
 def _sweep(tmp: Path, **changes) -> str:
     _write(tmp / "base.yaml", GOOD)
-    sweep = {"base": "base.yaml", "space": {"optim.lr": {"grid": [0.01, 0.1]}}, "metric": "id_accuracy", "mode": "max",
-             "storage_path": str(tmp / "store"), **changes}
+    sweep = {
+        "base": "base.yaml",
+        "space": {"optim.lr": {"grid": [0.01, 0.1]}},
+        "metric": "id_accuracy",
+        "mode": "max",
+        "storage_path": str(tmp / "store"),
+        **changes,
+    }
     return str(_write(tmp / "sweep.yaml", sweep))
 
 
@@ -83,8 +89,9 @@ def _binary(tmp: Path) -> str:
 TEXT_MODEL = {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"}
 
 
-def _reviews(tmp: Path, name: str = "reviews.csv", blank: str | None = None, at: int = 3,
-             labels=("fresh", "rotten")) -> str:
+def _reviews(
+    tmp: Path, name: str = "reviews.csv", blank: str | None = None, at: int = 3, labels=("fresh", "rotten")
+) -> str:
     """A user's 12 reviews as a CSV (review, verdict), with the cell of column `blank` in row `at` left empty."""
     rows = [{"review": f"review {i} says {labels[i % 2]}", "verdict": labels[i % 2]} for i in range(12)]
     if blank is not None:
@@ -172,8 +179,11 @@ DIGITS = {"source": "csv", "test_size": 4, "columns": {"image": "pixels", "label
 # (id, argv builder from tmp_path, text the error line must contain, or a tuple of them)
 CASES = [
     # --- the config file itself
-    ("malformed-yaml", lambda t: ["run", str(_write(t / "bad.yaml", "optim:\n  lr: 0.1\n  momentum: [0.9,\n"))],
-     "line 4, column 1"),
+    (
+        "malformed-yaml",
+        lambda t: ["run", str(_write(t / "bad.yaml", "optim:\n  lr: 0.1\n  momentum: [0.9,\n"))],
+        "line 4, column 1",
+    ),
     ("malformed-yaml-names-file", lambda t: ["run", str(_write(t / "bad.yaml", "optim: {lr: 0.1\n"))], "bad.yaml"),
     ("yaml-tab-indent", lambda t: ["run", str(_write(t / "tab.yaml", "optim:\n\tlr: 0.1\n"))], "line 2, column 1"),
     ("yaml-list-not-mapping", lambda t: ["run", str(_write(t / "list.yaml", "- lofi\n- ddp\n"))], "mapping"),
@@ -196,156 +206,302 @@ CASES = [
     ("section-not-a-mapping", lambda t: ["run", _config(t, optim=3)], "'optim'"),
     ("wrong-literal", lambda t: ["run", _config(t), "--set", "optim.name=adam"], "optim.name"),
     ("out-of-range", lambda t: ["run", _config(t), "--set", "optim.momentum=1.5"], "optim.momentum"),
-    ("length-groups-of-images", lambda t: ["run", _config(t), "--set", "optim.group_by_length=true"],
-     "optim.group_by_length"),
+    (
+        "length-groups-of-images",
+        lambda t: ["run", _config(t), "--set", "optim.group_by_length=true"],
+        "optim.group_by_length",
+    ),
     ("zero-nodes", lambda t: ["run", _config(t), "--set", "nodes.count=0"], "nodes.count"),
     ("negative-cpus", lambda t: ["run", _config(t), "--set", "nodes.cpus=-1"], "nodes.cpus"),
     ("bad-placement", lambda t: ["run", _config(t), "--set", "nodes.placement=STRICT"], "nodes.placement"),
-    ("negative-start-timeout", lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=-1"],
-     "nodes.start_timeout_s"),
+    (
+        "negative-start-timeout",
+        lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=-1"],
+        "nodes.start_timeout_s",
+    ),
     ("zero-start-timeout", lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=0"], "nodes.start_timeout_s"),
-    ("nan-start-timeout", lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=.nan"],
-     "nodes.start_timeout_s"),
-    ("infinite-start-timeout", lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=.inf"],
-     "nodes.start_timeout_s"),
+    (
+        "nan-start-timeout",
+        lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=.nan"],
+        "nodes.start_timeout_s",
+    ),
+    (
+        "infinite-start-timeout",
+        lambda t: ["run", _config(t), "--set", "nodes.start_timeout_s=.inf"],
+        "nodes.start_timeout_s",
+    ),
     ("seed-too-big", lambda t: ["run", _config(t), "--set", "seed=2147483648"], ("'seed'", "2**31")),
     ("seed-negative", lambda t: ["run", _config(t), "--set", "seed=-1"], ("'seed'", "2**31")),
     ("strategy-option-range", lambda t: ["run", _config(t), "--set", "lofi.average_every=0"], "lofi.average_every"),
     # an averaging period longer than the run (GOOD: 2 shards of 32, batch 8, 1 epoch = 4 steps per node)
-    ("lofi-average-every-past-the-steps", lambda t: ["run", _config(t, lofi={"average_every": 5})],
-     ("lofi.average_every", "4 steps per node", "at most 4")),
-    ("lofi-average-every-past-the-epochs",
-     lambda t: ["run", _config(t, lofi={"average_every": 2, "average_unit": "epochs"})],
-     ("lofi.average_every", "1 epoch of 4 steps", "at most 1 (epochs)")),
-    ("lofi-average-every-epochs-past-max-steps",
-     lambda t: ["run", _config(t, lofi={"average_every": 1, "average_unit": "epochs"}), "--set", "optim.max_steps=2"],
-     ("lofi.average_every", "2 steps per node", "lofi.average_unit: steps")),
+    (
+        "lofi-average-every-past-the-steps",
+        lambda t: ["run", _config(t, lofi={"average_every": 5})],
+        ("lofi.average_every", "4 steps per node", "at most 4"),
+    ),
+    (
+        "lofi-average-every-past-the-epochs",
+        lambda t: ["run", _config(t, lofi={"average_every": 2, "average_unit": "epochs"})],
+        ("lofi.average_every", "1 epoch of 4 steps", "at most 1 (epochs)"),
+    ),
+    (
+        "lofi-average-every-epochs-past-max-steps",
+        lambda t: [
+            "run",
+            _config(t, lofi={"average_every": 1, "average_unit": "epochs"}),
+            "--set",
+            "optim.max_steps=2",
+        ],
+        ("lofi.average_every", "2 steps per node", "lofi.average_unit: steps"),
+    ),
     ("greedy-soup-without-val", lambda t: ["run", _config(t), "--set", "lofi.soup=greedy"], "lofi.soup"),
     # Streaming DiLoCo's fragments and overlap: peer rounds every H steps; test_efficientnet has < 96 modules to cut
-    ("fragments-without-peer-rounds", lambda t: ["run", _config(t, lofi={"average_every": 8, "fragments": 2})],
-     ("lofi.fragments", "peer rounds")),
-    ("fragments-not-dividing-h", lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4",
-                                                                     "fragments": 3})], ("lofi.fragments", "divide")),
-    ("overlap-past-the-next-sync", lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4",
-                                                                       "fragments": 2, "overlap": 5})],
-     ("lofi.overlap", "at most")),
-    ("overlap-true", lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4", "overlap": True})],
-     "lofi.overlap"),
-    ("mix-out-of-range", lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4", "overlap": 1,
-                                                             "mix": 1.5})], "lofi.mix"),
-    ("more-fragments-than-tensors", lambda t: ["run", _config(t, lofi={"average_every": 96, "compress": "int4",
-                                                                        "fragments": 96})],
-     ("lofi.fragments", "at most")),
-    ("empty-aux-widths", lambda t: ["run", _config(t, strategies=["interlocking"], interlocking={"aux_widths": []})],
-     "interlocking.aux_widths"),
+    (
+        "fragments-without-peer-rounds",
+        lambda t: ["run", _config(t, lofi={"average_every": 8, "fragments": 2})],
+        ("lofi.fragments", "peer rounds"),
+    ),
+    (
+        "fragments-not-dividing-h",
+        lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4", "fragments": 3})],
+        ("lofi.fragments", "divide"),
+    ),
+    (
+        "overlap-past-the-next-sync",
+        lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4", "fragments": 2, "overlap": 5})],
+        ("lofi.overlap", "at most"),
+    ),
+    (
+        "overlap-true",
+        lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4", "overlap": True})],
+        "lofi.overlap",
+    ),
+    (
+        "mix-out-of-range",
+        lambda t: ["run", _config(t, lofi={"average_every": 8, "compress": "int4", "overlap": 1, "mix": 1.5})],
+        "lofi.mix",
+    ),
+    (
+        "more-fragments-than-tensors",
+        lambda t: ["run", _config(t, lofi={"average_every": 96, "compress": "int4", "fragments": 96})],
+        ("lofi.fragments", "at most"),
+    ),
+    (
+        "empty-aux-widths",
+        lambda t: ["run", _config(t, strategies=["interlocking"], interlocking={"aux_widths": []})],
+        "interlocking.aux_widths",
+    ),
     # interlocking options the loaded model or data decide (test_efficientnet: 6 units; built without weights, no Ray)
     ("interlocking-split-not-the-units", lambda t: ["run", _interlocking(t, split=[1, 1])], "interlocking.split"),
     ("interlocking-split-wrong-length", lambda t: ["run", _interlocking(t, split=[2, 2, 2])], "interlocking.split"),
     ("interlocking-more-stages-than-units", lambda t: ["run", _interlocking(t, stages=7)], "interlocking.stages"),
-    ("interlocking-measured-on-tiny-test-set", lambda t: ["run", _interlocking(t), "--set", "data.test_size=1"],
-     "interlocking.balance"),
-    ("interlocking-unsplittable-timm-model", lambda t: ["run", _interlocking(t), "--set", "model.name=resnetv2_50"],
-     "model.name"),
+    (
+        "interlocking-measured-on-tiny-test-set",
+        lambda t: ["run", _interlocking(t), "--set", "data.test_size=1"],
+        "interlocking.balance",
+    ),
+    (
+        "interlocking-unsplittable-timm-model",
+        lambda t: ["run", _interlocking(t), "--set", "model.name=resnetv2_50"],
+        "model.name",
+    ),
     ("interlocking-lora-decoder", lambda t: ["run", _interlocking(t, **LORA_DECODER)], "model.lora"),
     ("spsa-bad-codec", lambda t: ["run", _config(t, strategies=["spsa"]), "--set", "spsa.codec=zip"], "spsa.codec"),
-    ("spsa-density-off-the-256ths", lambda t: ["run", _config(t, strategies=["spsa"]), "--set", "spsa.density=0.3"],
-     ("spsa.density", "76/256", "77/256")),
-    ("spsa-include-matches-nothing", lambda t: ["run", _config(t, strategies=["spsa"], spsa={"include": ["^head$"]})],
-     ("spsa.include", "matches none", "conv_stem.weight")),
+    (
+        "spsa-density-off-the-256ths",
+        lambda t: ["run", _config(t, strategies=["spsa"]), "--set", "spsa.density=0.3"],
+        ("spsa.density", "76/256", "77/256"),
+    ),
+    (
+        "spsa-include-matches-nothing",
+        lambda t: ["run", _config(t, strategies=["spsa"], spsa={"include": ["^head$"]})],
+        ("spsa.include", "matches none", "conv_stem.weight"),
+    ),
     # --- data and model
     ("bad-data-name", lambda t: ["run", _config(t), "--set", "data.name=cifar"], "data.name"),
     ("family-data-mismatch", lambda t: ["run", _config(t), "--set", "model.family=hf_classifier"], "model.family"),
     ("missing-model-path", lambda t: ["run", _config(t, **{"model.path": str(t / "weights")})], "model.path"),
     ("missing-data-path", lambda t: ["run", _config(t, **{"data.path": str(t / "digits.csv")})], "data.path"),
     # --- empty cells: the file and the row, before anything trains
-    ("empty-label-cell", lambda t: ["run", _own(t, files=_reviews(t, blank="verdict"))],
-     ("'data.columns.label' = 'verdict'", "row 3 of data.files", "reviews.csv", "its cell is empty")),
-    ("empty-label-cell-with-classes",
-     lambda t: ["run", _own(t, files=_reviews(t, blank="verdict", at=9), classes=["fresh", "rotten"])],
-     ("'data.columns.label'", "row 9 of data.files")),
-    ("nan-label-cell", lambda t: ["run", _own(t, files=_reviews(t, blank="verdict", labels=("1", "0")))],
-     ("'data.columns.label'", "row 3 of data.files")),
-    ("null-label-json", lambda t: ["run", _own(t, source="json", files=_jsonl(t, None))],
-     ("'data.columns.label'", "reviews.jsonl")),
-    ("blank-label-json", lambda t: ["run", _own(t, source="json", files=_jsonl(t, "  "))],
-     ("'data.columns.label'", "row 3 of")),
-    ("classlabel-minus-one", lambda t: ["run", _own(t, source=_saved_minus_one(t), files=None)],
-     ("'data.columns.label'", "row 3 of data.files", "saved")),
-    ("empty-text-cell", lambda t: ["run", _own(t, files=_reviews(t, blank="review"))],
-     ("'data.columns.text' = 'review'", "row 3 of data.files")),
-    ("empty-text-pair-cell", lambda t: ["run", _own(t, files=_pairs(t, blank_at=5), columns=PAIR_COLUMNS)],
-     ("'data.columns.text_pair'", "row 5 of data.files")),
-    ("empty-image-cell", lambda t: ["run", _config(t, data={**DIGITS, "files": _digits(t, blank_at=6)})],
-     ("'data.columns.image' = 'pixels'", "row 6 of data.files", "digits.csv")),
-    ("empty-label-in-test-file",
-     lambda t: ["run", _own(t, files={"train": _reviews(t), "test": _reviews(t, "test.csv", blank="verdict", at=2)})],
-     ("'data.columns.label'", "row 2 of data.files", "test.csv")),
-    ("empty-label-in-shift-set",
-     lambda t: ["run", _own(t, shift={"amazon": {"files": _reviews(t, "amazon.csv", blank="verdict", at=1)}})],
-     ("'data.shift.amazon.columns.label'", "row 1 of data.shift.amazon.files", "amazon.csv")),
-    ("empty-text-in-shift-set",
-     lambda t: ["run", _own(t, shift={"amazon": {"files": _reviews(t, "amazon.csv", blank="review", at=0)}})],
-     ("'data.shift.amazon.columns.text'", "row 0 of data.shift.amazon.files")),
-    ("empty-label-in-node-file",
-     lambda t: ["run", _own(t, node_files=[_reviews(t, "n0.csv"), _reviews(t, "n1.csv", blank="verdict", at=2)])],
-     ("'data.columns.label'", "row 2 of data.node_files[1]", "n1.csv")),
-    ("empty-text-in-node-file",
-     lambda t: ["run", _own(t, node_files=[_reviews(t, "n0.csv", blank="review", at=4), _reviews(t, "n1.csv")])],
-     ("'data.columns.text'", "row 4 of data.node_files[0]")),
+    (
+        "empty-label-cell",
+        lambda t: ["run", _own(t, files=_reviews(t, blank="verdict"))],
+        ("'data.columns.label' = 'verdict'", "row 3 of data.files", "reviews.csv", "its cell is empty"),
+    ),
+    (
+        "empty-label-cell-with-classes",
+        lambda t: ["run", _own(t, files=_reviews(t, blank="verdict", at=9), classes=["fresh", "rotten"])],
+        ("'data.columns.label'", "row 9 of data.files"),
+    ),
+    (
+        "nan-label-cell",
+        lambda t: ["run", _own(t, files=_reviews(t, blank="verdict", labels=("1", "0")))],
+        ("'data.columns.label'", "row 3 of data.files"),
+    ),
+    (
+        "null-label-json",
+        lambda t: ["run", _own(t, source="json", files=_jsonl(t, None))],
+        ("'data.columns.label'", "reviews.jsonl"),
+    ),
+    (
+        "blank-label-json",
+        lambda t: ["run", _own(t, source="json", files=_jsonl(t, "  "))],
+        ("'data.columns.label'", "row 3 of"),
+    ),
+    (
+        "classlabel-minus-one",
+        lambda t: ["run", _own(t, source=_saved_minus_one(t), files=None)],
+        ("'data.columns.label'", "row 3 of data.files", "saved"),
+    ),
+    (
+        "empty-text-cell",
+        lambda t: ["run", _own(t, files=_reviews(t, blank="review"))],
+        ("'data.columns.text' = 'review'", "row 3 of data.files"),
+    ),
+    (
+        "empty-text-pair-cell",
+        lambda t: ["run", _own(t, files=_pairs(t, blank_at=5), columns=PAIR_COLUMNS)],
+        ("'data.columns.text_pair'", "row 5 of data.files"),
+    ),
+    (
+        "empty-image-cell",
+        lambda t: ["run", _config(t, data={**DIGITS, "files": _digits(t, blank_at=6)})],
+        ("'data.columns.image' = 'pixels'", "row 6 of data.files", "digits.csv"),
+    ),
+    (
+        "empty-label-in-test-file",
+        lambda t: [
+            "run",
+            _own(t, files={"train": _reviews(t), "test": _reviews(t, "test.csv", blank="verdict", at=2)}),
+        ],
+        ("'data.columns.label'", "row 2 of data.files", "test.csv"),
+    ),
+    (
+        "empty-label-in-shift-set",
+        lambda t: ["run", _own(t, shift={"amazon": {"files": _reviews(t, "amazon.csv", blank="verdict", at=1)}})],
+        ("'data.shift.amazon.columns.label'", "row 1 of data.shift.amazon.files", "amazon.csv"),
+    ),
+    (
+        "empty-text-in-shift-set",
+        lambda t: ["run", _own(t, shift={"amazon": {"files": _reviews(t, "amazon.csv", blank="review", at=0)}})],
+        ("'data.shift.amazon.columns.text'", "row 0 of data.shift.amazon.files"),
+    ),
+    (
+        "empty-label-in-node-file",
+        lambda t: ["run", _own(t, node_files=[_reviews(t, "n0.csv"), _reviews(t, "n1.csv", blank="verdict", at=2)])],
+        ("'data.columns.label'", "row 2 of data.node_files[1]", "n1.csv"),
+    ),
+    (
+        "empty-text-in-node-file",
+        lambda t: ["run", _own(t, node_files=[_reviews(t, "n0.csv", blank="review", at=4), _reviews(t, "n1.csv")])],
+        ("'data.columns.text'", "row 4 of data.node_files[0]"),
+    ),
     # --- your own data is named after its source, and the wrong role is named
-    ("text-column-as-image", lambda t: ["run", _own(t, columns={"image": "review", "label": "verdict"})],
-     ("data 'reviews' is image", "data.columns.image = 'review'")),
-    ("own-text-for-timm", lambda t: ["run", _own(t, model=GOOD["model"])],
-     ("data 'reviews' is labelled text", "data.columns.text")),
-    ("own-images-for-hf",
-     lambda t: ["run", _config(t, model=TEXT_MODEL, data={"source": "imagefolder", "files": _pngs(t)})],
-     ("data 'digits' is image", "data.columns.image")),
+    (
+        "text-column-as-image",
+        lambda t: ["run", _own(t, columns={"image": "review", "label": "verdict"})],
+        ("data 'reviews' is image", "data.columns.image = 'review'"),
+    ),
+    (
+        "own-text-for-timm",
+        lambda t: ["run", _own(t, model=GOOD["model"])],
+        ("data 'reviews' is labelled text", "data.columns.text"),
+    ),
+    (
+        "own-images-for-hf",
+        lambda t: ["run", _config(t, model=TEXT_MODEL, data={"source": "imagefolder", "files": _pngs(t)})],
+        ("data 'digits' is image", "data.columns.image"),
+    ),
     # --- storage: what pyarrow.fs cannot open, a file
     ("storage-ftp", lambda t: ["run", _config(t, storage="ftp://host/x")], ("'storage'", "ftp://", "s3://")),
     ("storage-https", lambda t: ["run", _config(t, storage="https://host/x")], "'storage'"),
     ("storage-is-a-file", lambda t: ["run", _config(t, storage=_file(t))], ("'storage'", "is a file")),
-    ("storage-under-a-file", lambda t: ["run", _config(t, storage=_file(t) + "/state")],
-     ("'storage'", "which is a file")),
+    (
+        "storage-under-a-file",
+        lambda t: ["run", _config(t, storage=_file(t) + "/state")],
+        ("'storage'", "which is a file"),
+    ),
     # --- storage that cannot be written: a marker written and deleted before Ray (root cannot write procfs either)
-    ("storage-s3-without-bucket", lambda t: ["run", _config(t, storage="s3://")],
-     ("'storage'", "names no bucket", "s3://BUCKET/PATH")),
+    (
+        "storage-s3-without-bucket",
+        lambda t: ["run", _config(t, storage="s3://")],
+        ("'storage'", "names no bucket", "s3://BUCKET/PATH"),
+    ),
     ("storage-gs-without-bucket", lambda t: ["run", _config(t, storage="gs:///run")], ("'storage'", "no bucket")),
-    ("storage-unreachable-endpoint",
-     lambda t: ["run", _config(t, storage="s3://bucket/run?endpoint_override=127.0.0.1:1&scheme=http")],
-     ("'storage'", "cannot be written", "127.0.0.1:1", "endpoint")),
-    ("storage-uncreatable-folder", lambda t: ["run", _config(t, storage="/proc/raylowcomm/state")],
-     ("'storage'", "cannot be written", "/proc/raylowcomm")),
-    ("storage-folder-without-files", lambda t: ["run", _config(t, storage="/proc")],
-     ("'storage'", "cannot be written", "give a folder")),
+    (
+        "storage-unreachable-endpoint",
+        lambda t: ["run", _config(t, storage="s3://bucket/run?endpoint_override=127.0.0.1:1&scheme=http")],
+        ("'storage'", "cannot be written", "127.0.0.1:1", "endpoint"),
+    ),
+    (
+        "storage-uncreatable-folder",
+        lambda t: ["run", _config(t, storage="/proc/raylowcomm/state")],
+        ("'storage'", "cannot be written", "/proc/raylowcomm"),
+    ),
+    (
+        "storage-folder-without-files",
+        lambda t: ["run", _config(t, storage="/proc")],
+        ("'storage'", "cannot be written", "give a folder"),
+    ),
     # --- model folders and files that hold no model
     ("model-path-empty-folder", lambda t: _hf_model(t, {}), ("'model.path'", "lacks config.json")),
     ("model-path-text-only", lambda t: _hf_model(t, {"notes.txt": "my model\n"}), ("'model.path'", "notes.txt")),
-    ("model-path-no-weights", lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "vocab.txt": "[PAD]\n"}),
-     ("'model.path'", "lacks weights")),
-    ("model-path-no-tokenizer", lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "model.safetensors": b""}),
-     ("'model.path'", "lacks a tokenizer")),
-    ("model-path-bad-config",
-     lambda t: _hf_model(t, {"config.json": "{bert", "vocab.txt": "a\n", "model.safetensors": b""}),
-     ("'model.path'", "config.json")),
-    ("model-path-bad-weights",
-     lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "vocab.txt": "a\n", "model.safetensors": "none"}),
-     ("'model.path'", "model.safetensors is not a safetensors file")),
-    ("model-path-file-for-hf", lambda t: ["run", _config(t, model={**TEXT_MODEL, "path": _file(t)}, data=TEXT_DATA)],
-     ("'model.path'", "is a folder")),
-    ("model-name-empty-folder",
-     lambda t: ["run", _config(t, model={"name": _folder(t, {}), "family": "hf_classifier"}, data=TEXT_DATA)],
-     ("'model.name'", "lacks config.json")),
-    ("timm-path-is-a-folder", lambda t: ["run", _config(t, **{"model.path": _folder(t, {}), "model.pretrained": True})],
-     ("'model.path'", "one file")),
-    ("timm-path-text-file", lambda t: ["run", _config(t, **{"model.path": _file(t), "model.pretrained": True})],
-     ("'model.path'", "not a torch checkpoint")),
-    ("timm-weights-of-another-arch", lambda t: ["run", _wrong_checkpoint(t)],
-     ("'model.path'", "do not fit timm architecture 'test_byobnet'")),
+    (
+        "model-path-no-weights",
+        lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "vocab.txt": "[PAD]\n"}),
+        ("'model.path'", "lacks weights"),
+    ),
+    (
+        "model-path-no-tokenizer",
+        lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "model.safetensors": b""}),
+        ("'model.path'", "lacks a tokenizer"),
+    ),
+    (
+        "model-path-bad-config",
+        lambda t: _hf_model(t, {"config.json": "{bert", "vocab.txt": "a\n", "model.safetensors": b""}),
+        ("'model.path'", "config.json"),
+    ),
+    (
+        "model-path-bad-weights",
+        lambda t: _hf_model(t, {"config.json": CONFIG_JSON, "vocab.txt": "a\n", "model.safetensors": "none"}),
+        ("'model.path'", "model.safetensors is not a safetensors file"),
+    ),
+    (
+        "model-path-file-for-hf",
+        lambda t: ["run", _config(t, model={**TEXT_MODEL, "path": _file(t)}, data=TEXT_DATA)],
+        ("'model.path'", "is a folder"),
+    ),
+    (
+        "model-name-empty-folder",
+        lambda t: ["run", _config(t, model={"name": _folder(t, {}), "family": "hf_classifier"}, data=TEXT_DATA)],
+        ("'model.name'", "lacks config.json"),
+    ),
+    (
+        "timm-path-is-a-folder",
+        lambda t: ["run", _config(t, **{"model.path": _folder(t, {}), "model.pretrained": True})],
+        ("'model.path'", "one file"),
+    ),
+    (
+        "timm-path-text-file",
+        lambda t: ["run", _config(t, **{"model.path": _file(t), "model.pretrained": True})],
+        ("'model.path'", "not a torch checkpoint"),
+    ),
+    (
+        "timm-weights-of-another-arch",
+        lambda t: ["run", _wrong_checkpoint(t)],
+        ("'model.path'", "do not fit timm architecture 'test_byobnet'"),
+    ),
     # --- a section's unknown key, inside an optional section
-    ("lora-unknown-key", lambda t: ["run", _config(t, **{"model.lora": {"rank": 8}})],
-     ("'model.lora.rank'", "alpha, dropout, r")),
-    ("shift-set-unknown-key", lambda t: ["run", _own(t, shift={"amazon": {"file": "amazon.csv"}})],
-     ("'data.shift.amazon.file'", "files")),
+    (
+        "lora-unknown-key",
+        lambda t: ["run", _config(t, **{"model.lora": {"rank": 8}})],
+        ("'model.lora.rank'", "alpha, dropout, r"),
+    ),
+    (
+        "shift-set-unknown-key",
+        lambda t: ["run", _own(t, shift={"amazon": {"file": "amazon.csv"}})],
+        ("'data.shift.amazon.file'", "files"),
+    ),
     ("files-not-text", lambda t: ["run", _own(t, files=[3])], "'data.files[0]'"),
     # --- --set
     ("set-without-equals", lambda t: ["run", _config(t), "--set", "optim.lr"], "--set"),
@@ -363,22 +519,37 @@ CASES = [
     ("seeds-repeated", lambda t: ["run", _config(t), "--seeds", "0,1,0"], ("--seeds", "each seed once")),
     ("seeds-and-set-seed", lambda t: ["run", _config(t), "--seeds", "0,1", "--set", "seed=3"], ("--seeds", "seed=")),
     ("seeds-missing-argument", lambda t: ["run", _config(t), "--seeds"], "--seeds"),
-    ("seeds-resume-not-a-seeds-run", lambda t: ["run", _config(t), "--seeds", "0,1", "--resume", str(t)],
-     ("--resume", "no seeds.json")),
+    (
+        "seeds-resume-not-a-seeds-run",
+        lambda t: ["run", _config(t), "--seeds", "0,1", "--resume", str(t)],
+        ("--resume", "no seeds.json"),
+    ),
     # --- --resume: the run's own config.yaml, damaged
-    ("resume-truncated-config", lambda t: ["run", _config(t), "--resume", _damaged_run(t)],
-     ("--resume", "config.yaml", "line 3", "start afresh")),
-    ("resume-empty-config", lambda t: ["run", _config(t), "--resume", _damaged_run(t, "")],
-     ("--resume", "config.yaml", "is empty")),
-    ("resume-config-not-a-mapping", lambda t: ["run", _config(t), "--resume", _damaged_run(t, "- lofi\n")],
-     ("--resume", "holds no config mapping")),
+    (
+        "resume-truncated-config",
+        lambda t: ["run", _config(t), "--resume", _damaged_run(t)],
+        ("--resume", "config.yaml", "line 3", "start afresh"),
+    ),
+    (
+        "resume-empty-config",
+        lambda t: ["run", _config(t), "--resume", _damaged_run(t, "")],
+        ("--resume", "config.yaml", "is empty"),
+    ),
+    (
+        "resume-config-not-a-mapping",
+        lambda t: ["run", _config(t), "--resume", _damaged_run(t, "- lofi\n")],
+        ("--resume", "holds no config mapping"),
+    ),
     # --- output folder
     ("out-is-a-file", lambda t: ["run", _config(t), "--out", _file(t)], "--out"),
     ("out-under-a-file", lambda t: ["run", _config(t), "--out", _file(t) + "/run"], "--out"),
     ("out-dir-field-is-a-file", lambda t: ["run", _config(t, out_dir=_file(t))], "out_dir"),
     # modes stop a user (--out not writable); root, at the probe of OUT/state, the default storage
-    ("out-uncreatable", lambda t: ["run", _config(t), "--out", "/proc/raylowcomm/run"],
-     ("/proc/raylowcomm/run", "writ")),
+    (
+        "out-uncreatable",
+        lambda t: ["run", _config(t), "--out", "/proc/raylowcomm/run"],
+        ("/proc/raylowcomm/run", "writ"),
+    ),
     # --- the command line
     ("unknown-flag", lambda t: ["run", _config(t), "--bogus"], "--bogus"),
     ("unknown-subcommand", lambda t: ["frobnicate"], "frobnicate"),
@@ -399,18 +570,23 @@ CASES = [
     ("bench-wan-unknown-unit", lambda t: ["bench", "wan", _config(t), "--rate", "100mbits"], ("--rate", "100mbits")),
     ("bench-wan-rate-without-unit", lambda t: ["bench", "wan", _config(t), "--rate", "100"], ("--rate", "unit")),
     ("bench-wan-rate-below-a-byte", lambda t: ["bench", "wan", _config(t), "--rate", "4bit"], ("--rate", "8bit")),
-    ("bench-wan-second-rate-bad", lambda t: ["bench", "wan", _config(t), "--rate", "1gbit", "--rate", "0.0kbit"],
-     ("--rate", "0.0kbit")),
+    (
+        "bench-wan-second-rate-bad",
+        lambda t: ["bench", "wan", _config(t), "--rate", "1gbit", "--rate", "0.0kbit"],
+        ("--rate", "0.0kbit"),
+    ),
     # --- tune
     ("tune-missing-sweep", lambda t: ["tune", str(t / "sweep.yaml")], "sweep.yaml"),
-    ("tune-malformed-sweep", lambda t: ["tune", str(_write(t / "sweep.yaml", "space:\n  optim.lr: {grid: [1, 2}\n"))],
-     "line 2"),
+    (
+        "tune-malformed-sweep",
+        lambda t: ["tune", str(_write(t / "sweep.yaml", "space:\n  optim.lr: {grid: [1, 2}\n"))],
+        "line 2",
+    ),
     ("tune-sweep-not-mapping", lambda t: ["tune", str(_write(t / "sweep.yaml", "- 1\n"))], "sweep.yaml"),
     ("tune-unknown-key", lambda t: ["tune", _sweep(t, spaces={})], "'spaces'"),
     ("tune-bad-space-value", lambda t: ["tune", _sweep(t, space={"optim.lr": {"grid": [0.1, -1]}})], "space.optim.lr"),
     ("tune-bad-set", lambda t: ["tune", _sweep(t), "--set", "optim.lr"], "--set"),
-    ("tune-pinned-hosts", lambda t: ["tune", _sweep(t, set={"nodes.hosts": ["10.0.0.2", "10.0.0.3"]})],
-     "nodes.hosts"),
+    ("tune-pinned-hosts", lambda t: ["tune", _sweep(t, set={"nodes.hosts": ["10.0.0.2", "10.0.0.3"]})], "nodes.hosts"),
     ("tune-malformed-base", lambda t: ["tune", _sweep_with_bad_base(t)], "base"),
     ("tune-storage-path-is-a-file", lambda t: ["tune", _sweep(t), "--storage-path", _file(t)], "--storage-path"),
     # --- report
@@ -475,8 +651,10 @@ def test_out_not_writable(tmp_path, capsys, no_ray):
     assert len(lines) == 1 and "--out" in lines[0] and "not writable" in lines[0]
 
 
-CHILD_CLI = ("import sys, ray; from raylowcomm.cli import main; "
-             "code = main(sys.argv[1:]); sys.exit(3 if ray.is_initialized() else code)")
+CHILD_CLI = (
+    "import sys, ray; from raylowcomm.cli import main; "
+    "code = main(sys.argv[1:]); sys.exit(3 if ray.is_initialized() else code)"
+)
 """`raylowcomm` in a child process, exit code 3 if it initialised Ray."""
 
 
@@ -496,10 +674,13 @@ def test_storage_read_only(tmp_path, capsys, no_ray):
         if shutil.which("unshare") is None:
             pytest.skip("root writes through modes, and unshare (util-linux) is missing for a read-only mount")
         folder = shlex.quote(str(state))
-        script = (f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} || exit 99; "
-                  f'exec {shlex.quote(sys.executable)} -c {shlex.quote(CHILD_CLI)} "$@"')
-        proc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *argv], capture_output=True, text=True,
-                              timeout=300)
+        script = (
+            f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} || exit 99; "
+            f'exec {shlex.quote(sys.executable)} -c {shlex.quote(CHILD_CLI)} "$@"'
+        )
+        proc = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, "sh", *argv], capture_output=True, text=True, timeout=300
+        )
         if proc.returncode == 99:
             pytest.skip(f"root writes through modes, and no read-only bind mount can be made here: {proc.stderr}")
         code, err = proc.returncode, proc.stderr

@@ -25,7 +25,9 @@ TINY = {
     "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
     "data": {"name": "mnist", "train_size": 256, "test_size": 100, "image_size": 16},
     "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 1},
-    "strategies": ["lofi"], "log_every": 1000, "checkpoint_every": 1000,
+    "strategies": ["lofi"],
+    "log_every": 1000,
+    "checkpoint_every": 1000,
     "lofi": {"bn_recalibrate": False},
 }
 # The job's entrypoint gets the cluster's environment (token auth included: the driver inherits
@@ -43,8 +45,10 @@ except urllib.error.HTTPError as err:
     print(err.code)
 """
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"),
+]
 
 
 def _exit_on_sigterm(signum, frame):
@@ -76,12 +80,23 @@ def make_cluster():
 def test_sweep_submitted_as_a_job_writes_results(make_cluster, tmp_path):
     cluster = make_cluster(hosts=1, cpus=2)
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({**TINY, "nodes": {"count": 1, "cpus": 1}}))
-    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump({
-        "base": "base.yaml", "space": {"optim.lr": {"grid": [0.01, 0.1]}}, "metric": "id_accuracy", "mode": "max",
-        "name": "job"}))
+    (tmp_path / "sweep.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "base": "base.yaml",
+                "space": {"optim.lr": {"grid": [0.01, 0.1]}},
+                "metric": "id_accuracy",
+                "mode": "max",
+                "name": "job",
+            }
+        )
+    )
     store = tmp_path / "store"
-    proc = cluster.submit(["raylowcomm", "tune", str(tmp_path / "sweep.yaml"), "--storage-path", str(store)],
-                          working_dir=REPO, runtime_env=RUNTIME_ENV)
+    proc = cluster.submit(
+        ["raylowcomm", "tune", str(tmp_path / "sweep.yaml"), "--storage-path", str(store)],
+        working_dir=REPO,
+        runtime_env=RUNTIME_ENV,
+    )
     assert "succeeded" in proc.stdout, proc.stdout[-3000:]
     summary = json.loads((store / "job" / "summary.json").read_text())
     assert len(summary["trials"]) == 2 and all(t["status"] == "done" for t in summary["trials"])
@@ -93,8 +108,9 @@ def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
     cluster = make_cluster(hosts=2, cpus=2)
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump({**TINY, "nodes": {"count": 2, "cpus": 1, "placement": "SPREAD"}}))
-    proc = cluster.submit(["raylowcomm", "run", str(config), "--out", str(tmp_path / "out")], working_dir=REPO,
-                          runtime_env=RUNTIME_ENV)
+    proc = cluster.submit(
+        ["raylowcomm", "run", str(config), "--out", str(tmp_path / "out")], working_dir=REPO, runtime_env=RUNTIME_ENV
+    )
     assert "succeeded" in proc.stdout, proc.stdout[-3000:]
     record = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert "id_accuracy" in record["metrics"]
@@ -119,12 +135,14 @@ def test_a_client_without_the_token_is_refused(make_cluster, tmp_path):
 
     anonymous = cluster.submit(touch, working_dir=job_dir, check=False, timeout=120, auth=False)
     assert anonymous.returncode != 0
-    assert "AuthenticationError: Authentication required: Unauthorized: Missing authentication token" \
-        in anonymous.stderr, anonymous.stderr[-2000:]
+    assert (
+        "AuthenticationError: Authentication required: Unauthorized: Missing authentication token" in anonymous.stderr
+    ), anonymous.stderr[-2000:]
     wrong = cluster.submit(touch, working_dir=job_dir, check=False, timeout=120, auth=secrets.token_hex(32))
     assert wrong.returncode != 0
-    assert "AuthenticationError: Authentication failed: Forbidden: Invalid authentication token" \
-        in wrong.stderr, wrong.stderr[-2000:]
+    assert "AuthenticationError: Authentication failed: Forbidden: Invalid authentication token" in wrong.stderr, (
+        wrong.stderr[-2000:]
+    )
     by_hand = cluster.run(1, [sys.executable, "-c", POST_JOB, cluster.dashboard, f"touch {marker}"], auth=False)
     assert by_hand.stdout.split() == ["401"], by_hand.stdout
     gcs = cluster.run(1, [cluster.ray, "status", f"--address={cluster.address}"], check=False, auth=False)
@@ -157,8 +175,14 @@ def test_pinned_nodes_run_on_their_named_hosts_also_after_a_restart(make_cluster
     cluster = make_cluster(hosts=2, cpus=2)
     storage, hosts = tmp_path / "shared", cluster.node_ids()
     pinned = [cluster.addresses[1], cluster.addresses[0]]
-    cfg = {**TINY, "strategies": ["lofi", "ddp"], "storage": str(storage), "checkpoint_every": 4,
-           "optim": {**TINY["optim"], "epochs": 8}, "nodes": {"count": 2, "cpus": 1, "hosts": pinned}}
+    cfg = {
+        **TINY,
+        "strategies": ["lofi", "ddp"],
+        "storage": str(storage),
+        "checkpoint_every": 4,
+        "optim": {**TINY["optim"], "epochs": 8},
+        "nodes": {"count": 2, "cpus": 1, "hosts": pinned},
+    }
     (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(cfg))
     driver = cluster.start_on(0, ["raylowcomm", "run", str(tmp_path / "pinned.yaml"), "--out", str(tmp_path / "out")])
     checkpoint, deadline = storage / "lofi" / "checkpoints" / "node0.safetensors", time.time() + 300
@@ -184,33 +208,61 @@ def test_state_on_shared_storage_survives_a_lost_host(make_cluster, tmp_path):
     for d in scratch:
         d.mkdir()
     # host 0 (head) has room for a restarted node; the "slot" resource puts the SPSA joiner apart
-    cluster = make_cluster(hosts=2, cpus=[2, 1], gpus=[0, 1], resources=[{"slot": 1}, {"slot": 1}],
-                           host_env=[{"TMPDIR": str(d)} for d in scratch])
+    cluster = make_cluster(
+        hosts=2,
+        cpus=[2, 1],
+        gpus=[0, 1],
+        resources=[{"slot": 1}, {"slot": 1}],
+        host_env=[{"TMPDIR": str(d)} for d in scratch],
+    )
     storage, hosts = tmp_path / "shared", cluster.node_ids()
     gpu_cfg = {**TINY, "nodes": {"count": 1, "cpus": 1, "gpus": 1}, "optim": {**TINY["optim"], "max_steps": 2}}
     (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(gpu_cfg))
-    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "gpu.yaml"), "--out", str(tmp_path / "gpu")],
-                       timeout=600)
+    proc = cluster.run(
+        0, ["raylowcomm", "run", str(tmp_path / "gpu.yaml"), "--out", str(tmp_path / "gpu")], timeout=600
+    )
     gpu_node = json.loads((tmp_path / "gpu" / "results.json").read_text())[0]["nodes"][0]
     assert hosts[gpu_node["ray_node_id"]] == cluster.addresses[1], proc.stdout[-2000:]
 
-    spsa = {**TINY, "strategies": ["spsa"], "storage": str(storage), "checkpoint_every": 4,
-            "nodes": {"count": 1, "cpus": 1, "resources": {"slot": 1}},
-            "spsa": {"steps": 12, "lr": 1e-4, "join": [{"step": 6}]}}
+    spsa = {
+        **TINY,
+        "strategies": ["spsa"],
+        "storage": str(storage),
+        "checkpoint_every": 4,
+        "nodes": {"count": 1, "cpus": 1, "resources": {"slot": 1}},
+        "spsa": {"steps": 12, "lr": 1e-4, "join": [{"step": 6}]},
+    }
     (tmp_path / "spsa.yaml").write_text(yaml.safe_dump(spsa))
-    proc = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "spsa.yaml"), "--out", str(tmp_path / "spsa")],
-                       timeout=600)
+    proc = cluster.run(
+        0, ["raylowcomm", "run", str(tmp_path / "spsa.yaml"), "--out", str(tmp_path / "spsa")], timeout=600
+    )
     record = json.loads((tmp_path / "spsa" / "results.json").read_text())[0]
     first, joiner = record["nodes"]
     assert joiner["joined_from_checkpoint_step"] == 4, proc.stdout[-2000:]
     assert hosts[joiner["ray_node_id"]] != hosts[first["ray_node_id"]], proc.stdout[-2000:]
     assert joiner["final_hash"] == first["final_hash"] and record["details"]["verified"][-1]["nodes"] == [0, 1]
 
-    lofi = {**TINY, "storage": str(storage), "checkpoint_every": 4, "optim": {**TINY["optim"], "epochs": 8},
-            "nodes": {"count": 2, "cpus": 1, "placement": "SPREAD"}}
+    lofi = {
+        **TINY,
+        "storage": str(storage),
+        "checkpoint_every": 4,
+        "optim": {**TINY["optim"], "epochs": 8},
+        "nodes": {"count": 2, "cpus": 1, "placement": "SPREAD"},
+    }
     (tmp_path / "lofi.yaml").write_text(yaml.safe_dump(lofi))
-    clean = cluster.run(0, ["raylowcomm", "run", str(tmp_path / "lofi.yaml"), "--out", str(tmp_path / "clean"),
-                            "--set", f"storage={tmp_path / 'clean_storage'}"], timeout=600)
+    clean = cluster.run(
+        0,
+        [
+            "raylowcomm",
+            "run",
+            str(tmp_path / "lofi.yaml"),
+            "--out",
+            str(tmp_path / "clean"),
+            "--set",
+            f"storage={tmp_path / 'clean_storage'}",
+        ],
+        timeout=600,
+    )
     driver = cluster.start_on(0, ["raylowcomm", "run", str(tmp_path / "lofi.yaml"), "--out", str(tmp_path / "lost")])
     checkpoints = [storage / "lofi" / "checkpoints" / f"node{k}.safetensors" for k in range(2)]
     deadline = time.time() + 300

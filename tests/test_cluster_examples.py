@@ -49,8 +49,12 @@ def aws_problems(text: str) -> list[str]:
     """What leaves the cluster launcher's cluster open: a Ray started without token auth, the
     dashboard on a non-loopback address, no token on the nodes."""
     config, problems = yaml.safe_load(text), []
-    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in config.get(key, [])
-              if "ray start" in c]
+    starts = [
+        c
+        for key in ("head_start_ray_commands", "worker_start_ray_commands")
+        for c in config.get(key, [])
+        if "ray start" in c
+    ]
     problems += [f"started without RAY_AUTH_MODE=token: {c}" for c in starts if "RAY_AUTH_MODE=token" not in c]
     hosts = re.findall(r"--dashboard-host[= ](\S+)", " ".join(starts))
     problems += [f"dashboard on {h}" for h in hosts if h not in ("127.0.0.1", "localhost")]
@@ -70,8 +74,11 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 def _admits(policy: dict, labels: dict) -> bool:
     """Whether an ingress rule of the policy admits a pod of this namespace with these labels."""
-    return any(peer.get("namespaceSelector") is None and _selects(peer.get("podSelector") or {}, labels)
-               for rule in policy["spec"].get("ingress") or [] for peer in rule.get("from") or [])
+    return any(
+        peer.get("namespaceSelector") is None and _selects(peer.get("podSelector") or {}, labels)
+        for rule in policy["spec"].get("ingress") or []
+        for peer in rule.get("from") or []
+    )
 
 
 def rayjob_problems(text: str) -> list[str]:
@@ -86,15 +93,21 @@ def rayjob_problems(text: str) -> list[str]:
         problems.append("rayClusterSpec.authOptions.mode is not token")
     head_group = spec["headGroupSpec"]
     service = (head_group.get("headService") or {}).get("spec") or {}
-    if head_group.get("serviceType", "ClusterIP") != "ClusterIP" or service.get("type", "ClusterIP") != "ClusterIP" \
-            or head_group.get("enableIngress") or any(d.get("kind") == "Ingress" for d in docs):
+    if (
+        head_group.get("serviceType", "ClusterIP") != "ClusterIP"
+        or service.get("type", "ClusterIP") != "ClusterIP"
+        or head_group.get("enableIngress")
+        or any(d.get("kind") == "Ingress" for d in docs)
+    ):
         problems.append("the head is published outside the Kubernetes cluster")
     head = {**_labels(head_group["template"]), "ray.io/node-type": "head"}
     workers = [{**_labels(g["template"]), "ray.io/node-type": "worker"} for g in spec.get("workerGroupSpecs", [])]
     policies = [d for d in docs if d.get("kind") == "NetworkPolicy"]
     for name, labels in [("head", head)] + [(f"worker group {i}", w) for i, w in enumerate(workers)]:
-        if not any("Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-                   and _selects(p["spec"]["podSelector"], labels) for p in policies):
+        if not any(
+            "Ingress" in p["spec"].get("policyTypes", ["Ingress"]) and _selects(p["spec"]["podSelector"], labels)
+            for p in policies
+        ):
             problems.append(f"no NetworkPolicy isolates the {name}")
     for policy in policies:
         for rule in policy["spec"].get("ingress") or []:
@@ -146,9 +159,12 @@ spec:
 """
     assert auth_modes(rayjob) == {"disabled"}
     assert rayjob_problems(rayjob) == [
-        "rayClusterSpec.authOptions.mode is not token", "the head is published outside the Kubernetes cluster",
-        "no NetworkPolicy isolates the head", "open admits more than labelled pods: {'from': [{'ipBlock': "
-        "{'cidr': '0.0.0.0/0'}}]}", "no NetworkPolicy admits the workers to the head"]
+        "rayClusterSpec.authOptions.mode is not token",
+        "the head is published outside the Kubernetes cluster",
+        "no NetworkPolicy isolates the head",
+        "open admits more than labelled pods: {'from': [{'ipBlock': {'cidr': '0.0.0.0/0'}}]}",
+        "no NetworkPolicy admits the workers to the head",
+    ]
 
 
 def test_no_command_in_the_docs_turns_auth_off():

@@ -54,8 +54,10 @@ def test_length_grouped_batches_cover_the_epoch_cut_padding_and_line_up_across_n
     assert not torch.equal(batch_at(shards[0], 70, batch, 1, 5)["row"], grouped[70 - per_epoch]["row"])
     # nodes share the group seed: at each step their batches have similar lengths (DDP waits for the longest)
     other = batches(shards[1], 2, 5)
-    ddp_padded = sum(2 * batch * max(int(a["attention_mask"].sum(1).max()), int(b["attention_mask"].sum(1).max()))
-                     for a, b in zip(grouped, other))
+    ddp_padded = sum(
+        2 * batch * max(int(a["attention_mask"].sum(1).max()), int(b["attention_mask"].sum(1).max()))
+        for a, b in zip(grouped, other)
+    )
     both_real = real + sum(int(b["attention_mask"].sum()) for b in other)
     assert both_real / ddp_padded > 0.8
     # rows without padding (images, packed text) keep the plain order
@@ -96,8 +98,9 @@ def test_pixels_stay_uint8_and_stack_across_formats():
     assert torch.equal(pixels([flat], 32), torch.arange(16, dtype=torch.uint8).view(1, 4, 4))
     grey, colour = Image.new("L", (6, 6), 200), Image.new("RGB", (9, 9), (10, 20, 30))
     mixed = pixels([grey, colour], 8)
-    assert mixed.dtype == torch.uint8 and mixed.shape == (2, 3, 8, 8), \
+    assert mixed.dtype == torch.uint8 and mixed.shape == (2, 3, 8, 8), (
         "a colour image makes every image RGB; sizes differ: resized"
+    )
     assert mixed[0].unique().tolist() == [200] and mixed[1, :, 0, 0].tolist() == [10, 20, 30]
     assert pixels([np.zeros((5, 5, 1), np.uint8)], 8).shape == (1, 5, 5)
 
@@ -110,19 +113,37 @@ def test_empty_cells_are_found_in_the_arrow_data_and_refused_by_every_reader():
 
     from raylowcomm.data.rows import Encoder, UnreadableValue, _texts, first_empty, pixels
 
-    features = Features({"text": Value("string"), "score": Value("float64"), "word": Value("string"),
-                         "id": Value("int64"), "class": ClassLabel(names=["a", "b"])})
-    ds = Dataset.from_dict({"text": ["a", "", None], "score": [0.0, 1.0, float("nan")], "word": ["x", " ", "y"],
-                            "id": [0, 1, 2], "class": [1, 0, -1]}, features=features)
+    features = Features(
+        {
+            "text": Value("string"),
+            "score": Value("float64"),
+            "word": Value("string"),
+            "id": Value("int64"),
+            "class": ClassLabel(names=["a", "b"]),
+        }
+    )
+    ds = Dataset.from_dict(
+        {
+            "text": ["a", "", None],
+            "score": [0.0, 1.0, float("nan")],
+            "word": ["x", " ", "y"],
+            "id": [0, 1, 2],
+            "class": [1, 0, -1],
+        },
+        features=features,
+    )
     assert first_empty(ds, "text", label=False) == 2 and first_empty(ds, "text", label=True) == 1
     assert first_empty(ds, "score", label=True) == 2
     assert first_empty(ds, "word", label=False) is None and first_empty(ds, "word", label=True) == 1
     assert first_empty(ds, "id", label=True) is None and first_empty(ds, "class", label=True) == 2
     assert first_empty(ds.select([1, 0]), "text", label=True) == 0, "rows as the split numbers them"
     encoder = Encoder("text_classification", ("a", "b"))
-    for read, values, role in [(_texts, ["a", None], "text"), (_texts, ["a", float("nan")], "text"),
-                               (lambda v: pixels(v, 4), [" ".join(["1"] * 16), None], "image"),
-                               (lambda v: encoder.labels(v, None, "data.classes"), ["a", " "], "label")]:
+    for read, values, role in [
+        (_texts, ["a", None], "text"),
+        (_texts, ["a", float("nan")], "text"),
+        (lambda v: pixels(v, 4), [" ".join(["1"] * 16), None], "image"),
+        (lambda v: encoder.labels(v, None, "data.classes"), ["a", " "], "label"),
+    ]:
         with pytest.raises(UnreadableValue) as err:
             read(values)
         assert (err.value.role, err.value.position, err.value.reason) == (role, 1, "its cell is empty")

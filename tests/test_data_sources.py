@@ -23,8 +23,11 @@ LABELS = ["pos", "neg", "meh"]
 
 
 def config(**data) -> RunConfig:
-    raw = {"model": {"family": data.pop("family", "hf_classifier")}, "nodes": {"count": data.pop("nodes", 2)},
-           "data": data}
+    raw = {
+        "model": {"family": data.pop("family", "hf_classifier")},
+        "nodes": {"count": data.pop("nodes", 2)},
+        "data": data,
+    }
     cfg = build_dataclass(RunConfig, raw, "")
     validate(cfg, fp32_updating=cfg.strategies)  # lofi and ddp by default: both step every weight
     return cfg
@@ -78,29 +81,40 @@ def assert_labels_follow_rows(split, tokenizer, classes):
     assert pairs and all(text.endswith(label) for text, label in pairs), pairs[:3]
 
 
-@pytest.mark.parametrize("suffix,source", [(".csv", "csv"), (".jsonl", "json"), (".parquet", "parquet"),
-                                           (".csv", "folder")])
+@pytest.mark.parametrize(
+    "suffix,source", [(".csv", "csv"), (".jsonl", "json"), (".parquet", "parquet"), (".csv", "folder")]
+)
 def test_labelled_text_from_each_file_kind(tmp_path, tokenizer, suffix, source):
     (tmp_path / "folder").mkdir()
     path = write(tmp_path / "folder" / f"reviews{suffix}", reviews(60))
     where = {"source": str(tmp_path / "folder")} if source == "folder" else {"source": source, "files": str(path)}
-    cfg = config(name="mine", **where, columns={"text": "review", "label": "stars"}, test_size=12, val_size=6,
-                 shift="none")
+    cfg = config(
+        name="mine", **where, columns={"text": "review", "label": "stars"}, test_size=12, val_size=6, shift="none"
+    )
     prepared = prepare_data(cfg, tokenizer)
     assert prepared.classes == ["meh", "neg", "pos"], "string labels: sorted distinct names"
     train = prepared.train.load_all()
     assert [num_examples(prepared.eval_sets[k]) for k in ("test", "val")] + [num_examples(train)] == [12, 6, 42]
     for split in (prepared.eval_sets["test"], prepared.eval_sets["val"], train):
         assert_labels_follow_rows(split, tokenizer, prepared.classes)
-    texts = {t for s in (prepared.eval_sets["test"], prepared.eval_sets["val"], train)
-             for t, _ in decoded(s, tokenizer, prepared.classes)}
+    texts = {
+        t
+        for s in (prepared.eval_sets["test"], prepared.eval_sets["val"], train)
+        for t, _ in decoded(s, tokenizer, prepared.classes)
+    }
     assert texts == {r["review"] for r in reviews(60)}, "every row lands in exactly one split"
 
 
 def test_text_pairs_keep_which_text_each_token_is(tmp_path, tokenizer):
     rows = [{"premise": f"a cat sat {i}", "hypothesis": f"an animal sat {i}", "label": i % 2} for i in range(20)]
-    cfg = config(name="pairs", source="csv", files=str(write(tmp_path / "pairs.csv", rows)),
-                 columns={"text": "premise", "text_pair": "hypothesis"}, test_size=4, shift="none")
+    cfg = config(
+        name="pairs",
+        source="csv",
+        files=str(write(tmp_path / "pairs.csv", rows)),
+        columns={"text": "premise", "text_pair": "hypothesis"},
+        test_size=4,
+        shift="none",
+    )
     split = prepare_data(cfg, tokenizer).eval_sets["test"]
     assert "token_type_ids" in split and split["token_type_ids"].max() == 1
     first = tokenizer.decode(split["input_ids"][0], skip_special_tokens=False)
@@ -111,11 +125,31 @@ def test_language_modelling_on_a_text_file_and_a_text_column(tmp_path, causal_to
     lines = [f"line {i} of a long poem about the sea" for i in range(200)]
     (tmp_path / "poem.txt").write_text("\n".join(lines) + "\n")
     write(tmp_path / "poem.csv", [{"body": line} for line in lines])
-    by_file = prepare_data(config(name="poem", source="text", files=str(tmp_path / "poem.txt"), family="hf_causal_lm",
-                                  max_length=16, test_size=10, shift="none"), causal_tokenizer)
-    by_column = prepare_data(config(name="poem", source="csv", files=str(tmp_path / "poem.csv"),
-                                    columns={"text": "body"}, family="hf_causal_lm", max_length=16, test_size=10,
-                                    shift="none"), causal_tokenizer)
+    by_file = prepare_data(
+        config(
+            name="poem",
+            source="text",
+            files=str(tmp_path / "poem.txt"),
+            family="hf_causal_lm",
+            max_length=16,
+            test_size=10,
+            shift="none",
+        ),
+        causal_tokenizer,
+    )
+    by_column = prepare_data(
+        config(
+            name="poem",
+            source="csv",
+            files=str(tmp_path / "poem.csv"),
+            columns={"text": "body"},
+            family="hf_causal_lm",
+            max_length=16,
+            test_size=10,
+            shift="none",
+        ),
+        causal_tokenizer,
+    )
     assert by_file.task.name == "causal_lm" and by_file.classes is None
     for prepared in (by_file, by_column):
         blocks = torch.cat([prepared.eval_sets["test"]["input_ids"], prepared.train.load_all()["input_ids"]])
@@ -145,14 +179,16 @@ def digit_images(root, grey: bool = True, sizes=(8,)):
 
 def test_imagefolder_of_real_digits_keeps_pixels_and_class_names(tmp_path):
     written = digit_images(tmp_path / "digits")
-    cfg = config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5,
-                 shift="none")
+    cfg = config(
+        name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5, shift="none"
+    )
     prepared = prepare_data(cfg, None, {"input_size": (3, 224, 224), "mean": (0.5,) * 3, "std": (0.5,) * 3})
     assert prepared.classes == ["one", "two", "zero"], "ClassLabel names, in the dataset's order"
     test = prepared.eval_sets["test"]
     assert num_examples(test) == 12, "the folder's own test/ split is the test set"
-    assert test["pixels"].dtype == torch.uint8 and test["pixels"].shape[1:] == (8, 8), \
+    assert test["pixels"].dtype == torch.uint8 and test["pixels"].shape[1:] == (8, 8), (
         "grey digits cross the network as uint8"
+    )
     expected = {(name, arr.tobytes()) for i, (name, arr) in written.items() if i % 5 == 0}
     got = {(prepared.classes[int(y)], x.numpy().tobytes()) for x, y in zip(test["pixels"], test["labels"])}
     assert got == expected
@@ -161,8 +197,15 @@ def test_imagefolder_of_real_digits_keeps_pixels_and_class_names(tmp_path):
 
 def test_colour_images_of_mixed_sizes_become_normalised_rgb(tmp_path):
     digit_images(tmp_path / "digits", grey=False, sizes=(8, 12))
-    cfg = config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm", test_size=5,
-                 shift="none", image_size=None)
+    cfg = config(
+        name="digits",
+        source="imagefolder",
+        files=str(tmp_path / "digits"),
+        family="timm",
+        test_size=5,
+        shift="none",
+        image_size=None,
+    )
     imagenet = {"input_size": (3, 20, 20), "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
     prepared = prepare_data(cfg, None, imagenet)
     test = prepared.eval_sets["test"]
@@ -186,8 +229,13 @@ def test_save_to_disk_folder_with_classlabel_and_test_split(tmp_path, tokenizer)
     features = Features({"sentence": Value("string"), "label": ClassLabel(names=["sad", "glad"])})
 
     def part(lo, hi):
-        return Dataset.from_dict({"sentence": [f"i am {'glad' if i % 2 else 'sad'} {i}" for i in range(lo, hi)],
-                                  "label": [i % 2 for i in range(lo, hi)]}, features=features)
+        return Dataset.from_dict(
+            {
+                "sentence": [f"i am {'glad' if i % 2 else 'sad'} {i}" for i in range(lo, hi)],
+                "label": [i % 2 for i in range(lo, hi)],
+            },
+            features=features,
+        )
 
     DatasetDict({"train": part(0, 30), "test": part(30, 40)}).save_to_disk(str(tmp_path / "saved"))
     prepared = prepare_data(config(name="saved", source=str(tmp_path / "saved"), shift="none", test_size=3), tokenizer)
@@ -198,8 +246,10 @@ def test_save_to_disk_folder_with_classlabel_and_test_split(tmp_path, tokenizer)
 
 
 def shifted(tmp_path, labels, name="other.csv"):
-    rows = [{"words": f"elsewhere {i} says {labels[i % len(labels)]}", "verdict": labels[i % len(labels)]}
-            for i in range(12)]
+    rows = [
+        {"words": f"elsewhere {i} says {labels[i % len(labels)]}", "verdict": labels[i % len(labels)]}
+        for i in range(12)
+    ]
     return write(tmp_path / name, rows)
 
 
@@ -208,16 +258,25 @@ def node_config(tmp_path, **extra):
         rows = [r for r in reviews(n, lo) if k == 0 or r["stars"] != "meh"]  # node 1 never sees "meh"
         write(tmp_path / f"node_{k}.csv", rows)
     write(tmp_path / "eval.csv", reviews(15, 100))
-    data = {"name": "mine", "source": "csv", "files": str(tmp_path / "eval.csv"),
-            "node_files": str(tmp_path / "node_{node}.csv"),
-            "columns": {"text": "review", "label": "stars"}, "test_size": 9, "val_size": 3, **extra}
+    data = {
+        "name": "mine",
+        "source": "csv",
+        "files": str(tmp_path / "eval.csv"),
+        "node_files": str(tmp_path / "node_{node}.csv"),
+        "columns": {"text": "review", "label": "stars"},
+        "test_size": 9,
+        "val_size": 3,
+        **extra,
+    }
     return config(**data)
 
 
 def test_labels_map_by_name_on_every_node_and_in_every_shift_set(tmp_path, tokenizer):
     columns = {"text": "words", "label": "verdict"}
-    shift = {"flipped": {"files": str(shifted(tmp_path, ["neg", "pos"])), "columns": columns},
-             "subset": {"files": str(shifted(tmp_path, ["meh"], "meh.csv")), "columns": columns}}
+    shift = {
+        "flipped": {"files": str(shifted(tmp_path, ["neg", "pos"])), "columns": columns},
+        "subset": {"files": str(shifted(tmp_path, ["meh"], "meh.csv")), "columns": columns},
+    }
     prepared = prepare_data(node_config(tmp_path, shift=shift), tokenizer)
     classes = prepared.classes
     assert classes == ["meh", "neg", "pos"]
@@ -228,13 +287,19 @@ def test_labels_map_by_name_on_every_node_and_in_every_shift_set(tmp_path, token
     for k in range(2):
         shard = prepared.train.load(k, 2)
         assert_labels_follow_rows(shard, tokenizer, classes)
-        assert classes.index("pos") in shard["labels"].tolist(), \
+        assert classes.index("pos") in shard["labels"].tolist(), (
             "'pos' has one index on both nodes, whatever each node holds"
+        )
 
 
 def test_a_shift_label_that_is_not_a_training_class_is_named(tmp_path, tokenizer):
-    shift = {"stars": {"source": "csv", "files": str(shifted(tmp_path, ["pos", "five stars", "zero stars"])),
-                       "columns": {"text": "words", "label": "verdict"}}}
+    shift = {
+        "stars": {
+            "source": "csv",
+            "files": str(shifted(tmp_path, ["pos", "five stars", "zero stars"])),
+            "columns": {"text": "words", "label": "verdict"},
+        }
+    }
     with pytest.raises(ConfigError) as err:
         describe_data(node_config(tmp_path, shift=shift))
     assert err.value.field_name == "data.shift.stars"
@@ -242,34 +307,46 @@ def test_a_shift_label_that_is_not_a_training_class_is_named(tmp_path, tokenizer
     assert "'pos'" not in str(err.value).split("invalid")[0]
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"columns": {"text": "reviw", "label": "stars"}}, "data.columns.text"),
-    ({"columns": {"text": "review", "label": "star"}}, "data.columns.label"),
-    ({"files": "no/such/file.csv"}, "data.files"),
-    ({"files": {"train": "reviews.csv", "test": "missing_*.csv"}}, "data.files"),
-    ({"source": "./no_such_folder", "files": None}, "data.source"),
-    ({"shift": {"other": {"files": "other.csv", "columns": {"text": "words", "label": "verdct"}}}},
-     "data.shift.other.columns.label"),
-    ({"shift": {"other": {"files": "gone.csv"}}}, "data.shift.other.files"),
-    ({"columns": {"txt": "review"}}, "data.columns.txt"),
-    ({"split": "validation"}, "data.split"),
-    ({"node_files": ["node_0.csv", "gone.csv"], "files": "reviews.csv"}, "data.node_files[1]"),
-    ({"node_files": ["node_0.csv"], "files": "reviews.csv"}, "data.node_files"),
-    ({"node_files": "node.csv"}, "data.node_files"),
-    ({"family": "hf_causal_lm", "label_words": [" good"]}, "data.label_words"),
-    ({"family": "hf_causal_lm"}, "data.label_words"),
-    ({"family": "timm"}, "model.family"),
-    ({"files": None, "node_files": "node_{node}.csv"}, "data.files"),
-    ({"node_files": "node_{node}.csv", "train_size": 5}, "data.train_size"),
-    ({"source": "nobody/no-such-dataset", "files": None}, "data.source"),  # a hub id, offline in tests
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"columns": {"text": "reviw", "label": "stars"}}, "data.columns.text"),
+        ({"columns": {"text": "review", "label": "star"}}, "data.columns.label"),
+        ({"files": "no/such/file.csv"}, "data.files"),
+        ({"files": {"train": "reviews.csv", "test": "missing_*.csv"}}, "data.files"),
+        ({"source": "./no_such_folder", "files": None}, "data.source"),
+        (
+            {"shift": {"other": {"files": "other.csv", "columns": {"text": "words", "label": "verdct"}}}},
+            "data.shift.other.columns.label",
+        ),
+        ({"shift": {"other": {"files": "gone.csv"}}}, "data.shift.other.files"),
+        ({"columns": {"txt": "review"}}, "data.columns.txt"),
+        ({"split": "validation"}, "data.split"),
+        ({"node_files": ["node_0.csv", "gone.csv"], "files": "reviews.csv"}, "data.node_files[1]"),
+        ({"node_files": ["node_0.csv"], "files": "reviews.csv"}, "data.node_files"),
+        ({"node_files": "node.csv"}, "data.node_files"),
+        ({"family": "hf_causal_lm", "label_words": [" good"]}, "data.label_words"),
+        ({"family": "hf_causal_lm"}, "data.label_words"),
+        ({"family": "timm"}, "model.family"),
+        ({"files": None, "node_files": "node_{node}.csv"}, "data.files"),
+        ({"node_files": "node_{node}.csv", "train_size": 5}, "data.train_size"),
+        ({"source": "nobody/no-such-dataset", "files": None}, "data.source"),  # a hub id, offline in tests
+    ],
+)
 def test_bad_data_input_names_the_field_before_anything_starts(tmp_path, monkeypatch, change, field):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "reviews.csv", reviews(30))
     write(tmp_path / "node_0.csv", reviews(10))
     shifted(tmp_path, ["pos", "neg"])
-    data = {"name": "mine", "source": "csv", "files": "reviews.csv", "columns": {"text": "review", "label": "stars"},
-            "test_size": 5, "shift": "none", **change}
+    data = {
+        "name": "mine",
+        "source": "csv",
+        "files": "reviews.csv",
+        "columns": {"text": "review", "label": "stars"},
+        "test_size": 5,
+        "shift": "none",
+        **change,
+    }
     with pytest.raises(ConfigError) as err:
         describe_data(config(**data))
     assert err.value.field_name == field, str(err.value)
@@ -289,19 +366,47 @@ def test_an_unreadable_value_names_its_column_and_row(tmp_path, tokenizer):
     rows = [{"pixels": " ".join(["7"] * 16), "digit": i % 2} for i in range(20)]
     rows[13]["pixels"] = "7 7 x 7"
     write(tmp_path / "flat.csv", rows)
-    err = failure(config(name="flat", source="csv", files=str(tmp_path / "flat.csv"), family="timm", image_size=4,
-                         columns={"image": "pixels", "label": "digit"}, test_size=4, shift="none"), grey)
+    err = failure(
+        config(
+            name="flat",
+            source="csv",
+            files=str(tmp_path / "flat.csv"),
+            family="timm",
+            image_size=4,
+            columns={"image": "pixels", "label": "digit"},
+            test_size=4,
+            shift="none",
+        ),
+        grey,
+    )
     assert err.field_name == "data.columns.image" and "row 13 of data.files" in str(err) and "'x'" in str(err), str(err)
 
     digit_images(tmp_path / "digits")
     (tmp_path / "digits" / "train" / "one" / "1.png").write_bytes(b"not a png")
-    err = failure(config(name="digits", source="imagefolder", files=str(tmp_path / "digits"), family="timm",
-                         test_size=5, shift="none"), grey)
+    err = failure(
+        config(
+            name="digits",
+            source="imagefolder",
+            files=str(tmp_path / "digits"),
+            family="timm",
+            test_size=5,
+            shift="none",
+        ),
+        grey,
+    )
     assert err.field_name == "data.columns.image" and "is unreadable as an image" in str(err), str(err)
 
     write(tmp_path / "counted.csv", [{"review": len(r["review"]), "stars": r["stars"]} for r in reviews(30)])
-    err = failure(config(name="mine", source="csv", files=str(tmp_path / "counted.csv"), test_size=5, shift="none",
-                         columns={"text": "review", "label": "stars"}))
+    err = failure(
+        config(
+            name="mine",
+            source="csv",
+            files=str(tmp_path / "counted.csv"),
+            test_size=5,
+            shift="none",
+            columns={"text": "review", "label": "stars"},
+        )
+    )
     assert err.field_name == "data.columns.text" and "int" in str(err) and "is not text" in str(err), str(err)
 
     odd = write(tmp_path / "odd.jsonl", [{"words": i, "verdict": "pos"} for i in range(4)])
@@ -322,9 +427,17 @@ def test_an_empty_cell_only_a_node_can_read_is_named_with_its_file_and_row(tmp_p
     and its held-out rows alike; an empty label never becomes a class."""
     from raylowcomm.data import SplitRule
 
-    cfg = config(name="remote", source="csv", node_files=str(tmp_path / "far_{node}.csv"), node_files_on_driver=False,
-                 eval_on_nodes=True, columns={"text": "review", "label": "stars"}, classes=LABELS, test_size=4,
-                 shift="none")
+    cfg = config(
+        name="remote",
+        source="csv",
+        node_files=str(tmp_path / "far_{node}.csv"),
+        node_files_on_driver=False,
+        eval_on_nodes=True,
+        columns={"text": "review", "label": "stars"},
+        classes=LABELS,
+        test_size=4,
+        shift="none",
+    )
     train = pickle.loads(pickle.dumps(prepare_data(cfg, tokenizer).train))
     parts = SplitRule(cfg.data.shuffle_seed, 4, 0, None).parts(20)
     trained, held = int(parts["train"][5]), int(parts["test"][1])
@@ -356,9 +469,17 @@ def test_node_files_load_on_the_node_only_and_the_recipe_holds_no_rows(tmp_path,
 def test_the_driver_never_opens_node_files_it_is_told_are_remote(tmp_path, tokenizer):
     """Node files that do not exist on the driver: prepare works from the config alone; a node
     (here: later, once its file exists) loads and holds out its own rows."""
-    cfg = config(name="remote", source="csv", node_files=str(tmp_path / "far_{node}.csv"), node_files_on_driver=False,
-                 eval_on_nodes=True, columns={"text": "review", "label": "stars"}, classes=LABELS, test_size=4,
-                 shift="none")
+    cfg = config(
+        name="remote",
+        source="csv",
+        node_files=str(tmp_path / "far_{node}.csv"),
+        node_files_on_driver=False,
+        eval_on_nodes=True,
+        columns={"text": "review", "label": "stars"},
+        classes=LABELS,
+        test_size=4,
+        shift="none",
+    )
     prepared = prepare_data(cfg, tokenizer)
     assert prepared.eval_sets == {} and prepared.classes == LABELS
     blob = pickle.dumps(prepared.train)
@@ -367,14 +488,22 @@ def test_the_driver_never_opens_node_files_it_is_told_are_remote(tmp_path, token
     held, own = train.load_holdout(1, 2), train.load(1, 2)
     assert num_examples(held) == 4 and num_examples(own) == 16
     texts = [t for s in (held, own) for t, _ in decoded(s, tokenizer, LABELS)]
-    assert sorted(texts) == sorted(r["review"] for r in reviews(20, 500)), \
+    assert sorted(texts) == sorted(r["review"] for r in reviews(20, 500)), (
         "held-out and training rows split the node's file"
+    )
     assert_labels_follow_rows(own, tokenizer, LABELS)
 
 
 def test_the_driver_needs_classes_when_it_can_read_no_labels(tmp_path):
-    cfg = config(name="remote", source="csv", node_files=str(tmp_path / "far_{node}.csv"), node_files_on_driver=False,
-                 eval_on_nodes=True, columns={"text": "review", "label": "stars"}, shift="none")
+    cfg = config(
+        name="remote",
+        source="csv",
+        node_files=str(tmp_path / "far_{node}.csv"),
+        node_files_on_driver=False,
+        eval_on_nodes=True,
+        columns={"text": "review", "label": "stars"},
+        shift="none",
+    )
     with pytest.raises(ConfigError) as err:
         describe_data(cfg)
     assert err.value.field_name == "data.classes"
@@ -382,9 +511,16 @@ def test_the_driver_needs_classes_when_it_can_read_no_labels(tmp_path):
 
 def test_shared_source_shards_are_disjoint_and_make_the_train_split(tmp_path, tokenizer):
     write(tmp_path / "reviews.csv", reviews(101))
-    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"),
-                 columns={"text": "review", "label": "stars"}, test_size=10, val_size=5, shift="none",
-                 eval_on_nodes=False)
+    cfg = config(
+        name="mine",
+        source="csv",
+        files=str(tmp_path / "reviews.csv"),
+        columns={"text": "review", "label": "stars"},
+        test_size=10,
+        val_size=5,
+        shift="none",
+        eval_on_nodes=False,
+    )
     prepared = prepare_data(cfg, tokenizer)
     everything = decoded(prepared.train.load_all(), tokenizer, prepared.classes)
     for count in (1, 3, 4):
@@ -397,8 +533,14 @@ def test_shared_source_shards_are_disjoint_and_make_the_train_split(tmp_path, to
 
 def test_eval_on_nodes_with_a_shared_source_shards_the_test_rows(tmp_path, tokenizer):
     write(tmp_path / "reviews.csv", reviews(60))
-    base = {"name": "mine", "source": "csv", "files": str(tmp_path / "reviews.csv"),
-            "columns": {"text": "review", "label": "stars"}, "test_size": 9, "shift": "none"}
+    base = {
+        "name": "mine",
+        "source": "csv",
+        "files": str(tmp_path / "reviews.csv"),
+        "columns": {"text": "review", "label": "stars"},
+        "test_size": 9,
+        "shift": "none",
+    }
     central = prepare_data(config(**base), tokenizer)
     on_nodes = prepare_data(config(**base, eval_on_nodes=True), tokenizer)
     assert "test" not in on_nodes.eval_sets
@@ -410,8 +552,14 @@ def test_eval_on_nodes_with_a_shared_source_shards_the_test_rows(tmp_path, token
 def test_shards_load_inside_ray_workers(ray_session, tmp_path, tokenizer):
     """The recipe crosses to another process and reads the same rows there."""
     write(tmp_path / "reviews.csv", reviews(40))
-    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"),
-                 columns={"text": "review", "label": "stars"}, test_size=8, shift="none")
+    cfg = config(
+        name="mine",
+        source="csv",
+        files=str(tmp_path / "reviews.csv"),
+        columns={"text": "review", "label": "stars"},
+        test_size=8,
+        shift="none",
+    )
     prepared = prepare_data(cfg, tokenizer)
     load = ray_session.remote(lambda train, k: train.load(k, 2))
     remote = ray_session.get([load.remote(prepared.train, k) for k in range(2)])
@@ -421,6 +569,7 @@ def test_shards_load_inside_ray_workers(ray_session, tmp_path, tokenizer):
 
 
 # --- presets: exactly the tensors of the loader before nodes loaded their own data -------------
+
 
 def fingerprint(split) -> str:
     """sha256 of a Split's tensors, text cut to its longest row (padding width is not content)."""
@@ -437,22 +586,35 @@ def fingerprint(split) -> str:
 
 
 OLD = {  # recorded from raylowcomm/data.py's load_datasets + RunContext.shards before this change (seed 0, 2 nodes)
-    "mnist": {"test": "38431593bb354cb8", "val": "6e1b0cde9bd223c3", "shift/uci_digits": "5e9d65d737a637b5",
-              "train": "08c9656ae48e4514", "shards": ["5e20849724a17209", "550a480c96305825"]},
-    "rotten_tomatoes": {"test": "9eda3e8b1b500e60", "val": "b85d8cc9206bb3e2", "train": "1db96ac322b0ad83",
-                        "shards": ["5f6ceeddd0c84d7a", "7d062c7540d3ad10"]},
+    "mnist": {
+        "test": "38431593bb354cb8",
+        "val": "6e1b0cde9bd223c3",
+        "shift/uci_digits": "5e9d65d737a637b5",
+        "train": "08c9656ae48e4514",
+        "shards": ["5e20849724a17209", "550a480c96305825"],
+    },
+    "rotten_tomatoes": {
+        "test": "9eda3e8b1b500e60",
+        "val": "b85d8cc9206bb3e2",
+        "train": "1db96ac322b0ad83",
+        "shards": ["5f6ceeddd0c84d7a", "7d062c7540d3ad10"],
+    },
 }
 
 
-@pytest.mark.parametrize("preset,data,family", [
-    ("mnist", {"train_size": 512, "test_size": 200, "val_size": 100, "image_size": 16}, "timm"),
-    ("rotten_tomatoes", {"train_size": 2000, "test_size": 500, "val_size": 100, "shift": "none"}, "hf_classifier"),
-])
+@pytest.mark.parametrize(
+    "preset,data,family",
+    [
+        ("mnist", {"train_size": 512, "test_size": 200, "val_size": 100, "image_size": 16}, "timm"),
+        ("rotten_tomatoes", {"train_size": 2000, "test_size": 500, "val_size": 100, "shift": "none"}, "hf_classifier"),
+    ],
+)
 def test_presets_give_the_old_eval_sets_and_shards(tokenizer, preset, data, family):
     prepared = prepare_data(config(name=preset, family=family, **data), tokenizer if family != "timm" else None)
     old = OLD[preset]
-    assert {k: fingerprint(v) for k, v in prepared.eval_sets.items()} == \
-        {k: v for k, v in old.items() if k not in ("train", "shards")}
+    assert {k: fingerprint(v) for k, v in prepared.eval_sets.items()} == {
+        k: v for k, v in old.items() if k not in ("train", "shards")
+    }
     assert fingerprint(prepared.train.load_all()) == old["train"]
     assert [fingerprint(prepared.train.load(k, 2)) for k in range(2)] == old["shards"]
 
@@ -474,10 +636,12 @@ def test_mnist_reaches_the_model_exactly_as_before():
 def test_rotten_tomatoes_gets_the_amazon_reviews_shift(tokenizer, causal_tokenizer):
     prepared = prepare_data(config(name="rotten_tomatoes", test_size=50, train_size=100), tokenizer)
     amazon = prepared.eval_sets["shift/amazon_reviews"]
-    assert num_examples(amazon) == 2985 and int(amazon["labels"].sum()) == 1750, \
+    assert num_examples(amazon) == 2985 and int(amazon["labels"].sum()) == 1750, (
         "1,750 positive (fresh) / 1,235 negative"
-    prompted = prepare_data(config(name="rotten_tomatoes", family="hf_causal_lm", test_size=50, train_size=100),
-                            causal_tokenizer)
+    )
+    prompted = prepare_data(
+        config(name="rotten_tomatoes", family="hf_causal_lm", test_size=50, train_size=100), causal_tokenizer
+    )
     row = prompted.eval_sets["test"]
     words = [causal_tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in (" terrible", " great")]
     assert row["choice_ids"][0].tolist() == words
@@ -488,18 +652,36 @@ def test_rotten_tomatoes_gets_the_amazon_reviews_shift(tokenizer, causal_tokeniz
 
 def test_a_user_prompt_and_label_words(tmp_path, causal_tokenizer):
     write(tmp_path / "reviews.csv", reviews(30))
-    cfg = config(name="mine", source="csv", files=str(tmp_path / "reviews.csv"),
-                 columns={"text": "review", "label": "stars"}, family="hf_causal_lm", template=" Verdict:",
-                 label_words=[" so", " bad", " good"], test_size=6, shift="none")
+    cfg = config(
+        name="mine",
+        source="csv",
+        files=str(tmp_path / "reviews.csv"),
+        columns={"text": "review", "label": "stars"},
+        family="hf_causal_lm",
+        template=" Verdict:",
+        label_words=[" so", " bad", " good"],
+        test_size=6,
+        shift="none",
+    )
     prepared = prepare_data(cfg, causal_tokenizer)
-    assert prepared.task.name == "prompt_classification" and prepared.plan.num_classes is None, \
+    assert prepared.task.name == "prompt_classification" and prepared.plan.num_classes is None, (
         "the LM keeps its own head"
+    )
     test = prepared.eval_sets["test"]
     last = int(test["attention_mask"][0].sum())
     assert causal_tokenizer.decode(test["input_ids"][0, :last]).endswith(" Verdict:")
     with pytest.raises(ConfigError) as err:
-        prepare_data(config(**{**cfg.data.__dict__, "label_words": [" so", " bad", " xqzzyv"], "family": "hf_causal_lm",
-                               "shift": "none"}), causal_tokenizer)
+        prepare_data(
+            config(
+                **{
+                    **cfg.data.__dict__,
+                    "label_words": [" so", " bad", " xqzzyv"],
+                    "family": "hf_causal_lm",
+                    "shift": "none",
+                }
+            ),
+            causal_tokenizer,
+        )
     assert err.value.field_name == "data.label_words"
 
 

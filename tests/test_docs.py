@@ -98,8 +98,11 @@ COMMANDS = _commands()
 def shown_python(page: str, containing: str) -> dict:
     """The names a page's python block holding `containing` defines, the block run as the page shows it."""
     path = ROOT / page
-    found = [(first, lines) for info, first, lines in _blocks(path)[0] if info == "python"
-             and any(containing in line for line in lines)]
+    found = [
+        (first, lines)
+        for info, first, lines in _blocks(path)[0]
+        if info == "python" and any(containing in line for line in lines)
+    ]
     assert len(found) == 1, f"{page}: {len(found)} python blocks hold {containing!r}"
     first, lines = found[0]
     module = types.ModuleType(f"shown_{path.stem.replace('-', '_')}_{first}")
@@ -110,9 +113,11 @@ def shown_python(page: str, containing: str) -> dict:
 
 # --- the configuration reference ---------------------------------------------------------------
 
+
 def test_configuration_reference_is_what_the_generator_writes():
-    assert configref.PAGE.read_text() == configref.render(), \
+    assert configref.PAGE.read_text() == configref.render(), (
         "docs/configuration.md is stale: run `python -m raylowcomm.configref` and commit the page"
+    )
 
 
 @dataclasses.dataclass
@@ -135,13 +140,17 @@ def test_a_field_added_without_regenerating_fails_the_check(monkeypatch, capsys)
 
 
 def test_every_config_field_has_a_docstring():
-    missing = [f"{path or 'top level'}.{f.name} ({cls.__module__}.{cls.__qualname__})"
-               for path, cls in configref.sections()
-               for f in configref.config_fields(cls) if f.name not in configref.field_docs(cls)]
+    missing = [
+        f"{path or 'top level'}.{f.name} ({cls.__module__}.{cls.__qualname__})"
+        for path, cls in configref.sections()
+        for f in configref.config_fields(cls)
+        if f.name not in configref.field_docs(cls)
+    ]
     assert not missing, "write a docstring right after each of these fields: " + ", ".join(missing)
 
 
 # --- links -------------------------------------------------------------------------------------
+
 
 def _slugs(path: Path) -> set[str]:
     """The anchors GitHub gives a page's headings (a repeated heading gets -1, -2, ...)."""
@@ -176,6 +185,7 @@ def test_relative_links_resolve(path):
 
 
 # --- commands ----------------------------------------------------------------------------------
+
 
 def test_ci_runs_the_readme_install_and_test_commands():
     shown = {" ".join(argv) for where, argv, _ in COMMANDS if where.startswith("README.md")}
@@ -237,7 +247,7 @@ def _python(argv: list[str]) -> None:
         assert configref.main(rest) == 0
         return
     if "--" in rest:  # a wrapper: python -m raylowcomm.cluster ... -- raylowcomm run ...
-        rest, inner = rest[:rest.index("--")], rest[rest.index("--") + 1:]
+        rest, inner = rest[: rest.index("--")], rest[rest.index("--") + 1 :]
         _check(inner)
     text = source.read_text()
     unknown = [flag.split("=")[0] for flag in rest if flag.startswith("--") and f'"{flag.split("=")[0]}"' not in text]
@@ -265,7 +275,7 @@ def _check(argv: list[str], pytestconfig=None) -> None:
             assert words <= declared, f"undeclared markers: {words - declared}"
     elif program == "ray":
         if "--" in rest:  # ray job submit ... -- <the entrypoint>
-            _check(rest[rest.index("--") + 1:])
+            _check(rest[rest.index("--") + 1 :])
         else:
             assert rest[0] in ("start", "up", "down"), f"ray {rest[0]}: a command these docs do not check yet"
     elif program != "tensorboard":
@@ -293,6 +303,7 @@ def test_the_docs_show_commands():
 
 # --- the python the docs show -------------------------------------------------------------------
 
+
 def test_the_smallest_strategy_shown_registers_loads_typed_and_runs(monkeypatch, tmp_path):
     from raylowcomm import strategies
     from raylowcomm.runner import prepare
@@ -301,13 +312,15 @@ def test_the_smallest_strategy_shown_registers_loads_typed_and_runs(monkeypatch,
     shown = shown_python("docs/python-api.md", "class Pretrained(")
     pretrained = shown["Pretrained"]
     monkeypatch.setitem(strategies.STRATEGIES, "pretrained", pretrained)  # the registry's one line
-    cfg = strategies.from_dict({
-        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
-        "data": {"name": "mnist", "train_size": 64, "test_size": 60, "image_size": 16},
-        "optim": {"batch_size": 16},
-        "strategies": ["pretrained"],
-        "pretrained": {"batch_size": 25},
-    })
+    cfg = strategies.from_dict(
+        {
+            "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+            "data": {"name": "mnist", "train_size": 64, "test_size": 60, "image_size": 16},
+            "optim": {"batch_size": 16},
+            "strategies": ["pretrained"],
+            "pretrained": {"batch_size": 25},
+        }
+    )
     opts = pretrained.opts(cfg)
     assert isinstance(opts, shown["PretrainedConfig"]) and opts.batch_size == 25
     ctx = prepare(cfg, tmp_path)  # no Ray: it starts no actor

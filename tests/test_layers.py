@@ -16,17 +16,49 @@ PACKAGE = Path(__file__).resolve().parent.parent / "raylowcomm"
 LAYERS: list[tuple[str, list[str]]] = [
     ("common", ["raylowcomm.common"]),  # the leaf: batches, seeding, ledger, timing
     ("core", ["raylowcomm.core"]),  # plain torch, each part testable alone
-    ("config", ["raylowcomm.config", "raylowcomm.catalog", "raylowcomm.assets", "raylowcomm.env",
-                "raylowcomm.storage"]),
-    ("model, data, tasks", ["raylowcomm.models", "raylowcomm.finetune", "raylowcomm.lora", "raylowcomm.data",
-                            "raylowcomm.tasks", "raylowcomm.training"]),
-    ("actors", ["raylowcomm.actors", "raylowcomm.runtime", "raylowcomm.execution",  # placement: execution.Gang
-                "raylowcomm.progress"]),  # workers post their progress through it, the driver's view shows it
+    (
+        "config",
+        ["raylowcomm.config", "raylowcomm.catalog", "raylowcomm.assets", "raylowcomm.env", "raylowcomm.storage"],
+    ),
+    (
+        "model, data, tasks",
+        [
+            "raylowcomm.models",
+            "raylowcomm.finetune",
+            "raylowcomm.lora",
+            "raylowcomm.data",
+            "raylowcomm.tasks",
+            "raylowcomm.training",
+        ],
+    ),
+    (
+        "actors",
+        [
+            "raylowcomm.actors",
+            "raylowcomm.runtime",
+            "raylowcomm.execution",  # placement: execution.Gang
+            "raylowcomm.progress",
+        ],
+    ),  # workers post their progress through it, the driver's view shows it
     ("strategies", ["raylowcomm.strategies"]),
-    ("drivers", ["raylowcomm.runner", "raylowcomm.resume", "raylowcomm.seeds", "raylowcomm.run_progress",
-                 "raylowcomm.capacity", "raylowcomm.results_table", "raylowcomm.tune", "raylowcomm.bench",
-                 "raylowcomm.report", "raylowcomm.tensorboard", "raylowcomm.cluster", "raylowcomm.configref",
-                 "raylowcomm.seedstats"]),
+    (
+        "drivers",
+        [
+            "raylowcomm.runner",
+            "raylowcomm.resume",
+            "raylowcomm.seeds",
+            "raylowcomm.run_progress",
+            "raylowcomm.capacity",
+            "raylowcomm.results_table",
+            "raylowcomm.tune",
+            "raylowcomm.bench",
+            "raylowcomm.report",
+            "raylowcomm.tensorboard",
+            "raylowcomm.cluster",
+            "raylowcomm.configref",
+            "raylowcomm.seedstats",
+        ],
+    ),
     ("cli", ["raylowcomm.cli", "raylowcomm"]),  # `raylowcomm` itself: the lazy API names (importlib, not imports)
 ]
 
@@ -135,9 +167,11 @@ def test_every_module_is_placed_in_a_layer():
 
 
 def test_no_import_points_up_the_layers():
-    upward = [f"{where}: {a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
-              for (a, b), where in sorted(edges().items())
-              if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]
+    upward = [
+        f"{where}: {a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for (a, b), where in sorted(edges().items())
+        if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)
+    ]
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
 
@@ -156,15 +190,19 @@ def test_no_import_cycle_at_any_level():
 
 def test_the_leaf_imports_only_the_standard_library_torch_and_numpy():
     allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "raylowcomm"}
-    bad = [f"{m}:{line} imports {name}" for m, name, line in imports_of("raylowcomm.common")
-           if name.split(".")[0] not in allowed
-           or (name.split(".")[0] == "raylowcomm" and not name.startswith("raylowcomm.common"))]
+    bad = [
+        f"{m}:{line} imports {name}"
+        for m, name, line in imports_of("raylowcomm.common")
+        if name.split(".")[0] not in allowed
+        or (name.split(".")[0] == "raylowcomm" and not name.startswith("raylowcomm.common"))
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_core_never_imports_ray():
-    bad = [f"{m}:{line} imports {name}" for m, name, line in imports_of("raylowcomm.core")
-           if name.split(".")[0] == "ray"]
+    bad = [
+        f"{m}:{line} imports {name}" for m, name, line in imports_of("raylowcomm.core") if name.split(".")[0] == "ray"
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -172,8 +210,9 @@ def test_config_checks_never_import_peft():
     """Validating a config (LoRA fields included) needs no peft: nothing in or below the config layer imports it."""
     config_layer = next(i for i, (name, _) in enumerate(LAYERS) if name == "config")
     low = [m for m in MODULES if layer_of(m) is not None and layer_of(m) <= config_layer]
-    bad = [f"{m}:{line} imports {name}" for m in low for name, line in module_imports(m)
-           if name.split(".")[0] == "peft"]
+    bad = [
+        f"{m}:{line} imports {name}" for m in low for name, line in module_imports(m) if name.split(".")[0] == "peft"
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -118,8 +118,9 @@ def stacked_adapter_model(spec, base, states, weights):
 
 
 def plain_model(spec, state):
-    model = build_model(dataclasses.replace(spec, lora=None)).to(next(v.dtype for v in state.values()
-                                                                      if v.is_floating_point()))
+    model = build_model(dataclasses.replace(spec, lora=None)).to(
+        next(v.dtype for v in state.values() if v.is_floating_point())
+    )
     model.load_state_dict(state)
     return model
 
@@ -140,8 +141,10 @@ def merge_error_bound(base, states, weights, r, layers_of=A_SUFFIX):
         layer = key[: -len(A_SUFFIX)]
         plain = layer.removeprefix("base_model.model.") + ".weight"
         w0 = base[layer + ".base_layer.weight"].double()
-        t = sum(wk * SCALE * (s[layer + B_SUFFIX].double().flatten(1).abs() @ s[key].double().flatten(1).abs())
-                for wk, s in zip(w, states)).view(w0.shape)
+        t = sum(
+            wk * SCALE * (s[layer + B_SUFFIX].double().flatten(1).abs() @ s[key].double().flatten(1).abs())
+            for wk, s in zip(w, states)
+        ).view(w0.shape)
         out[plain] = U32 * ((r + n + 5) * t + 2 * w0.abs()) + 2.0**-146
     for key in (k for k in states[0] if ".modules_to_save.default." in k):
         plain = key.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
@@ -249,8 +252,10 @@ def test_average_delta_is_the_exact_average(minilm, node_states, weights):
     states64 = [{k: v.double() for k, v in state.items()} for state in states]
     merged64 = lora.average_delta(base64, states64, layers, weights)
     torch.testing.assert_close(
-        logits(plain_model(spec, merged64)), logits(stacked_adapter_model(spec, base64, states64, weights)),
-        atol=1e-9, rtol=0,
+        logits(plain_model(spec, merged64)),
+        logits(stacked_adapter_model(spec, base64, states64, weights)),
+        atol=1e-9,
+        rtol=0,
     )
 
 
@@ -477,8 +482,9 @@ def test_timm_convolutions_merge_like_peft():
     model64 = copy.deepcopy(model).double().eval()
     merged64 = lora.average_delta(state_dict_of(model64), [lora.trainable_state(model64)], layers)
     with torch.no_grad():
-        torch.testing.assert_close(plain_model(spec, merged64).eval()(x.double()), model64(x.double()), atol=1e-9,
-                                   rtol=0)
+        torch.testing.assert_close(
+            plain_model(spec, merged64).eval()(x.double()), model64(x.double()), atol=1e-9, rtol=0
+        )
 
 
 def test_an_adapter_only_checkpoint_restores_the_trained_model_and_optimizer_on_the_pretrained_base(minilm, tmp_path):

@@ -22,16 +22,25 @@ TEXT = {"name": "rotten_tomatoes", "train_size": 96, "test_size": 16, "max_lengt
 
 
 def text_config(strategies=("spsa",), model=None, **spsa):
-    return from_dict({
-        "model": {**MINILM, **(model or {})}, "data": TEXT, "optim": {"batch_size": 8, "lr": 1e-3},
-        "nodes": {"count": 2, "cpus": 1}, "strategies": list(strategies), "log_every": 1000,
-        "checkpoint_every": 100, "spsa": {"steps": 20, "verify_every": 1, **spsa}})
+    return from_dict(
+        {
+            "model": {**MINILM, **(model or {})},
+            "data": TEXT,
+            "optim": {"batch_size": 8, "lr": 1e-3},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": list(strategies),
+            "log_every": 1000,
+            "checkpoint_every": 100,
+            "spsa": {"steps": 20, "verify_every": 1, **spsa},
+        }
+    )
 
 
 @pytest.fixture
 def driver_cannot_load(monkeypatch):
     """This process (the driver) can read config and tokenizer only: loading weights fails here.
     Node actors are other processes, which can."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the driver loaded the model's weights")
 
@@ -58,16 +67,25 @@ def test_the_driver_plans_on_the_meta_device_and_falls_back_where_a_host_cannot_
 
 def test_who_must_hold_the_weights_and_what_bf16_cannot_train_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="model.source.*interlocking splits"):
-        from_dict({"model": {"name": "test_efficientnet", "family": "timm", "pretrained": False,
-                             "source": "nodes"}, "strategies": ["interlocking"]})
+        from_dict(
+            {
+                "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False, "source": "nodes"},
+                "strategies": ["interlocking"],
+            }
+        )
     with pytest.raises(ConfigError, match="model.dtype.*lofi.*needs fp32"):
         from_dict({"model": {**MINILM, "dtype": "bf16"}, "strategies": ["spsa", "lofi"]})
     tiny = {"name": "test_efficientnet", "family": "timm", "pretrained": False, "source": "nodes"}
     with pytest.raises(ConfigError, match="model.source.*one compressed average is decoded on the driver"):
         from_dict({"model": tiny, "strategies": ["lofi"], "lofi": {"compress": "int4"}})
     # after peer rounds the nodes hold the average (node 0 saves it), the outer step included: no driver weights
-    from_dict({"model": tiny, "strategies": ["lofi"],
-               "lofi": {"compress": "int4", "average_every": 8, "outer_optimizer": "nesterov"}})
+    from_dict(
+        {
+            "model": tiny,
+            "strategies": ["lofi"],
+            "lofi": {"compress": "int4", "average_every": 8, "outer_optimizer": "nesterov"},
+        }
+    )
     merged = text_config(model={"lora": {"r": 4}, "merge": True})  # auto: the driver merges, so it loads
     assert not on_meta(prepare(merged, tmp_path).architecture)
 
@@ -121,11 +139,18 @@ def test_bf16_lora_spsa_trains_on_nodes_the_driver_cannot_load_for(ray_session, 
 def test_spsa_on_bf16_weights_keeps_replicas_bit_identical(ray_session, tmp_path):
     """Full SPSA on bf16 weights (MeZO's low-precision setting): 20 steps, every replica's hash
     equal after each; the result is bf16."""
-    cfg = from_dict({
-        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False, "dtype": "bf16"},
-        "data": {"name": "mnist", "train_size": 320, "test_size": 100, "image_size": 16, "shift": "none"},
-        "optim": {"lr": 0.01, "batch_size": 16}, "nodes": {"count": 2, "cpus": 1}, "strategies": ["spsa"],
-        "log_every": 1000, "checkpoint_every": 100, "spsa": {"steps": 20, "verify_every": 1, "eps": 0.01}})
+    cfg = from_dict(
+        {
+            "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False, "dtype": "bf16"},
+            "data": {"name": "mnist", "train_size": 320, "test_size": 100, "image_size": 16, "shift": "none"},
+            "optim": {"lr": 0.01, "batch_size": 16},
+            "nodes": {"count": 2, "cpus": 1},
+            "strategies": ["spsa"],
+            "log_every": 1000,
+            "checkpoint_every": 100,
+            "spsa": {"steps": 20, "verify_every": 1, "eps": 0.01},
+        }
+    )
     ctx = prepare(cfg, tmp_path)
     rec = Spsa().run(ctx).to_dict()
     verified = rec["details"]["verified"]
@@ -138,7 +163,8 @@ def test_spsa_on_bf16_weights_keeps_replicas_bit_identical(ray_session, tmp_path
 
 @pytest.mark.slow
 def test_lofi_lora_average_is_merged_and_saved_on_a_node_when_the_driver_holds_no_base(
-        ray_session, tmp_path, driver_cannot_load):
+    ray_session, tmp_path, driver_cannot_load
+):
     """lo-fi with adapters on a bf16 base, the driver never loading a weight: node 0 merges the exact
     average on its base and writes model.safetensors itself; the driver only relays adapters."""
     from raylowcomm.strategies import Lofi

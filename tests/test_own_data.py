@@ -37,6 +37,7 @@ VERDICTS = {"1": "fresh", "0": "rotten"}
 
 # --- the user's files, made from the bundled assets ---------------------------------------------
 
+
 def read_asset(name: str) -> list[dict]:
     with open(assets.require(name), newline="") as f:
         return list(csv.DictReader(f))
@@ -46,8 +47,9 @@ def reviews(start: int, n: int, marker: str = "") -> list[dict]:
     """Rotten Tomatoes rows as a user's CSV: columns review / verdict, labels fresh / rotten; each
     text starts with its label (and `marker`), so a decoded example shows the label it was given."""
     rows = read_asset("rotten_tomatoes")[start : start + n]
-    return [{"review": f"{marker}{VERDICTS[r['label']]} says: {r['text']}", "verdict": VERDICTS[r["label"]]}
-            for r in rows]
+    return [
+        {"review": f"{marker}{VERDICTS[r['label']]} says: {r['text']}", "verdict": VERDICTS[r["label"]]} for r in rows
+    ]
 
 
 def snippets(n: int) -> list[dict]:
@@ -118,8 +120,12 @@ def assert_labels_follow_rows(split, tokenizer, classes, where: str) -> None:
 
 TEXT_MODEL = {"name": "all-MiniLM-L6-v2", "family": "hf_classifier"}
 IMAGE_MODEL = {"name": "test_efficientnet", "family": "timm", "pretrained": False}
-SMALL = {"optim": {"name": "sgd", "lr": 0.01, "batch_size": 8, "epochs": 1, "max_steps": 2, "eval_batch_size": 64},
-         "nodes": {"count": 2, "cpus": 1}, "log_every": 1000, "spsa": {"steps": 2, "verify_every": 1}}
+SMALL = {
+    "optim": {"name": "sgd", "lr": 0.01, "batch_size": 8, "epochs": 1, "max_steps": 2, "eval_batch_size": 64},
+    "nodes": {"count": 2, "cpus": 1},
+    "log_every": 1000,
+    "spsa": {"steps": 2, "verify_every": 1},
+}
 
 
 def run_config(raw: dict, out: Path, monkeypatch) -> tuple[list[dict], object]:
@@ -154,6 +160,7 @@ def training_bytes(record: dict) -> dict:
 
 # --- string labels: one class map everywhere ----------------------------------------------------
 
+
 @pytest.mark.parametrize("classes", [None, ["rotten", "fresh"]])
 def test_string_labels_map_by_name_on_every_node_and_in_every_shift_set(ray_session, tmp_path, tokenizer, classes):
     """The eval file starts with a fresh row, node 0's file with a rotten one, node 1 holds fresh
@@ -165,13 +172,31 @@ def test_string_labels_map_by_name_on_every_node_and_in_every_shift_set(ray_sess
     node1 = [r for r in reviews(300, 60) if r["verdict"] == "fresh"][:16]
     shift = snippets(40)
     assert shift[0]["opinion"] == "rotten" and {r["opinion"] for r in shift} == {"fresh", "rotten"}
-    cfg = from_dict({"model": TEXT_MODEL, "strategies": ["lofi"], "data": {
-        "name": "mine", "source": "csv", "files": str(write_csv(tmp_path / "eval.csv", evalrows)),
-        "node_files": [str(write_csv(tmp_path / "a" / "mine.csv", node0)),
-                       str(write_csv(tmp_path / "b" / "mine.csv", node1))],
-        "columns": {"text": "review", "label": "verdict"}, "classes": classes, "test_size": 10, "max_length": 24,
-        "shift": {"amazon": {"files": str(write_csv(tmp_path / "shift.csv", shift)),
-                             "columns": {"text": "snippet", "label": "opinion"}}}}})
+    cfg = from_dict(
+        {
+            "model": TEXT_MODEL,
+            "strategies": ["lofi"],
+            "data": {
+                "name": "mine",
+                "source": "csv",
+                "files": str(write_csv(tmp_path / "eval.csv", evalrows)),
+                "node_files": [
+                    str(write_csv(tmp_path / "a" / "mine.csv", node0)),
+                    str(write_csv(tmp_path / "b" / "mine.csv", node1)),
+                ],
+                "columns": {"text": "review", "label": "verdict"},
+                "classes": classes,
+                "test_size": 10,
+                "max_length": 24,
+                "shift": {
+                    "amazon": {
+                        "files": str(write_csv(tmp_path / "shift.csv", shift)),
+                        "columns": {"text": "snippet", "label": "opinion"},
+                    }
+                },
+            },
+        }
+    )
     prepared = prepare_data(cfg, tokenizer)
     assert prepared.classes == (classes or ["fresh", "rotten"])
     for name in ("test", "shift/amazon"):
@@ -188,11 +213,18 @@ def test_string_labels_map_by_name_on_every_node_and_in_every_shift_set(ray_sess
 
 # --- bad input: one error line, before any actor ------------------------------------------------
 
+
 def _bad_input(tmp_path: Path, case: str) -> dict:
     write_csv(tmp_path / "reviews.csv", reviews(0, 40))
     write_csv(tmp_path / "node_0.csv", reviews(100, 20))
-    data = {"name": "mine", "source": "csv", "files": str(tmp_path / "reviews.csv"),
-            "columns": {"text": "review", "label": "verdict"}, "test_size": 8, "shift": "none"}
+    data = {
+        "name": "mine",
+        "source": "csv",
+        "files": str(tmp_path / "reviews.csv"),
+        "columns": {"text": "review", "label": "verdict"},
+        "test_size": 8,
+        "shift": "none",
+    }
     if case == "text_column":
         data["columns"] = {"text": "reveiw", "label": "verdict"}
     elif case == "label_column":
@@ -205,25 +237,39 @@ def _bad_input(tmp_path: Path, case: str) -> dict:
         rows = reviews(0, 40)
         rows[5]["verdict"] = ""
         write_csv(tmp_path / "reviews.csv", rows)
-    return {"model": TEXT_MODEL, "data": data, "strategies": ["lofi", "spsa"], "out_dir": str(tmp_path / "out"),
-            **SMALL}
+    return {
+        "model": TEXT_MODEL,
+        "data": data,
+        "strategies": ["lofi", "spsa"],
+        "out_dir": str(tmp_path / "out"),
+        **SMALL,
+    }
 
 
-@pytest.mark.parametrize("case,field", [
-    ("text_column", "data.columns.text"),
-    ("label_column", "data.columns.label"),
-    ("missing_file", "data.files"),
-    ("missing_node_file", "data.node_files[1]"),
-    ("empty_label", "data.columns.label"),
-])
+@pytest.mark.parametrize(
+    "case,field",
+    [
+        ("text_column", "data.columns.text"),
+        ("label_column", "data.columns.label"),
+        ("missing_file", "data.files"),
+        ("missing_node_file", "data.node_files[1]"),
+        ("empty_label", "data.columns.label"),
+    ],
+)
 def test_bad_data_stops_the_cli_with_one_line_before_ray_starts(tmp_path, case, field):
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(_bad_input(tmp_path, case)))
     ray_tmp = tmp_path / "raytmp"  # Ray creates its session folder here the moment it starts
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": str(ray_tmp)}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "raylowcomm.cli", "run", str(config)], capture_output=True, text=True,
-                          cwd=tmp_path, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylowcomm.cli", "run", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     took = time.perf_counter() - t0
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -246,8 +292,10 @@ def test_a_config_error_raised_on_a_node_reaches_the_driver_intact():
 
 def test_interlocking_and_node_files_refuse_what_they_cannot_split():
     """Why the text runs below leave interlocking out, said as errors naming the field."""
-    base = {"data": {"name": "mine", "source": "csv", "files": "x.csv",
-                     "columns": {"text": "review", "label": "verdict"}}, "strategies": ["interlocking"]}
+    base = {
+        "data": {"name": "mine", "source": "csv", "files": "x.csv", "columns": {"text": "review", "label": "verdict"}},
+        "strategies": ["interlocking"],
+    }
     with pytest.raises(ConfigError) as err:
         from_dict({**base, "model": TEXT_MODEL})
     assert err.value.field_name == "model.family"
@@ -255,23 +303,48 @@ def test_interlocking_and_node_files_refuse_what_they_cannot_split():
         from_dict({**base, "model": {"name": "SmolLM2-135M", "family": "hf_causal_lm"}})
     assert err.value.field_name == "data.name", "a causal LM interlocks on plain text only, not labelled reviews"
     with pytest.raises(ConfigError) as err:
-        from_dict({**base, "model": IMAGE_MODEL, "data": {"name": "mine", "source": "imagefolder", "files": "x",
-                                                          "node_files": "n_{node}",
-                                                          "columns": {"image": "image", "label": "label"}}})
+        from_dict(
+            {
+                **base,
+                "model": IMAGE_MODEL,
+                "data": {
+                    "name": "mine",
+                    "source": "imagefolder",
+                    "files": "x",
+                    "node_files": "n_{node}",
+                    "columns": {"image": "image", "label": "label"},
+                },
+            }
+        )
     assert err.value.field_name == "data.node_files"
 
 
 # --- end to end through runner.run --------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_user_csv_with_string_labels_runs_every_text_strategy(ray_session, tmp_path, monkeypatch):
     """review / verdict columns, fresh / rotten labels, an Amazon shift set with its own column
     names: lofi, spsa and ddp (interlocking does not split hf_classifier) with no code change."""
-    raw = {"model": TEXT_MODEL, "strategies": ["lofi", "spsa", "ddp"], **SMALL, "data": {
-        "name": "my_reviews", "source": "csv", "files": str(write_csv(tmp_path / "reviews.csv", reviews(0, 56))),
-        "columns": {"text": "review", "label": "verdict"}, "test_size": 16, "max_length": 32,
-        "shift": {"amazon": {"files": str(write_csv(tmp_path / "amazon.csv", snippets(24))),
-                             "columns": {"text": "snippet", "label": "opinion"}}}}}
+    raw = {
+        "model": TEXT_MODEL,
+        "strategies": ["lofi", "spsa", "ddp"],
+        **SMALL,
+        "data": {
+            "name": "my_reviews",
+            "source": "csv",
+            "files": str(write_csv(tmp_path / "reviews.csv", reviews(0, 56))),
+            "columns": {"text": "review", "label": "verdict"},
+            "test_size": 16,
+            "max_length": 32,
+            "shift": {
+                "amazon": {
+                    "files": str(write_csv(tmp_path / "amazon.csv", snippets(24))),
+                    "columns": {"text": "snippet", "label": "opinion"},
+                }
+            },
+        },
+    }
     records, ctx = run_config(raw, tmp_path / "out", monkeypatch)
     assert [r["strategy"] for r in records] == ["lofi", "spsa", "ddp"]
     assert ctx.data.classes == ["fresh", "rotten"] and ctx.spec.num_classes == 2
@@ -290,10 +363,19 @@ def test_a_user_imagefolder_runs_every_strategy(ray_session, tmp_path, monkeypat
     digits folder as the shift set: lofi, spsa, ddp and interlocking with no code change."""
     folder = digit_folders(tmp_path / "digits", "mnist", {"train": 16, "test": 4})
     shift = digit_folders(tmp_path / "uci", "uci_digits", {"test": 8})
-    raw = {"model": IMAGE_MODEL, "strategies": ["lofi", "spsa", "ddp", "interlocking"], **SMALL,
-           "interlocking": {"stages": 2, "micro_batches": 2, "balance": "blocks"},
-           "data": {"name": "my_digits", "source": "imagefolder", "files": str(folder), "image_size": 16,
-                    "shift": {"uci": {"source": "imagefolder", "files": str(shift)}}}}
+    raw = {
+        "model": IMAGE_MODEL,
+        "strategies": ["lofi", "spsa", "ddp", "interlocking"],
+        **SMALL,
+        "interlocking": {"stages": 2, "micro_batches": 2, "balance": "blocks"},
+        "data": {
+            "name": "my_digits",
+            "source": "imagefolder",
+            "files": str(folder),
+            "image_size": 16,
+            "shift": {"uci": {"source": "imagefolder", "files": str(shift)}},
+        },
+    }
     records, ctx = run_config(raw, tmp_path / "out", monkeypatch)
     assert [r["strategy"] for r in records] == ["lofi", "spsa", "ddp", "interlocking"]
     assert ctx.data.classes == ["one", "two", "zero"], "the folder names, in the order imagefolder numbers them"
@@ -333,24 +415,35 @@ def test_node_local_files_never_reach_the_driver(ray_session, tmp_path, monkeypa
     for name in ("load", "load_all", "load_holdout"):
         monkeypatch.setattr(TrainSource, name, refuse)
     monkeypatch.setattr(SourceSpec, "open", open_on_driver)
-    raw = {"model": TEXT_MODEL, "strategies": ["lofi", "spsa"], **SMALL, "data": {
-        "name": "mine", "source": "csv", "files": str(write_csv(tmp_path / "eval.csv", evalrows)),
-        "node_files": str(tmp_path / "node_{node}" / "mine.csv"), "columns": {"text": "review", "label": "verdict"},
-        "test_size": 30, "max_length": 32, "shift": "none"}}
+    raw = {
+        "model": TEXT_MODEL,
+        "strategies": ["lofi", "spsa"],
+        **SMALL,
+        "data": {
+            "name": "mine",
+            "source": "csv",
+            "files": str(write_csv(tmp_path / "eval.csv", evalrows)),
+            "node_files": str(tmp_path / "node_{node}" / "mine.csv"),
+            "columns": {"text": "review", "label": "verdict"},
+            "test_size": 30,
+            "max_length": 32,
+            "shift": "none",
+        },
+    }
     records, ctx = run_config(raw, tmp_path / "out", monkeypatch)
     with pytest.raises(AssertionError, match="read training rows"):
         ctx.data.train.load(0, 2)  # the guard was in place all along
 
     recipe = pickle.dumps(ctx.data.train)
-    assert not any(r["review"][:60].encode() in recipe for rows in node_rows for r in rows), \
+    assert not any(r["review"][:60].encode() in recipe for rows in node_rows for r in rows), (
         "a training text in the recipe"
+    )
     without_tokenizer = dataclasses.replace(ctx.data.train.encoder, tokenizer=None)
     bare = pickle.dumps(dataclasses.replace(ctx.data.train, encoder=without_tokenizer))
     assert len(bare) < 2048, f"the recipe without its tokenizer is {len(bare)} B"
     texts = [t for t, _ in decoded(ctx.data.eval_sets["test"], tokenizer, ctx.data.classes)]
     assert len(texts) == 30 and not any("nodeonly" in t for t in texts), "a training row in the driver's eval set"
-    setup_kinds = {"setup/model_recipe", "setup/eval_sets", "setup/data_recipe", "setup/control",
-                   "setup/shard_sizes"}
+    setup_kinds = {"setup/model_recipe", "setup/eval_sets", "setup/data_recipe", "setup/control", "setup/shard_sizes"}
     for record in records:
         assert_ran(record, shift=False)
         kinds = record["comm"]["by_kind"]

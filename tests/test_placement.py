@@ -86,10 +86,13 @@ def test_pinned_actors_run_on_their_host_and_a_restart_comes_back_to_its_bundle(
     assert live_groups() == {}
 
 
-@pytest.mark.parametrize("nodes, says", [
-    ({"hosts": ["127.0.0.1"]}, "lofi starts 2 actors"),
-    ({"hosts": ["10.255.255.9", "127.0.0.1"]}, "'10.255.255.9' is no live Ray node"),
-])
+@pytest.mark.parametrize(
+    "nodes, says",
+    [
+        ({"hosts": ["127.0.0.1"]}, "lofi starts 2 actors"),
+        ({"hosts": ["10.255.255.9", "127.0.0.1"]}, "'10.255.255.9' is no live Ray node"),
+    ],
+)
 def test_nodes_hosts_of_the_wrong_length_or_unknown_stop_the_run_naming_the_field(ray_session, tmp_path, nodes, says):
     raw = {
         "model": {"name": "test_resnet", "family": "timm", "pretrained": False},

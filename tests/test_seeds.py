@@ -36,10 +36,13 @@ def test_one_seed_has_a_mean_and_no_interval_none_has_neither():
 
 
 def _record(name: str, acc: float, shift: float = 0.5, total: int = 1_000_000, wall: float = 10.0) -> dict:
-    return {"strategy": name, "metrics": {"id_accuracy": acc, "id_loss": 1.0 - acc, "shift_accuracy": shift,
-                                          "val_accuracy": 0.3},
-            "comm": {"total_bytes": total, "by_phase": {"setup": total // 2, "train": total // 2, "final": 0}},
-            "wall_s": wall, "train_s": wall / 2}
+    return {
+        "strategy": name,
+        "metrics": {"id_accuracy": acc, "id_loss": 1.0 - acc, "shift_accuracy": shift, "val_accuracy": 0.3},
+        "comm": {"total_bytes": total, "by_phase": {"setup": total // 2, "train": total // 2, "final": 0}},
+        "wall_s": wall,
+        "train_s": wall / 2,
+    }
 
 
 def _failed(name: str, error: str = "RuntimeError: boom\nat line 3") -> dict:
@@ -59,8 +62,17 @@ def test_summary_means_intervals_and_paired_difference_to_ddp():
     assert summary["seeds"] == [0, 1, 2] and summary["baseline"] == "ddp"
     lofi, ddp = summary["strategies"]
     assert lofi["strategy"] == "lofi" and lofi["seeds_ok"] == [0, 1, 2] and lofi["failed"] == []
-    assert set(lofi["stats"]) == {"id_accuracy", "id_loss", "shift_accuracy", "bytes_total", "bytes_setup",
-                                  "bytes_train", "bytes_final", "wall_s", "train_s"}  # val_* is not compared
+    assert set(lofi["stats"]) == {
+        "id_accuracy",
+        "id_loss",
+        "shift_accuracy",
+        "bytes_total",
+        "bytes_setup",
+        "bytes_train",
+        "bytes_final",
+        "wall_s",
+        "train_s",
+    }  # val_* is not compared
     assert ddp["stats"]["id_accuracy"]["mean"] == pytest.approx(0.92)
     assert ddp["stats"]["id_accuracy"]["half_width"] == pytest.approx(T2 * 0.02 / math.sqrt(3))
     assert ddp["stats"]["bytes_total"]["mean"] == pytest.approx(8e6 / 3)
@@ -112,7 +124,11 @@ def test_a_seed_changes_only_seed_out_dir_and_storage_and_resume_checks_each_sta
     one = seed_config(cfg, 7, tmp_path)
     assert (one.seed, one.out_dir, one.storage) == (7, str(tmp_path / "seed_7"), "s3://bucket/run/seed_7")
     assert {**one.to_dict(), "seed": 0, "out_dir": "", "storage": ""} == {
-        **cfg.to_dict(), "seed": 0, "out_dir": "", "storage": ""}
+        **cfg.to_dict(),
+        "seed": 0,
+        "out_dir": "",
+        "storage": "",
+    }
     assert cfg.seed == 0 and cfg.storage == "s3://bucket/run/"  # the caller's config is left alone
     (tmp_path / "seed_7").mkdir()
     (tmp_path / "seed_7" / "config.yaml").write_text(yaml.safe_dump(one.to_dict(), sort_keys=False))
@@ -138,7 +154,8 @@ def test_run_over_two_seeds_writes_each_seed_and_their_summary(tmp_path, ray_ses
         for key in ("id_accuracy", "shift_accuracy"):
             assert entry["stats"][key]["mean"] == pytest.approx(sum(mine[s]["metrics"][key] for s in (0, 1)) / 2)
         assert entry["stats"]["bytes_total"]["mean"] == pytest.approx(
-            sum(mine[s]["comm"]["total_bytes"] for s in (0, 1)) / 2)
+            sum(mine[s]["comm"]["total_bytes"] for s in (0, 1)) / 2
+        )
         assert entry["stats"]["id_accuracy"]["n"] == 2
     ddp_acc = [next(r for r in records[s] if r["strategy"] == "ddp")["metrics"]["id_accuracy"] for s in (0, 1)]
     lofi_acc = [records[s][0]["metrics"]["id_accuracy"] for s in (0, 1)]

@@ -9,8 +9,15 @@ from raylowcomm.tasks import TextClassification, trim_padding
 
 def tiny_bert(layers: int, labels: int) -> BertForSequenceClassification:
     """A small random BERT classifier in eval mode (the caller seeds torch first)."""
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=labels)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=labels,
+    )
     return BertForSequenceClassification(config).eval()
 
 

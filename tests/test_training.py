@@ -33,8 +33,12 @@ def _linear_error(layer: nn.Linear, h: torch.Tensor, dh: torch.Tensor, cast: flo
     k = w.shape[1] + 1
     gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
     terms = (h.abs() + dh) @ w.abs().T  # |W|·(|h| + dh) ≥ |W|·|ĥ|
-    pre = dh @ w.abs().T + (2 * cast + cast**2) * terms + cast * b.abs() + gamma * ((1 + cast) ** 2 * terms
-                                                                               + (1 + cast) * b.abs())
+    pre = (
+        dh @ w.abs().T
+        + (2 * cast + cast**2) * terms
+        + cast * b.abs()
+        + gamma * ((1 + cast) ** 2 * terms + (1 + cast) * b.abs())
+    )
     z = h @ w.T + b
     rounding = 2 * out + out**2
     return z, pre + rounding * (z.abs() + pre)

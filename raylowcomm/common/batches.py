@@ -46,8 +46,9 @@ step's real tokens go from 55% of its trimmed batch to 88% (86% for DDP, whose r
 the longest batch), where whole-epoch sorting would reach 98% but order the epoch by length."""
 
 
-def length_grouped_batch(mask: torch.Tensor, i: int, batch_size: int, seed: int, epoch: int,
-                         group_seed: int) -> torch.Tensor:
+def length_grouped_batch(
+    mask: torch.Tensor, i: int, batch_size: int, seed: int, epoch: int, group_seed: int
+) -> torch.Tensor:
     """Batch `i` of an epoch with rows of similar length together (rows of `mask`, the attention
     mask): the epoch's shuffled rows (`epoch_permutation`) are cut into groups of GROUP_BATCHES
     batches, each group sorted by length and cut into batches, which the group takes in an order
@@ -110,8 +111,8 @@ class Source:
         """Micro-batch `mb` of training batch `step` (batches as every strategy draws them)."""
         size = self.batch_size // micro_batches
         batch = batch_at(self.train, step, self.batch_size, self.seed)
-        return {k: v[mb * size:(mb + 1) * size] for k, v in batch.items()}
+        return {k: v[mb * size : (mb + 1) * size] for k, v in batch.items()}
 
     def eval_chunk(self, name: str, chunk: int) -> dict[str, Tensor]:
         start = chunk * self.eval_batch_size
-        return {k: v[start:start + self.eval_batch_size] for k, v in self.eval_sets[name].items()}
+        return {k: v[start : start + self.eval_batch_size] for k, v in self.eval_sets[name].items()}

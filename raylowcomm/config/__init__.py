@@ -27,7 +27,22 @@ from raylowcomm.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "DataConfig", "LoraConfig", "ModelConfig", "NodesConfig", "OptimConfig", "RunConfig", "ShiftSource",
-    "apply_overrides", "build_dataclass", "kind_mismatch", "load_yaml_mapping", "own_data_name", "parse_override",
-    "read_yaml", "validate", "validate_lora", "yaml_problem",
+    "ConfigError",
+    "DataConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "NodesConfig",
+    "OptimConfig",
+    "RunConfig",
+    "ShiftSource",
+    "apply_overrides",
+    "build_dataclass",
+    "kind_mismatch",
+    "load_yaml_mapping",
+    "own_data_name",
+    "parse_override",
+    "read_yaml",
+    "validate",
+    "validate_lora",
+    "yaml_problem",
 ]

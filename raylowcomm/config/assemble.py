@@ -88,5 +88,9 @@ def check_hosts(cfg: RunConfig, strategy: StrategyOptions) -> None:
         raise ConfigError("nodes.hosts", hosts, "a list of Ray node addresses or node ids, one per actor")
     count = len(strategy.bundles(cfg) + strategy.external_bundles(cfg))
     if len(hosts) != count:
-        raise ConfigError("nodes.hosts", hosts, f"{strategy.name} starts {count} actors (its {strategy.count_field} "
-                          f"and any it adds after them): give one host per actor, not {len(hosts)}")
+        raise ConfigError(
+            "nodes.hosts",
+            hosts,
+            f"{strategy.name} starts {count} actors (its {strategy.count_field} "
+            f"and any it adds after them): give one host per actor, not {len(hosts)}",
+        )

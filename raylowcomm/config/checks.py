@@ -122,11 +122,14 @@ def validate_dtype(cfg: RunConfig, updating: list[str]) -> None:
     if cfg.model.dtype == "fp32" or cfg.model.lora is not None:
         return
     if updating:
-        raise ConfigError("model.dtype", cfg.model.dtype,
-                          f"{', '.join(updating)} full fine-tuning updates every weight, which needs fp32 weights "
-                          "(steps smaller than a bf16/fp16 weight's resolution are lost): set model.lora to keep a "
-                          f"{cfg.model.dtype} base under fp32 adapters, or model.dtype: fp32 with "
-                          "optim.precision: bf16 for bf16 compute")
+        raise ConfigError(
+            "model.dtype",
+            cfg.model.dtype,
+            f"{', '.join(updating)} full fine-tuning updates every weight, which needs fp32 weights "
+            "(steps smaller than a bf16/fp16 weight's resolution are lost): set model.lora to keep a "
+            f"{cfg.model.dtype} base under fp32 adapters, or model.dtype: fp32 with "
+            "optim.precision: bf16 for bf16 compute",
+        )
 
 
 def validate(cfg: RunConfig, fp32_updating: list[str]) -> None:
@@ -149,8 +152,11 @@ def _check_numbers(cfg: RunConfig) -> None:
     _positive("nodes.max_restarts", cfg.nodes.max_restarts, allow_zero=True)
     timeout = cfg.nodes.start_timeout_s
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-        raise ConfigError("nodes.start_timeout_s", timeout,
-                          "seconds, a finite number > 0, or null (120 locally, no limit on a cluster)")
+        raise ConfigError(
+            "nodes.start_timeout_s",
+            timeout,
+            "seconds, a finite number > 0, or null (120 locally, no limit on a cluster)",
+        )
     for key, amount in cfg.nodes.resources.items():
         if key.upper() in ("CPU", "GPU", "MEMORY"):
             raise ConfigError(f"nodes.resources.{key}", amount, "set CPUs and GPUs with nodes.cpus / nodes.gpus")

@@ -100,7 +100,7 @@ class _Reader:
 
     def take(self, count: int, dtype: torch.dtype) -> Tensor:
         size = count * torch.empty(0, dtype=dtype).element_size()
-        part = self.buffer[self.offset:self.offset + size].clone()
+        part = self.buffer[self.offset : self.offset + size].clone()
         self.offset += size
         return part.view(dtype)
 
@@ -118,8 +118,10 @@ class IndexLayout(NamedTuple):
         return _itemsize(self.count_dtype) * max(_ceil_div(n, self.chunk) - 1, 0) + _itemsize(self.offset_dtype) * k
 
 
-INDEX_LAYOUTS = (IndexLayout(255, torch.uint8, 0, torch.uint8),  # a count of up to 255 fits a byte
-                 IndexLayout(1 << 16, torch.int16, 1 << 15, torch.int32))
+INDEX_LAYOUTS = (
+    IndexLayout(255, torch.uint8, 0, torch.uint8),  # a count of up to 255 fits a byte
+    IndexLayout(1 << 16, torch.int16, 1 << 15, torch.int32),
+)
 
 
 def index_layout(n: int, k: int) -> IndexLayout:
@@ -154,7 +156,7 @@ def _quantize_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
 
 def _dequantize_blocks(codes: Tensor, scales: Tensor, block: int) -> Tensor:
     """q·scale in float64 (exact: a 7-bit code times an 8-bit bf16 significand)."""
-    per_entry = scales.to(torch.float64).repeat_interleave(block)[:codes.numel()]
+    per_entry = scales.to(torch.float64).repeat_interleave(block)[: codes.numel()]
     return codes.to(torch.float64) * per_entry
 
 
@@ -192,8 +194,10 @@ class Codec:
         """Checks the buffer's size against the formula, then decodes it to flat float64."""
         expected = self.packed_nbytes(spec)
         if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
-            raise ValueError(f"{self.name} payload of {tuple(packed.shape)} {packed.dtype}: expected "
-                             f"{expected} uint8 bytes for {tuple(spec.shape)} {spec.dtype}")
+            raise ValueError(
+                f"{self.name} payload of {tuple(packed.shape)} {packed.dtype}: expected "
+                f"{expected} uint8 bytes for {tuple(spec.shape)} {spec.dtype}"
+            )
         return self._unpack(packed, spec)
 
     def payload_nbytes(self, layout: Layout) -> int:
@@ -327,7 +331,7 @@ class TopK(Codec):
         index = torch.repeat_interleave(chunks, torch.cat([counts, counts.new_full((1,), last)])) * at.chunk + offsets
         if k and (int(index.max()) >= n or int(offsets.max()) >= at.chunk or (index[1:] <= index[:-1]).any()):
             raise ValueError("top-k payload has indices out of range or out of order")
-        values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - _ceil_div(k, 2):]])
+        values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - _ceil_div(k, 2) :]])
         out = torch.zeros(n, dtype=torch.float64, device=packed.device)
         out[index] = self.values.unpack(values_packed, TensorSpec(torch.Size([k]), spec.dtype))
         return out
@@ -383,8 +387,13 @@ class ErrorFeedback:
         self.residual = {name: r.clone() for name, r in state.items()}
 
 
-def average_decoded(codec: Codec, payloads: Sequence[Payload], layout: Layout,
-                    weights: Sequence[float] | None = None, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+def average_decoded(
+    codec: Codec,
+    payloads: Sequence[Payload],
+    layout: Layout,
+    weights: Sequence[float] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Tensor]:
     """Δ̄ = Σ_k w_k·d_k / Σ_k w_k over the nodes' payloads, in the given order (pass them by node index).
 
     Accumulates in float64, one node at a time, multiply and add as separate kernels, then divides once:

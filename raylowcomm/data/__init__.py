@@ -19,8 +19,17 @@ from raylowcomm.data.recipe import DataPlan, NodeFiles, SplitRule, describe_data
 from raylowcomm.data.rows import Encoder, pixels
 from raylowcomm.data.sources import SourceSpec, sorted_labels
 
-__all__ = ["DataPlan", "PreparedData", "SourceSpec", "SplitRule", "TrainSource", "describe_data", "pixels",
-           "prepare_data", "sorted_labels"]
+__all__ = [
+    "DataPlan",
+    "PreparedData",
+    "SourceSpec",
+    "SplitRule",
+    "TrainSource",
+    "describe_data",
+    "pixels",
+    "prepare_data",
+    "sorted_labels",
+]
 
 # The recipe crosses to every node pickled, and pickle names each class by its module: under the
 # package's public name, what crosses (and the ledger's setup/data_recipe bytes) does not depend on

@@ -84,8 +84,10 @@ class TrainSource:
     def _shared(self) -> Rows:
         rows = self.encoder.rows(self.pool, self.columns, "data.classes")
         if self.num_rows is not None and len(rows) != self.num_rows:
-            raise RuntimeError(f"the training source changed since the driver read it: {self.num_rows} examples then, "
-                               f"{len(rows)} here ({self.pool.files or self.pool.source})")
+            raise RuntimeError(
+                f"the training source changed since the driver read it: {self.num_rows} examples then, "
+                f"{len(rows)} here ({self.pool.files or self.pool.source})"
+            )
         return rows
 
     def _shard(self, rows: Rows, index: torch.Tensor, node: int, count: int) -> Split:
@@ -104,8 +106,9 @@ class PreparedData:
     plan: DataPlan
 
 
-def prepare_data(cfg: RunConfig, tokenizer=None, image_cfg: dict | None = None,
-                 plan: DataPlan | None = None) -> PreparedData:
+def prepare_data(
+    cfg: RunConfig, tokenizer=None, image_cfg: dict | None = None, plan: DataPlan | None = None
+) -> PreparedData:
     """The driver's side: evaluation sets loaded, training rows left where they are. `image_cfg`:
     the model's preprocessing (models.image_preprocessing: input_size, mean, std)."""
     d, plan = cfg.data, plan or describe_data(cfg)
@@ -113,8 +116,13 @@ def prepare_data(cfg: RunConfig, tokenizer=None, image_cfg: dict | None = None,
     image_size = d.image_size or image_cfg.get("input_size", (3, 32, 32))[-1]
     encoder = Encoder(plan.task, plan.classes, tokenizer, d.max_length, image_size, plan.template, plan.label_words)
     encoder.check()
-    rule = SplitRule(d.shuffle_seed, 0 if plan.test else d.test_size, d.val_size, None if plan.nodes else d.train_size,
-                     needs_train=plan.nodes is None)
+    rule = SplitRule(
+        d.shuffle_seed,
+        0 if plan.test else d.test_size,
+        d.val_size,
+        None if plan.nodes else d.train_size,
+        needs_train=plan.nodes is None,
+    )
     sets, num_rows = {}, None
     if plan.pool is not None:
         rows = encoder.rows(plan.pool, plan.columns, "data.classes")
@@ -135,8 +143,17 @@ def prepare_data(cfg: RunConfig, tokenizer=None, image_cfg: dict | None = None,
         sets[f"shift/{name}"] = rows.select(sample)
     mean, std = tuple(image_cfg.get("mean", (0.5,) * 3)), tuple(image_cfg.get("std", (0.5,) * 3))
     task = TaskSpec(plan.task, image_size, mean, std)
-    train = TrainSource(encoder, plan.columns, rule, cfg.seed, None if plan.nodes else plan.pool, plan.test, plan.nodes,
-                        None if plan.nodes else num_rows, d.eval_on_nodes)
+    train = TrainSource(
+        encoder,
+        plan.columns,
+        rule,
+        cfg.seed,
+        None if plan.nodes else plan.pool,
+        plan.test,
+        plan.nodes,
+        None if plan.nodes else num_rows,
+        d.eval_on_nodes,
+    )
     sizes = ", ".join(f"{k} {num_examples(v)}" for k, v in sets.items())
     logger.info("data %s: %s, %s", plan.name, plan.task, sizes or "no driver-side sets")
     return PreparedData(sets, list(plan.classes) if plan.classes else None, train, task, plan)

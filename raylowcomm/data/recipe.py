@@ -22,6 +22,7 @@ logger = logging.getLogger("raylowcomm")
 
 # --- which examples are test / val / train -----------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SplitRule:
     """Test, val and train examples of a split as a pure function of its size: the same indices on
@@ -38,15 +39,22 @@ class SplitRule:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(self.shuffle_seed))
         if self.test_size + self.val_size + (self.train_size or int(self.needs_train)) > n:
             field_name = "data.train_size" if self.train_size else "data.test_size"
-            raise ConfigError(field_name, self.train_size or self.test_size,
-                              f"the data has {n} examples; test_size + val_size + train_size must not exceed it")
+            raise ConfigError(
+                field_name,
+                self.train_size or self.test_size,
+                f"the data has {n} examples; test_size + val_size + train_size must not exceed it",
+            )
         held = self.test_size + self.val_size
         rest = order[held:]
-        return {"test": order[: self.test_size], "val": order[self.test_size : held],
-                "train": rest[: self.train_size] if self.train_size else rest}
+        return {
+            "test": order[: self.test_size],
+            "val": order[self.test_size : held],
+            "train": rest[: self.train_size] if self.train_size else rest,
+        }
 
 
 # --- what the data is, decided on the driver ---------------------------------------------------
+
 
 @dataclass(frozen=True)
 class NodeFiles:
@@ -137,12 +145,17 @@ def _shifts(data: DataConfig, preset, pool: SourceSpec | None, columns: dict[str
     if data.shift == "none":
         return {}
     if data.shift == "auto":
-        entries = {n: (SourceSpec(p.source, field=f"data.shift.{n}", asset=p.asset), p.columns)
-                   for n, p in (preset.shift if preset is not None else {}).items() if _available(p.asset)}
+        entries = {
+            n: (SourceSpec(p.source, field=f"data.shift.{n}", asset=p.asset), p.columns)
+            for n, p in (preset.shift if preset is not None else {}).items()
+            if _available(p.asset)
+        }
     else:
         inherit = pool.source if pool is not None else None  # a builder, a folder or a hub id
-        entries = {n: (_user_spec(s.source or inherit, s.files, s.split, f"data.shift.{n}"), s.columns)
-                   for n, s in data.shift.items()}
+        entries = {
+            n: (_user_spec(s.source or inherit, s.files, s.split, f"data.shift.{n}"), s.columns)
+            for n, s in data.shift.items()
+        }
     out = {}
     for name, (spec, given) in entries.items():
         spec.check()
@@ -151,8 +164,9 @@ def _shifts(data: DataConfig, preset, pool: SourceSpec | None, columns: dict[str
         resolved = resolve_columns(found, {**inherited, **given}, spec.field)
         for role in columns:
             if role not in resolved:
-                raise ConfigError(f"{spec.field}.columns.{role}", None,
-                                  f"the training data has a {role} column; name this set's")
+                raise ConfigError(
+                    f"{spec.field}.columns.{role}", None, f"the training data has a {role} column; name this set's"
+                )
         out[name] = (spec, {r: resolved[r] for r in columns})
         _check_filled(spec, out[name][1])
         if classes is not None:
@@ -186,12 +200,14 @@ def _check_labels(spec: SourceSpec, label: str, classes: tuple[str, ...]) -> Non
     ds = spec.open()
     unknown = sorted({label_key(v, ds.features[label]) for v in ds.unique(label)} - set(classes))
     if unknown:
-        raise ConfigError(spec.field, unknown,
-                          f"labels not among the training classes {list(classes)}: relabel them by name")
+        raise ConfigError(
+            spec.field, unknown, f"labels not among the training classes {list(classes)}: relabel them by name"
+        )
 
 
-def _classes(data: DataConfig, pool: SourceSpec | None, nodes: list[SourceSpec], label: str,
-             feature) -> tuple[str, ...]:
+def _classes(
+    data: DataConfig, pool: SourceSpec | None, nodes: list[SourceSpec], label: str, feature
+) -> tuple[str, ...]:
     """Label names in class order: data.classes, the ClassLabel's names, or the sorted distinct
     labels of the driver's own data (of the node files only where the driver can read them)."""
     if data.classes:
@@ -200,8 +216,9 @@ def _classes(data: DataConfig, pool: SourceSpec | None, nodes: list[SourceSpec],
         return tuple(feature.names)
     sources = [pool] if pool is not None else nodes
     if not sources:
-        raise ConfigError("data.classes", None,
-                          "the training files live on the nodes only: list the label names in class order")
+        raise ConfigError(
+            "data.classes", None, "the training files live on the nodes only: list the label names in class order"
+        )
     values = set()
     for spec in sources:
         ds = spec.open()
@@ -218,9 +235,13 @@ def _prompt(data: DataConfig, preset, task: str, classes) -> tuple[str, tuple[st
     if task != "prompt_classification":
         return template, words
     if not words:
-        raise ConfigError("data.label_words", None, "a causal LM classifies by the next token after each text + "
-                                                    "data.template: give one word per class, in class order "
-                                                    f"{list(classes)}")
+        raise ConfigError(
+            "data.label_words",
+            None,
+            "a causal LM classifies by the next token after each text + "
+            "data.template: give one word per class, in class order "
+            f"{list(classes)}",
+        )
     if len(words) != len(classes):
         raise ConfigError("data.label_words", list(words), f"one per class: {len(classes)} classes {list(classes)}")
     return template, words
@@ -236,17 +257,26 @@ def describe_data(cfg: RunConfig) -> DataPlan:
     pool, nodes = _pool(data, preset), _node_files(data, preset)
     node_specs = [nodes.spec(k) for k in range(cfg.nodes.count)] if nodes and data.node_files_on_driver else []
     if pool is None and nodes is None:
-        raise ConfigError("data.files", None,
-                          f"the {data.source!r} builder reads files: give data.files or data.node_files")
+        raise ConfigError(
+            "data.files", None, f"the {data.source!r} builder reads files: give data.files or data.node_files"
+        )
     if pool is None and not data.eval_on_nodes:
-        raise ConfigError("data.files", None, "node_files train on the nodes; the driver scores on data.files: "
-                                              "give them, or set data.eval_on_nodes: true")
+        raise ConfigError(
+            "data.files",
+            None,
+            "node_files train on the nodes; the driver scores on data.files: "
+            "give them, or set data.eval_on_nodes: true",
+        )
     for spec in ([pool] if pool else []) + node_specs:
         spec.check()
     if pool is None and not node_specs and not data.columns:
-        raise ConfigError("data.columns", data.columns, "nothing here to read the columns from (node files on the "
-                                                        "nodes only, no data.files): name them, e.g. "
-                                                        "{text: review, label: stars}")
+        raise ConfigError(
+            "data.columns",
+            data.columns,
+            "nothing here to read the columns from (node files on the "
+            "nodes only, no data.files): name them, e.g. "
+            "{text: review, label: stars}",
+        )
     splits, found = (pool or node_specs[0]).peek() if pool or node_specs else ([], dict.fromkeys(data.columns.values()))
     columns = resolve_columns(found, {**(preset.columns if preset else {}), **data.columns}, "data")
     kind = kind_of(columns)

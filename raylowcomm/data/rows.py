@@ -72,8 +72,9 @@ class Encoder:
             return
         words = [self.tokenizer(w, add_special_tokens=False)["input_ids"] for w in self.label_words]
         if any(len(w) != 1 for w in words):
-            raise ConfigError("data.label_words", list(self.label_words),
-                              f"each must be one token for this tokenizer, got {words}")
+            raise ConfigError(
+                "data.label_words", list(self.label_words), f"each must be one token for this tokenizer, got {words}"
+            )
         template = self.tokenizer(self.template, add_special_tokens=False)["input_ids"]
         if self.max_length <= len(template):
             raise ConfigError("data.max_length", self.max_length, f"must exceed the prompt's {len(template)} tokens")
@@ -86,8 +87,12 @@ class Encoder:
         keys = [label_key(v, feature) for v in values]
         unknown = sorted(set(keys) - index.keys())
         if unknown:
-            raise ConfigError(label_field, unknown, f"labels not among the training classes {list(self.classes)}: "
-                                                   "relabel them by name, or list every class in data.classes")
+            raise ConfigError(
+                label_field,
+                unknown,
+                f"labels not among the training classes {list(self.classes)}: "
+                "relabel them by name, or list every class in data.classes",
+            )
         return torch.tensor([index[k] for k in keys], dtype=torch.long)
 
     def encode(self, rows: dict[str, list], features, columns: dict[str, str], label_field: str) -> Split:
@@ -105,8 +110,9 @@ class Encoder:
     def _tokens(self, texts: list[str], pairs: list[str] | None) -> Split:
         """Right-padded to the longest row (tasks.trim_padding cuts each batch to its own)."""
         self.tokenizer.padding_side = "right"
-        enc = self.tokenizer(texts, pairs, padding="longest", truncation=True, max_length=self.max_length,
-                             return_tensors="pt")
+        enc = self.tokenizer(
+            texts, pairs, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         pair_types = pairs is not None and "token_type_ids" in enc
         keep = ("input_ids", "attention_mask") + (("token_type_ids",) if pair_types else ())
         return {k: enc[k] for k in keep}
@@ -115,8 +121,12 @@ class Encoder:
         """Text + template, right-padded; the text is cut so the template always fits."""
         template = self.tokenizer(self.template, add_special_tokens=False)["input_ids"]
         words = [self.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in self.label_words]
-        rows = [r + template for r in self.tokenizer(texts, add_special_tokens=False, truncation=True,
-                                                     max_length=self.max_length - len(template))["input_ids"]]
+        rows = [
+            r + template
+            for r in self.tokenizer(
+                texts, add_special_tokens=False, truncation=True, max_length=self.max_length - len(template)
+            )["input_ids"]
+        ]
         width = max(map(len, rows), default=0)
         ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -168,9 +178,11 @@ def _texts(values, role: str = "text") -> list[str]:
 def unreadable(spec: SourceSpec, role: str, column: str, row: int, reason: str) -> ConfigError:
     """Names the column and the row (its number in the split) whose value cannot be read."""
     what = {"image": "an image", "label": "a label"}.get(role, "text")
-    return ConfigError(f"{spec.field}.columns.{role}", column, f"row {row} of {spec.where} is unreadable as "
-                                                              f"{what} ({reason}): fix or drop that row, or name "
-                                                              "another column")
+    return ConfigError(
+        f"{spec.field}.columns.{role}",
+        column,
+        f"row {row} of {spec.where} is unreadable as {what} ({reason}): fix or drop that row, or name another column",
+    )
 
 
 def first_empty(ds, column: str, label: bool) -> int | None:

@@ -18,8 +18,14 @@ from raylowcomm.config import ConfigError
 
 # --- sources: where rows come from -------------------------------------------------------------
 
-SUFFIX_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
-                   ".txt": "text", ".arrow": "arrow"}
+SUFFIX_BUILDERS = {
+    ".csv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
 
 
 def is_builder(source: str | None) -> bool:
@@ -128,8 +134,9 @@ class SourceSpec:
         names = list(data.keys())
         name = self.split or (names[0] if len(names) == 1 else "train" if "train" in names else None)
         if name not in names:
-            raise ConfigError(f"{self.field}.{self.split_field}", self.split,
-                              f"the source's splits are {', '.join(names)}: name one")
+            raise ConfigError(
+                f"{self.field}.{self.split_field}", self.split, f"the source's splits are {', '.join(names)}: name one"
+            )
         return data[name]
 
     def open(self):
@@ -180,8 +187,11 @@ def resolve_columns(found: dict[str, Any], given: dict[str, str], field_name: st
         if hit is not None:
             columns[role] = hit
     if "image" not in columns and "text" not in columns:
-        raise ConfigError(f"{field_name}.columns", given, "name the text or image column (roles: text, text_pair, "
-                                                          f"image, label); the data has {has}")
+        raise ConfigError(
+            f"{field_name}.columns",
+            given,
+            f"name the text or image column (roles: text, text_pair, image, label); the data has {has}",
+        )
     if "image" in columns and "label" not in columns:
         raise ConfigError(f"{field_name}.columns.label", None, f"images need a label column; the data has {has}")
     return columns

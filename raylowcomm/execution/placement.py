@@ -55,11 +55,19 @@ def resolve_hosts(hosts: list[str] | None) -> list[str] | None:
         elif len(by_address.get(host, [])) == 1:
             found.append(by_address[host][0])
         elif host in by_address:
-            raise ConfigError("nodes.hosts", hosts, f"{host} runs {len(by_address[host])} Ray nodes: name one by its "
-                              f"node id ({', '.join(by_address[host])})")
+            raise ConfigError(
+                "nodes.hosts",
+                hosts,
+                f"{host} runs {len(by_address[host])} Ray nodes: name one by its "
+                f"node id ({', '.join(by_address[host])})",
+            )
         else:
-            raise ConfigError("nodes.hosts", hosts, f"{host!r} is no live Ray node of this cluster; its nodes: "
-                              + ", ".join(f"{a} ({', '.join(i)})" for a, i in sorted(by_address.items())))
+            raise ConfigError(
+                "nodes.hosts",
+                hosts,
+                f"{host!r} is no live Ray node of this cluster; its nodes: "
+                + ", ".join(f"{a} ({', '.join(i)})" for a, i in sorted(by_address.items())),
+            )
     return found
 
 
@@ -79,16 +87,28 @@ def check_placement(bundles: list[dict], strategy: str, node_ids: list[str] | No
     problems = []
     placed = [b for b in bundles if b]  # an empty bundle (a Tune trial's own) is left out of the group
     if strategy == "STRICT_SPREAD" and len(placed) > len(alive) and node_ids is None:
-        problems.append(("nodes.placement", strategy, f"STRICT_SPREAD puts each of the {len(placed)} actors on "
-                         f"its own Ray node, and the cluster has {len(alive)}: lower nodes.count, use SPREAD, "
-                         "or add nodes"))
+        problems.append(
+            (
+                "nodes.placement",
+                strategy,
+                f"STRICT_SPREAD puts each of the {len(placed)} actors on "
+                f"its own Ray node, and the cluster has {len(alive)}: lower nodes.count, use SPREAD, "
+                "or add nodes",
+            )
+        )
     for node in sorted(set(node_ids or [])):
         mine = [b for b, n in zip(bundles, node_ids) if n == node]
         for key in sorted({k for b in mine for k in b}):
             need, have = sum(b.get(key, 0) for b in mine), alive.get(node, {}).get(key, 0)
             if need > have:
-                problems.append(("nodes.hosts", node_ids, f"{len(mine)} actors pinned to node {node} need {need:g} "
-                                 f"{key} and it has {have:g}: lower nodes.cpus/nodes.gpus or pin fewer there"))
+                problems.append(
+                    (
+                        "nodes.hosts",
+                        node_ids,
+                        f"{len(mine)} actors pinned to node {node} need {need:g} "
+                        f"{key} and it has {have:g}: lower nodes.cpus/nodes.gpus or pin fewer there",
+                    )
+                )
     for field, value, message in problems:
         if local:
             raise ConfigError(field, value, message)
@@ -98,8 +118,13 @@ def check_placement(bundles: list[dict], strategy: str, node_ids: list[str] | No
 class Gang:
     """The placement group of one strategy run's actors (see the module's doc)."""
 
-    def __init__(self, bundles: list[dict], strategy: str = "PACK", hosts: list[str] | None = None,
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        bundles: list[dict],
+        strategy: str = "PACK",
+        hosts: list[str] | None = None,
+        timeout_s: float | None = None,
+    ):
         self.bundles, self.strategy, self.hosts, self.timeout_s = [dict(b) for b in bundles], strategy, hosts, timeout_s
         self.pg = None
         self.owned = False
@@ -124,8 +149,14 @@ class Gang:
         check_placement(self.bundles, self.strategy, self.node_ids, local)
         from ray.util.placement_group import placement_group
 
-        self.pg, self.owned = placement_group(self.bundles, strategy=self.strategy,
-                                              bundle_label_selector=pin_bundles(len(self.bundles), self.node_ids)), True
+        self.pg, self.owned = (
+            placement_group(
+                self.bundles,
+                strategy=self.strategy,
+                bundle_label_selector=pin_bundles(len(self.bundles), self.node_ids),
+            ),
+            True,
+        )
         self.indices = list(range(len(self.bundles)))
         try:
             self._wait(LOCAL_TIMEOUT_S if self.timeout_s is None and local else self.timeout_s)
@@ -145,9 +176,13 @@ class Gang:
                 ray.get(done)
                 return
             if left is not None and left <= step:
-                raise ConfigError("nodes.count", len(self.bundles), f"{self._asked()} found no room in "
-                                  f"{timeout_s:g} s; free now: {_free()}: lower nodes.count or nodes.cpus, choose "
-                                  "another nodes.placement, or raise nodes.start_timeout_s if other work will end")
+                raise ConfigError(
+                    "nodes.count",
+                    len(self.bundles),
+                    f"{self._asked()} found no room in "
+                    f"{timeout_s:g} s; free now: {_free()}: lower nodes.count or nodes.cpus, choose "
+                    "another nodes.placement, or raise nodes.start_timeout_s if other work will end",
+                )
             logger.info("waiting for the cluster to hold %s; free now: %s", self._asked(), _free())
 
     def _asked(self) -> str:
@@ -165,12 +200,20 @@ class Gang:
         used, found = set(), []
         for k, bundle in enumerate(self.bundles):
             want = {key: float(v) for key, v in bundle.items()}
-            j = next((j for j, spec in enumerate(specs) if j not in used and spec == want
-                      and (self.node_ids is None or on_node.get(j) == self.node_ids[k])), None)
+            j = next(
+                (
+                    j
+                    for j, spec in enumerate(specs)
+                    if j not in used and spec == want and (self.node_ids is None or on_node.get(j) == self.node_ids[k])
+                ),
+                None,
+            )
             if j is None:
-                raise RuntimeError(f"the run's reservation (placement group {current.id.hex()}, bundles {specs}) "
-                                   f"has no bundle left for actor {k} ({bundle}"
-                                   + (f" on node {self.node_ids[k]})" if self.node_ids else ")"))
+                raise RuntimeError(
+                    f"the run's reservation (placement group {current.id.hex()}, bundles {specs}) "
+                    f"has no bundle left for actor {k} ({bundle}"
+                    + (f" on node {self.node_ids[k]})" if self.node_ids else ")")
+                )
             used.add(j)
             found.append(j)
         return found
@@ -180,9 +223,13 @@ class Gang:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.reserve()
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=self.indices[key],
-            placement_group_capture_child_tasks=False)}
+        return {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.pg,
+                placement_group_bundle_index=self.indices[key],
+                placement_group_capture_child_tasks=False,
+            )
+        }
 
     def host_lost(self, key: int) -> str | None:
         """The pinned host of actor `key` when it is no longer alive (a restart would wait for it)."""

@@ -22,8 +22,12 @@ def hosts_without(check: Callable[[], bool], timeout_s: float = 60.0) -> list[st
     if not others:
         return []
     ask = ray.remote(num_cpus=0, max_retries=0)(_answer)
-    refs = {ask.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(check):
-            n["NodeManagerAddress"] for n in others}
+    refs = {
+        ask.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(check): n[
+            "NodeManagerAddress"
+        ]
+        for n in others
+    }
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     yes = set()
     for ref in ready:

@@ -103,8 +103,9 @@ class RunContext:
             missing = [] if self.cfg.model.source == "nodes" else hosts_without(self.recipe.readable)
             self.held.source = "driver" if missing else "nodes"
             if missing:
-                logger.info("model.source auto: %s cannot read the weights; the driver loads and sends them",
-                            ", ".join(missing))
+                logger.info(
+                    "model.source auto: %s cannot read the weights; the driver loads and sends them", ", ".join(missing)
+                )
         return self.held.source == "nodes"
 
     def for_strategy(self, report: Callable[[dict], None], live: Any = None) -> RunContext:
@@ -247,11 +248,24 @@ def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, chec
         logger.warning("%s: checkpoint_every=%s does not apply: %s", strategy, cfg.checkpoint_every, checkpoints)
 
 
-def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock, *, metrics: dict, step: int,
-                  samples: int, train_s: float, infos: list[dict], weights: dict | None,
-                  curve: list[dict] | None = None,
-                  nodes: list[dict] | None = None, details: dict | None = None,
-                  curve_wall_s: float | None = None, final_point: dict | None = None) -> RunRecord:
+def finish_record(
+    name: str,
+    ctx: RunContext,
+    ledger: Ledger,
+    clock: TrainClock,
+    *,
+    metrics: dict,
+    step: int,
+    samples: int,
+    train_s: float,
+    infos: list[dict],
+    weights: dict | None,
+    curve: list[dict] | None = None,
+    nodes: list[dict] | None = None,
+    details: dict | None = None,
+    curve_wall_s: float | None = None,
+    final_point: dict | None = None,
+) -> RunRecord:
     """The end every strategy shares, once everything it needed has come back: the curve's last
     point is the final metrics with every byte sent (collecting the result included) at the
     training time (`curve_wall_s` where collecting counts too) with `final_point`'s entries (the
@@ -270,6 +284,16 @@ def finish_record(name: str, ctx: RunContext, ledger: Ledger, clock: TrainClock,
         ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
     details.setdefault("phases_s", {})["save"] = round(time.perf_counter() - saving, 3)
     weights_path = ctx.storage.uri_of(rel)
-    return RunRecord(name, metrics, ledger, clock.elapsed(), samples, train_s, max(i["peak_rss_bytes"] for i in infos),
-                     nodes or [], details, weights_path, curve)
-
+    return RunRecord(
+        name,
+        metrics,
+        ledger,
+        clock.elapsed(),
+        samples,
+        train_s,
+        max(i["peak_rss_bytes"] for i in infos),
+        nodes or [],
+        details,
+        weights_path,
+        curve,
+    )

@@ -28,5 +28,14 @@ from raylowcomm.tune.summary import format_summary, format_trials, plot_sweep
 from raylowcomm.tune.sweep import Sweep, SweepConfig, SweepError, load_sweep
 from raylowcomm.tune.trials import run_sweep, trial_bundles
 
-__all__ = ["Sweep", "SweepConfig", "SweepError", "format_summary", "format_trials", "load_sweep", "plot_sweep",
-           "run_sweep", "trial_bundles"]
+__all__ = [
+    "Sweep",
+    "SweepConfig",
+    "SweepError",
+    "format_summary",
+    "format_trials",
+    "load_sweep",
+    "plot_sweep",
+    "run_sweep",
+    "trial_bundles",
+]

@@ -129,8 +129,10 @@ def test_outer_nesterov_from_the_averaged_delta_is_the_step_from_the_average():
     """Peer rounds step from Δ̄ = θ_global − mean θ_k: over two rounds, the same bits as `step` on the
     average wherever Δ̄ is what `step` computes itself (here exactly representable values)."""
     init = {"w": torch.tensor([1.0, 2.0]), "running_mean": torch.tensor([0.5])}
-    averages = [{"w": torch.tensor([0.5, 1.0]), "running_mean": torch.tensor([3.0])},
-                {"w": torch.tensor([0.25, 1.5]), "running_mean": torch.tensor([2.0])}]
+    averages = [
+        {"w": torch.tensor([0.5, 1.0]), "running_mean": torch.tensor([3.0])},
+        {"w": torch.tensor([0.25, 1.5]), "running_mean": torch.tensor([2.0])},
+    ]
     by_average = OuterNesterov(init, {"w"}, lr=0.7, momentum=0.9)
     by_delta = OuterNesterov(init, {"w"}, lr=0.7, momentum=0.9)
     for avg in averages:

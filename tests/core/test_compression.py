@@ -34,8 +34,12 @@ def _delta(n, dtype=torch.float32, seed=0, shape=None):
 
 def _model_delta(dtype=torch.float32, seed=0):
     """A small Δ dict with the awkward shapes: a matrix, an odd vector, a scalar, an empty tensor."""
-    return {"w": _delta(37 * 11, dtype, seed, (37, 11)), "b": _delta(129, dtype, seed + 1),
-            "scale": _delta(1, dtype, seed + 2, ()), "empty": torch.zeros(0, 5, dtype=dtype)}
+    return {
+        "w": _delta(37 * 11, dtype, seed, (37, 11)),
+        "b": _delta(129, dtype, seed + 1),
+        "scale": _delta(1, dtype, seed + 2, ()),
+        "empty": torch.zeros(0, 5, dtype=dtype),
+    }
 
 
 def _block_bound(x, block, qmax):
@@ -43,7 +47,7 @@ def _block_bound(x, block, qmax):
     n = x.numel()
     blocks = torch.nn.functional.pad(x.double().reshape(-1), (0, -(-n // block) * block - n)).view(-1, block)
     absmax = blocks.abs().amax(dim=1).repeat_interleave(block)[:n]
-    return absmax / (2 * qmax) * (1 + 2 ** -7)
+    return absmax / (2 * qmax) * (1 + 2**-7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
@@ -139,8 +143,9 @@ def test_topk_indices_cost_a_byte_and_a_bit_per_kept_entry_and_two_bytes_when_sp
     assert (dense.packed_nbytes(spec) - values(30_000)) / 30_000 < 1.14
 
 
-@pytest.mark.parametrize("n, fraction, chunk", [(1000, 1.0, 255), (255 * 4, 0.9, 255), (70_000, 0.004, 255),
-                                                (70_000, 0.003, WIDE)])
+@pytest.mark.parametrize(
+    "n, fraction, chunk", [(1000, 1.0, 255), (255 * 4, 0.9, 255), (70_000, 0.004, 255), (70_000, 0.003, WIDE)]
+)
 def test_topk_round_trips_full_chunks_and_both_index_layouts(n, fraction, chunk):
     """Every entry of a chunk kept (a count of 255 fills its byte), and the fractions either side of where
     the index layout switches: the kept entries decode where they were, within the 4-bit bound."""

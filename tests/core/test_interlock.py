@@ -50,9 +50,16 @@ def image_batch(n: int = 4, dtype=torch.float32, seed: int = 1):
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -64,8 +71,11 @@ def token_batch(n: int = 2, length: int = 12, seed: int = 1):
 
 
 def accumulated_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad if p.grad is not None else torch.zeros_like(p)
-            for name, p in module.named_parameters() if p.requires_grad}
+    return {
+        name: p.grad if p.grad is not None else torch.zeros_like(p)
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
 
 
 def assert_grads_equal(got: dict, want: dict, what: str, rtol=1e-6, atol=1e-9) -> None:
@@ -73,7 +83,8 @@ def assert_grads_equal(got: dict, want: dict, what: str, rtol=1e-6, atol=1e-9) -
     assert any(g.abs().sum() > 0 for g in want.values()), f"{what}: reference gradient is all zero"
     for name in want:
         assert torch.allclose(got[name], want[name], rtol=rtol, atol=atol), (
-            f"{what} {name}: max diff {(got[name] - want[name]).abs().max():.3e}")
+            f"{what} {name}: max diff {(got[name] - want[name]).abs().max():.3e}"
+        )
 
 
 def check_messages(trace, stages, n: int) -> None:
@@ -250,7 +261,7 @@ def test_micro_batches_accumulate_to_full_batch_gradient():
     x, y = image_batch(n=6, dtype=torch.float64)
     for rule in ("farthest", "sum"):
         stages = build_stages(modules, heads, 2, rule, optimizer_factory=no_step_optimizer, micro_batches_per_step=3)
-        run_interlocked_batch(stages, [(x[i:i + 2], y[i:i + 2]) for i in (0, 2, 4)], step=False)
+        run_interlocked_batch(stages, [(x[i : i + 2], y[i : i + 2]) for i in (0, 2, 4)], step=False)
         assert all(s.ready_to_step for s in stages)
         want_stages, want_heads = reference_gradients(modules, heads, (x, y), 2, rule)
         for k in range(3):

@@ -29,13 +29,25 @@ def test_k3_n2_two_micro_batches_by_hand():
     costs = [StageCost(1, 2, 1), StageCost(2, 1, 1), StageCost(1, 0, 1)]
     tl = simulate(costs, message_plan(3, 2, "farthest"), micro_batches=2, batches=2, link=Link(latency_s=0.5))
     expected = {
-        (0, 0, "forward", 0): (0, 1), (0, 0, "forward", 1): (1, 2), (0, 0, "backward", 0): (4, 6),
-        (0, 0, "backward", 1): (6, 9), (0, 1, "forward", 0): (1.5, 3.5), (0, 1, "forward", 1): (3.5, 5.5),
-        (0, 1, "backward", 0): (5.5, 6.5), (0, 1, "backward", 1): (8.5, 10.5), (0, 2, "forward", 0): (4, 5),
+        (0, 0, "forward", 0): (0, 1),
+        (0, 0, "forward", 1): (1, 2),
+        (0, 0, "backward", 0): (4, 6),
+        (0, 0, "backward", 1): (6, 9),
+        (0, 1, "forward", 0): (1.5, 3.5),
+        (0, 1, "forward", 1): (3.5, 5.5),
+        (0, 1, "backward", 0): (5.5, 6.5),
+        (0, 1, "backward", 1): (8.5, 10.5),
+        (0, 2, "forward", 0): (4, 5),
         (0, 2, "forward", 1): (6, 8),
-        (1, 0, "forward", 0): (9, 10), (1, 0, "forward", 1): (10, 11), (1, 0, "backward", 0): (13, 15),
-        (1, 0, "backward", 1): (15, 18), (1, 1, "forward", 0): (10.5, 12.5), (1, 1, "forward", 1): (12.5, 14.5),
-        (1, 1, "backward", 0): (14.5, 15.5), (1, 1, "backward", 1): (17.5, 19.5), (1, 2, "forward", 0): (13, 14),
+        (1, 0, "forward", 0): (9, 10),
+        (1, 0, "forward", 1): (10, 11),
+        (1, 0, "backward", 0): (13, 15),
+        (1, 0, "backward", 1): (15, 18),
+        (1, 1, "forward", 0): (10.5, 12.5),
+        (1, 1, "forward", 1): (12.5, 14.5),
+        (1, 1, "backward", 0): (14.5, 15.5),
+        (1, 1, "backward", 1): (17.5, 19.5),
+        (1, 2, "forward", 0): (13, 14),
         (1, 2, "forward", 1): (15, 17),
     }
     assert spans(tl) == expected

@@ -94,8 +94,12 @@ def test_trainable_parameters_order_subset_and_decay_mask():
     with pytest.raises(ValueError):
         trainable_parameters(model, include=["nothing"])
     assert decay_mask(trainable_parameters(model)) == [True, False, False, False, True, False]
-    named = [("encoder.ln_f.weight", torch.zeros(3, 3)), ("bn1.weight", torch.zeros(2, 2)),
-             ("blk.rmsnorm.scale", torch.zeros(2, 2)), ("kiln.weight", torch.zeros(2, 2))]
+    named = [
+        ("encoder.ln_f.weight", torch.zeros(3, 3)),
+        ("bn1.weight", torch.zeros(2, 2)),
+        ("blk.rmsnorm.scale", torch.zeros(2, 2)),
+        ("kiln.weight", torch.zeros(2, 2)),
+    ]
     assert decay_mask(named) == [False, False, False, True]
 
 
@@ -205,8 +209,10 @@ def test_forwards_see_theta_plus_then_minus_eps_z_and_theta_keeps_its_storage(ki
         # θ − εz as the mirror of a = fl(θ + εz) through θ (lerp, weight 2), against fl(θ − fl(εz)): a errs by at
         # most u·(|θ| + 2ε|z|) (the product and the sum), the mirror adds a rounding of θ − a and of its result,
         # the reference one of εz and one of its result; u = 2^-24: in all < 4u·(|θ| + 2ε|z|) = 2^-22·(…)
-        assert all(((g.double() - (t - 2e-3 * zz).double()).abs() <= 2.0**-22 * (t.abs() + 4e-3 * zz.abs())).all()
-                   for g, t, zz in zip(minus, theta, z))
+        assert all(
+            ((g.double() - (t - 2e-3 * zz).double()).abs() <= 2.0**-22 * (t.abs() + 4e-3 * zz.abs())).all()
+            for g, t, zz in zip(minus, theta, z)
+        )
     assert [p.data_ptr() for _, p in params] == storage  # parked and swapped back, not copied
     assert all(torch.equal(p, t) for (_, p), t in zip(params, theta))
 

@@ -96,8 +96,9 @@ def test_one_sided_batch_on_a_quadratic_is_the_directional_derivative_plus_its_c
     model, eps = Quadratic(), 1e-3
     params = trainable_parameters(model)
     for kind in KINDS:
-        gs = projected_grads("one_sided_batch", one_sided_losses(model, params, lambda m, _: m(), None, [1, 2, 3],
-                                                                 eps, kind), eps)
+        gs = projected_grads(
+            "one_sided_batch", one_sided_losses(model, params, lambda m, _: m(), None, [1, 2, 3], eps, kind), eps
+        )
         for seed, g in zip([1, 2, 3], gs):
             z = next(iter_z(params, seed, kind))
             th = model.theta.detach()
@@ -168,8 +169,10 @@ def test_normalised_step_matches_the_formula():
     size = [torch.zeros_like(t) for t in theta]
     for seed, g in updates:
         size = [s + abs(0.05 * g / (3 * sigma)) * z.double().abs() for s, z in zip(size, iter_z(params, seed))]
-    assert all(((p.double() - e).abs() <= 2.0**-21 * (t.abs() + s)).all()
-               for (_, p), e, t, s in zip(params, expected, theta, size))
+    assert all(
+        ((p.double() - e).abs() <= 2.0**-21 * (t.abs() + s)).all()
+        for (_, p), e, t, s in zip(params, expected, theta, size)
+    )
 
 
 def test_bad_estimators_and_rules_are_refused():

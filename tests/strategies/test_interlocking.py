@@ -273,8 +273,17 @@ def test_stage_worker_times_each_call_kind_for_the_schedule_model():
     stages = [Linear(4, 4), Linear(4, 3)]
     workers = []
     for k, module in enumerate(stages):
-        stage = InterlockStage(k, 2, 2, "farthest", module, Linear(4, 3) if k == 0 else None, F.cross_entropy,
-                               lambda params: torch.optim.SGD(params, lr=0.1), micro_batches_per_step=2)
+        stage = InterlockStage(
+            k,
+            2,
+            2,
+            "farthest",
+            module,
+            Linear(4, 3) if k == 0 else None,
+            F.cross_entropy,
+            lambda params: torch.optim.SGD(params, lr=0.1),
+            micro_batches_per_step=2,
+        )
         workers.append(StageWorker(stage, 2, k == 1, None))
         ticks = itertools.count()
         workers[-1].clock = lambda ticks=ticks: next(ticks)

@@ -23,8 +23,14 @@ from raylowcomm.strategies.lofi.node_rounds import NodeRounds
 from raylowcomm.strategies.lofi.payload import floats
 from tests.strategies.test_lofi import kill_own_worker, run_lofi, tiny_config
 
-ROUND_KINDS = {"train/control", "train/train_stats", "train/outer_gradients", "train/round_replies", "train/round_args",
-               "train/verify_hash"}
+ROUND_KINDS = {
+    "train/control",
+    "train/train_stats",
+    "train/outer_gradients",
+    "train/round_replies",
+    "train/round_args",
+    "train/verify_hash",
+}
 REF = 28  # an ObjectRef crosses as its binary id
 
 
@@ -68,8 +74,9 @@ def test_int4_rounds_leave_every_node_identical_and_the_ledger_books_packed_byte
     # every node's round file holds the same global model, bit for bit, and its own nonzero residual
     files = round_files(tmp_path / "state")
     globals_ = [{k: v for k, v in f.items() if k.startswith("global.")} for f in files]
-    assert globals_[0].keys() == globals_[1].keys() and all(torch.equal(globals_[0][k], globals_[1][k])
-                                                            for k in globals_[0])
+    assert globals_[0].keys() == globals_[1].keys() and all(
+        torch.equal(globals_[0][k], globals_[1][k]) for k in globals_[0]
+    )
     residual = [f["residual.conv_stem.weight"] for f in files]
     assert residual[0].dtype == torch.float64 and residual[0].abs().sum() > 0
     assert not torch.equal(residual[0], residual[1])
@@ -88,9 +95,19 @@ def test_after_peer_rounds_bn_recalibration_and_scoring_send_no_model(ray_sessio
     size = payload_bytes(ctx, "int4", bn=False)
     assert size < payload_bytes(ctx, "int4") and kinds["train/outer_gradients"] == 3 * n * (n - 1) * size
     assert not any(k.endswith(("running_mean", "running_var")) for k in round_files(tmp_path / "state")[0])
-    final = {k[len("final/"):] for k in kinds if k.startswith("final/")}
-    assert final == {"outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats",
-                     "bn_statistics", "combined_bn_statistics", "node_metrics", "eval_metrics", "node_info"}
+    final = {k[len("final/") :] for k in kinds if k.startswith("final/")}
+    assert final == {
+        "outer_gradients",
+        "round_args",
+        "round_replies",
+        "verify_hash",
+        "train_stats",
+        "bn_statistics",
+        "combined_bn_statistics",
+        "node_metrics",
+        "eval_metrics",
+        "node_info",
+    }
     model = payload_nbytes({k: v.detach() for k, v in ctx.load_driver_weights().named_parameters()})
     small = rec["comm"]["by_phase"]["final"] - kinds["final/outer_gradients"]
     assert kinds["final/outer_gradients"] == n * (n - 1) * size and small < model / 4  # BN statistics, metrics
@@ -112,9 +129,17 @@ def test_one_compressed_average_is_decoded_on_the_driver_from_the_pretrained_wei
     kinds, n, size = rec["comm"]["by_kind"], 2, payload_bytes(ctx, "int4")
     assert rec["details"]["exchange"] == "peers" and rec["comm"]["by_phase"]["train"] == 0
     assert kinds["final/outer_gradients"] == n * (n - 1) * size + n * size
-    final = {k[len("final/"):] for k in kinds if k.startswith("final/")}
-    assert final == {"outer_gradients", "round_args", "round_replies", "verify_hash", "train_stats", "node_metrics",
-                     "eval_metrics", "node_info"}  # no model read back, none sent to be scored
+    final = {k[len("final/") :] for k in kinds if k.startswith("final/")}
+    assert final == {
+        "outer_gradients",
+        "round_args",
+        "round_replies",
+        "verify_hash",
+        "train_stats",
+        "node_metrics",
+        "eval_metrics",
+        "node_info",
+    }  # no model read back, none sent to be scored
     result = load_file(rec["weights"])
     node0 = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
     assert all(torch.equal(result[k], node0[f"model.{k}"]) for k, _ in ctx.load_driver_weights().named_parameters())
@@ -137,13 +162,13 @@ def watching_rounds(state_dir, n=2):
 
     def nodes():
         files = [load_file(str(state_dir / "lofi" / "checkpoints" / f"node{k}.safetensors")) for k in range(n)]
-        return [{name[len("model."):]: v for name, v in f.items() if name.startswith("model.")} for f in files]
+        return [{name[len("model.") :]: v for name, v in f.items() if name.startswith("model.")} for f in files]
 
     def global_model():
         path = state_dir / "lofi" / "global.safetensors"
         if not path.exists():
             return None
-        return {name[len("global."):]: v for name, v in load_file(str(path)).items() if name.startswith("global.")}
+        return {name[len("global.") :]: v for name, v in load_file(str(path)).items() if name.startswith("global.")}
 
     def watched(group, method, *args, **kwargs):
         out = call(group, method, *args, **kwargs)
@@ -289,6 +314,7 @@ def lora_merge_bound(base: dict, starts: dict, nodes: list[dict], sent: list[dic
     float32 rounding, u(1 + 2u)·|result| < 2^-23·|result|, plus float64 rounding of the r-term products and the
     sums, < 2^-48·(|W0| + scale·Σ_k w_k·(|B_k|·|A_k| + |B'_k|·|A'_k|)). A head's mean: Σ_k w_k·e_h plus the two
     float32 roundings. Tensors no node trains are the base in both."""
+
     def err(k, x):
         return 2.0**-23 * (starts[k].double() - x.double()).abs() + 2.0**-52 * x.double().abs() + TINY
 
@@ -299,16 +325,24 @@ def lora_merge_bound(base: dict, starts: dict, nodes: list[dict], sent: list[dic
         for node, s in zip(nodes, sent):
             bm, am = node[layer.b].double().flatten(1), node[layer.a].double().flatten(1)
             bs, as_ = s[layer.b].flatten(1), s[layer.a].flatten(1)
-            exact = exact + 0.5 * (err(layer.b, node[layer.b]).flatten(1) @ as_.abs()
-                                   + bm.abs() @ err(layer.a, node[layer.a]).flatten(1))
+            exact = exact + 0.5 * (
+                err(layer.b, node[layer.b]).flatten(1) @ as_.abs() + bm.abs() @ err(layer.a, node[layer.a]).flatten(1)
+            )
             rounding = rounding + 0.5 * (bm.abs() @ am.abs() + bs.abs() @ as_.abs())
         exact, rounding = (layer.scale * t.view(layer.shape) for t in (exact, rounding))
-        out[layer.plain] = (exact + 2.0**-48 * (base[layer.plain].double().abs() + rounding)
-                            + 2.0**-23 * (a[layer.plain].double().abs() + b[layer.plain].double().abs()) + TINY)
+        out[layer.plain] = (
+            exact
+            + 2.0**-48 * (base[layer.plain].double().abs() + rounding)
+            + 2.0**-23 * (a[layer.plain].double().abs() + b[layer.plain].double().abs())
+            + TINY
+        )
     for k in nodes[0].keys() - factors:
         pk = plain_key(k)
-        out[pk] = (sum(0.5 * err(k, node[k]) for node in nodes)
-                   + 2.0**-23 * (a[pk].double().abs() + b[pk].double().abs()) + TINY)
+        out[pk] = (
+            sum(0.5 * err(k, node[k]) for node in nodes)
+            + 2.0**-23 * (a[pk].double().abs() + b[pk].double().abs())
+            + TINY
+        )
     for pk in a.keys() - out.keys():
         out[pk] = torch.zeros_like(a[pk], dtype=torch.float64)
     return out
@@ -379,8 +413,9 @@ def test_lora_peer_rounds_send_adapters_and_merge_what_the_drivers_rounds_merge(
     assert any(not torch.equal(star_first[k], first_merged[k]) for k in first_merged)
 
 
-def test_compressed_lora_rounds_in_fragments_leave_the_nodes_identical_and_drop_restarted_residuals(ray_session,
-                                                                                                   tmp_path):
+def test_compressed_lora_rounds_in_fragments_leave_the_nodes_identical_and_drop_restarted_residuals(
+    ray_session, tmp_path
+):
     """int4, two fragments, a step of overlap: each fragment's layers merge and restart alone (a layer's B
     and A in one fragment), the nodes' global models and bases hash equal every round (the run checks),
     and what a merge restarted keeps no residual: after the final round only the head's is left."""
@@ -437,12 +472,18 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fragments, adapters", [(1, False), (2, False), (2, True)])
-def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(ray_session, tmp_path,
-                                                                                        fragments, adapters):
+def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(
+    ray_session, tmp_path, fragments, adapters
+):
     """Whole rounds, or two fragments (Streaming DiLoCo): residuals, momentum and global model, per fragment;
     with LoRA adapters also the base each round merged into."""
-    cfg = tiny_config(average_every=8, compress="int4", bn_recalibrate=False, fragments=fragments,
-                      **({} if adapters else {"outer_optimizer": "nesterov"}))
+    cfg = tiny_config(
+        average_every=8,
+        compress="int4",
+        bn_recalibrate=False,
+        fragments=fragments,
+        **({} if adapters else {"outer_optimizer": "nesterov"}),
+    )
     cfg.model.lora = LoraConfig(r=4, alpha=8) if adapters else None
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
@@ -460,23 +501,24 @@ def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrup
 
 
 @pytest.mark.slow
-def test_node_0_restarted_between_bn_recalibration_and_its_save_saves_the_combined_statistics(ray_session, tmp_path,
-                                                                                             monkeypatch):
+def test_node_0_restarted_between_bn_recalibration_and_its_save_saves_the_combined_statistics(
+    ray_session, tmp_path, monkeypatch
+):
     """Node 0 killed once the combined BatchNorm statistics are loaded, before it scores and saves the average:
     restarted, it restores the average from its round file and the combined statistics from storage, so the
     saved model equals an uninterrupted run's, statistics included."""
-    from raylowcomm.strategies.lofi import Lofi
+    from raylowcomm.strategies.lofi import final as final_phase
 
     cfg = tiny_config(average_every=8, compress="int4", bn_recalibrate=True)
     _, clean = run_lofi(cfg, tmp_path / "clean")
-    recalibrate, killed = Lofi._recalibrate_bn, []
+    recalibrate, killed = final_phase.recalibrate_bn, []
 
     def recalibrate_then_kill_node_0(group, final, batches):
         recalibrate(group, final, batches)
         killed.append(ray.get(group[0].info.remote())["pid"])
         ray.kill(group[0])  # the next call (scoring) finds it dead and restarts it
 
-    monkeypatch.setattr(Lofi, "_recalibrate_bn", staticmethod(recalibrate_then_kill_node_0))
+    monkeypatch.setattr(final_phase, "recalibrate_bn", recalibrate_then_kill_node_0)
     _, rec = run_lofi(cfg, tmp_path / "killed")
     assert killed and rec["nodes"][0]["pid"] != killed[0], "node 0 was not restarted after the recalibration"
     a, b = load_file(clean["weights"]), load_file(rec["weights"])

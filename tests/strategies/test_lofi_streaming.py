@@ -37,10 +37,18 @@ def test_fragments_are_contiguous_balanced_and_cover_every_tensor_once():
     with pytest.raises(ValueError):
         streaming.split(sizes, 9)
     # a module's tensors stay together: a layer's weight, bias and BatchNorm statistics sync at once
-    layers = {"conv.weight": 90, "bn.weight": 4, "bn.bias": 4, "bn.running_mean": 4, "bn.running_var": 4,
-              "head.weight": 100}
-    assert streaming.split(layers, 2) == [["conv.weight", "bn.weight", "bn.bias", "bn.running_mean",
-                                           "bn.running_var"], ["head.weight"]]
+    layers = {
+        "conv.weight": 90,
+        "bn.weight": 4,
+        "bn.bias": 4,
+        "bn.running_mean": 4,
+        "bn.running_var": 4,
+        "head.weight": 100,
+    }
+    assert streaming.split(layers, 2) == [
+        ["conv.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
+        ["head.weight"],
+    ]
     assert streaming.split(layers, 3) == [["conv.weight"], list(layers)[1:5], ["head.weight"]]
     with pytest.raises(ValueError, match="3 modules"):
         streaming.split(layers, 4)
@@ -112,8 +120,9 @@ def _meta(path):
         return f.metadata()["raylowcomm"]
 
 
-def test_two_fragments_book_one_fragment_per_sync_and_overlap_keeps_the_bytes_and_the_global_model(ray_session,
-                                                                                                   tmp_path):
+def test_two_fragments_book_one_fragment_per_sync_and_overlap_keeps_the_bytes_and_the_global_model(
+    ray_session, tmp_path
+):
     """H = 8, F = 2 over 32 steps: fragment 0 syncs at 4, 12, 20, 28 and fragment 1 at 8, 16, 24, then the final
     round syncs both. Overlap τ = 2 lands each round 2 steps after it is sent: the same payload bytes, another
     model (the delay is real), and every node still holds the same global model after each landing."""

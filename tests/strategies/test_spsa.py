@@ -94,16 +94,20 @@ def test_prompt_classification_reads_the_last_real_token_whatever_the_padding():
     from raylowcomm.tasks import PromptClassification
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
+    model = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=50,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+            )
         )
-    ).double().eval()
+        .double()
+        .eval()
+    )
     rows = [[5, 6, 7, 8, 9], [11, 12, 13]]
     ids = torch.zeros(2, 8, dtype=torch.long)
     mask = torch.zeros(2, 8, dtype=torch.long)
@@ -237,8 +241,18 @@ def test_one_sided_batch_with_the_normalised_step_keeps_replicas_identical_throu
     log; hashes equal at every step for 22 steps, one byte per perturbation, samples + 1 forwards
     per node-step; with density 1/256 the ~100 perturbations moved only a part of the weights."""
     steps, samples = 22, 3
-    cfg = tiny_config(steps=steps, eval_every=10, verify_every=1, samples=samples, estimator="one_sided_batch",
-                      step="normalised", lr=1e-3, density=density, leave=[{"node": 1, "step": 5}], join=[{"step": 9}])
+    cfg = tiny_config(
+        steps=steps,
+        eval_every=10,
+        verify_every=1,
+        samples=samples,
+        estimator="one_sided_batch",
+        step="normalised",
+        lr=1e-3,
+        density=density,
+        leave=[{"node": 1, "step": 5}],
+        join=[{"step": 9}],
+    )
     ctx = prepare(cfg, tmp_path)
     initial = parameter_hash(list(ctx.load_driver_weights().named_parameters()))
     before = {n: p.detach().clone() for n, p in trainable_parameters(ctx.load_driver_weights())}
@@ -257,7 +271,8 @@ def test_one_sided_batch_with_the_normalised_step_keeps_replicas_identical_throu
     assert det["estimator"] == "one_sided_batch" and det["step_rule"] == "normalised"
     assert det["forwards_per_node_step"] == samples + 1 and det["forwards"] == (samples + 1) * sum(running)
     assert [(p["step"], p["forwards"]) for p in rec["curve"]] == [
-        (s, (samples + 1) * sum(running[:s])) for s in (10, 20, 22)]
+        (s, (samples + 1) * sum(running[:s])) for s in (10, 20, 22)
+    ]
     assert nodes[0]["forwards"] == (samples + 1) * steps and nodes[2]["forwards"] == (samples + 1) * (steps - 9)
     final = load_file(rec["weights"])
     moved = sum(int((final[n] != b).sum()) for n, b in before.items()) / sum(b.numel() for b in before.values())
@@ -276,8 +291,9 @@ def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp
     name = next(k for k, v in bad.items() if v.is_floating_point())
     bad[name].view(-1)[0] = torch.nextafter(bad[name].view(-1)[0], torch.tensor(1e9))  # one ulp
     nodes = {
-        k: SpsaNode.remote(k, ctx.spec, ctx.data.task, ctx.data.train, 3, ctx.cfg, Spsa.opts(ctx.cfg), ctx.storage,
-                           weights=w)
+        k: SpsaNode.remote(
+            k, ctx.spec, ctx.data.task, ctx.data.train, 3, ctx.cfg, Spsa.opts(ctx.cfg), ctx.storage, weights=w
+        )
         for k, w in ((0, state), (1, state), (2, bad))
     }
     with pytest.raises(ReplicaMismatch, match=r"after step 7: nodes \[0, 1\] hash \w+; nodes \[2\]"):

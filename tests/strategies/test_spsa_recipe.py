@@ -21,9 +21,16 @@ torch.set_num_threads(1)
 def tiny_llama() -> LlamaForCausalLM:
     """SmolLM2's architecture at toy size: tied embeddings, RMSNorm, grouped-query attention."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -31,8 +38,12 @@ def prompt_batch(seed: int = 1, rows: int = 8) -> dict:
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(rows, 10, dtype=torch.long)
     mask[::2, 7:] = 0  # right padding on every other row
-    return {"input_ids": torch.randint(0, 64, (rows, 10), generator=g), "attention_mask": mask,
-            "choice_ids": torch.tensor([[5, 9]] * rows), "labels": torch.randint(0, 2, (rows,), generator=g)}
+    return {
+        "input_ids": torch.randint(0, 64, (rows, 10), generator=g),
+        "attention_mask": mask,
+        "choice_ids": torch.tensor([[5, 9]] * rows),
+        "labels": torch.randint(0, 2, (rows,), generator=g),
+    }
 
 
 def example_spsa():
@@ -93,7 +104,8 @@ def test_the_benchmark_replica_is_bit_for_bit_a_one_node_run(ray_session, tmp_pa
         assert mine["hash"] == rec["nodes"][0]["final_hash"]
         ray_curve = [{"step": 0, **rec["details"]["step0_metrics"]}] + rec["curve"]
         assert [(p["step"], p["forwards"], p["accuracy"], p["loss"]) for p in mine["curve"]] == [
-            (p["step"], p.get("forwards", 0), p["id_accuracy"], p["id_loss"]) for p in ray_curve]
+            (p["step"], p.get("forwards", 0), p["id_accuracy"], p["id_loss"]) for p in ray_curve
+        ]
 
 
 def test_every_zo_benchmark_variant_is_a_valid_spsa_config():

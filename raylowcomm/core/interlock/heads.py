@@ -22,8 +22,9 @@ def conv_aux_head(in_channels: int, num_classes: int, widths: Sequence[int] = (1
     return nn.Sequential(*layers)
 
 
-def resnet_aux_heads(stages: Sequence[nn.Module], num_classes: int,
-                     widths: Sequence[int] = (128, 64)) -> list[nn.Sequential]:
+def resnet_aux_heads(
+    stages: Sequence[nn.Module], num_classes: int, widths: Sequence[int] = (128, 64)
+) -> list[nn.Sequential]:
     """One :func:`conv_aux_head` per stage but the last. A ResNet stage's output width is the
     width of its last BatchNorm2d (block bn2/bn3 or downsample BN, or the stem's bn1)."""
     heads = []
@@ -58,13 +59,18 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def aux_heads(model: nn.Module, stages: Sequence[nn.Module], family: str, num_classes: int | None,
-              widths: Sequence[int], init_from_lm_head: bool) -> list[nn.Module]:
+def aux_heads(
+    model: nn.Module,
+    stages: Sequence[nn.Module],
+    family: str,
+    num_classes: int | None,
+    widths: Sequence[int],
+    init_from_lm_head: bool,
+) -> list[nn.Module]:
     """An auxiliary head for every stage but the last: conv heads for CNNs, LM heads for decoders."""
     if family == "timm":
         return resnet_aux_heads(stages, num_classes, widths)
     return decoder_aux_heads(model, len(stages), init_from_lm_head)
-
 
 
 LOSSES = {"cross_entropy": F.cross_entropy, "causal_lm": causal_lm_loss}

@@ -79,7 +79,6 @@ def message_plan(num_stages: int, width: int, rule: str) -> list[list[frozenset[
     return plan
 
 
-
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """SGD as in the paper's ResNet runs (lr 0.1, momentum 0.9, weight decay 2e-4)."""
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=2e-4)
@@ -109,10 +108,18 @@ class InterlockStage:
     1 / micro_batches_per_step so the update is that of the mean loss).
     """
 
-    def __init__(self, index: int, num_stages: int, width: int, rule: Rule, module: nn.Module,
-                 head: nn.Module | None, loss_fn: LossFn = F.cross_entropy,
-                 optimizer_factory: OptimizerFactory = default_optimizer,
-                 micro_batches_per_step: int = 1):
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        width: int,
+        rule: Rule,
+        module: nn.Module,
+        head: nn.Module | None,
+        loss_fn: LossFn = F.cross_entropy,
+        optimizer_factory: OptimizerFactory = default_optimizer,
+        micro_batches_per_step: int = 1,
+    ):
         """``head`` is the aux head, None for a stage whose output is already the logits
         (the last one); ``loss_fn(logits, targets)``."""
         _check_routing(num_stages, width, rule)
@@ -122,8 +129,9 @@ class InterlockStage:
         self.upstream_set = upstream_heads(index, num_stages, width, rule)
         self._handled = self.update_set | self.upstream_set
         self._params_only = self.update_set - self.upstream_set  # heads batched into one θ pass
-        self._from_downstream = (frozenset() if index == num_stages - 1
-                                 else upstream_heads(index + 1, num_stages, width, rule))
+        self._from_downstream = (
+            frozenset() if index == num_stages - 1 else upstream_heads(index + 1, num_stages, width, rule)
+        )
         self.params = [p for p in module.parameters() if p.requires_grad]
         head_params = [p for p in head.parameters() if p.requires_grad] if head is not None else []
         self.optimizer = optimizer_factory(self.params + head_params)
@@ -176,16 +184,20 @@ class InterlockStage:
             g = state.ready.pop(j)
             if j in self.upstream_set:
                 with_params = j in self.update_set
-                grads = torch.autograd.grad(state.h, [state.x] + (self.params if with_params else []), g,
-                                            retain_graph=True, allow_unused=True)
+                grads = torch.autograd.grad(
+                    state.h, [state.x] + (self.params if with_params else []), g, retain_graph=True, allow_unused=True
+                )
                 upstream[j] = grads[0]
                 self._accumulate(grads[1:])
             else:
                 state.params_only_sum = g if state.params_only_sum is None else state.params_only_sum + g
             state.unprocessed.discard(j)
             if state.params_only_sum is not None and not (self._params_only & state.unprocessed):
-                self._accumulate(torch.autograd.grad(state.h, self.params, state.params_only_sum,
-                                                     retain_graph=True, allow_unused=True))
+                self._accumulate(
+                    torch.autograd.grad(
+                        state.h, self.params, state.params_only_sum, retain_graph=True, allow_unused=True
+                    )
+                )
                 state.params_only_sum = None
         if not state.unprocessed:
             del self._in_flight[mb_id]  # frees the graph
@@ -215,15 +227,30 @@ class InterlockStage:
         return losses
 
 
-def build_stages(modules: Sequence[nn.Module], heads: Sequence[nn.Module], width: int, rule: Rule,
-                 loss_fn: LossFn = F.cross_entropy, optimizer_factory: OptimizerFactory = default_optimizer,
-                 micro_batches_per_step: int = 1) -> list[InterlockStage]:
+def build_stages(
+    modules: Sequence[nn.Module],
+    heads: Sequence[nn.Module],
+    width: int,
+    rule: Rule,
+    loss_fn: LossFn = F.cross_entropy,
+    optimizer_factory: OptimizerFactory = default_optimizer,
+    micro_batches_per_step: int = 1,
+) -> list[InterlockStage]:
     """One :class:`InterlockStage` per module; ``heads`` are the K - 1 aux heads."""
     if len(heads) != len(modules) - 1:
         raise ValueError(f"need {len(modules) - 1} aux heads for {len(modules)} stages, got {len(heads)}")
     return [
-        InterlockStage(k, len(modules), width, rule, m, heads[k] if k < len(heads) else None,
-                       loss_fn, optimizer_factory, micro_batches_per_step)
+        InterlockStage(
+            k,
+            len(modules),
+            width,
+            rule,
+            m,
+            heads[k] if k < len(heads) else None,
+            loss_fn,
+            optimizer_factory,
+            micro_batches_per_step,
+        )
         for k, m in enumerate(modules)
     ]
 
@@ -247,8 +274,9 @@ class BatchTrace:
     grad_messages: list[GradMessage]  # every non-empty upstream dict
 
 
-def run_interlocked_batch(stages: Sequence[InterlockStage], micro_batches: Iterable[tuple[Tensor, Tensor]],
-                          step: bool = True) -> BatchTrace:
+def run_interlocked_batch(
+    stages: Sequence[InterlockStage], micro_batches: Iterable[tuple[Tensor, Tensor]], step: bool = True
+) -> BatchTrace:
     """Reference semantics of one batch, sequentially in process: for each (inputs, targets)
     micro-batch, forward through all stages, flush every stage's early (local) upstream
     gradients, then route downstream gradients from the last stage back; finally step every
@@ -283,9 +311,14 @@ def run_interlocked_batch(stages: Sequence[InterlockStage], micro_batches: Itera
     return BatchTrace(losses=losses, forward_bytes=forward_bytes, grad_messages=messages)
 
 
-def reference_gradients(full_model_parts: Sequence[nn.Module], heads: Sequence[nn.Module],
-                        batch: tuple[Tensor, Tensor], width: int, rule: Rule,
-                        loss_fn: LossFn = F.cross_entropy) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
+def reference_gradients(
+    full_model_parts: Sequence[nn.Module],
+    heads: Sequence[nn.Module],
+    batch: tuple[Tensor, Tensor],
+    width: int,
+    rule: Rule,
+    loss_fn: LossFn = F.cross_entropy,
+) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
     """Ground truth from ONE autograd graph, no detach: for each stage k the gradient of its
     n-way objective (farthest: ∂L_{f(k)}/∂θ_k; sum: ∂Σ_{j in U(k)} L_j/∂θ_k) and for each aux
     head j ∂L_j/∂φ_j. Returns (per-stage, per-head) dicts name -> gradient (zeros if unused)."""
@@ -299,11 +332,14 @@ def reference_gradients(full_model_parts: Sequence[nn.Module], heads: Sequence[n
 
     def grads(objective: Tensor, module: nn.Module) -> dict[str, Tensor]:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        gs = torch.autograd.grad(objective, [p for _, p in named], retain_graph=True,
-                                 allow_unused=True, materialize_grads=True)
+        gs = torch.autograd.grad(
+            objective, [p for _, p in named], retain_graph=True, allow_unused=True, materialize_grads=True
+        )
         return {name: g for (name, _), g in zip(named, gs)}
 
-    stage_grads = [grads(sum(losses[j] for j in sorted(update_heads(k, K, width, rule))), part)
-                   for k, part in enumerate(full_model_parts)]
+    stage_grads = [
+        grads(sum(losses[j] for j in sorted(update_heads(k, K, width, rule))), part)
+        for k, part in enumerate(full_model_parts)
+    ]
     head_grads = [grads(losses[j], heads[j]) for j in range(K - 1)]
     return stage_grads, head_grads

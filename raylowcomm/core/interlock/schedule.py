@@ -112,8 +112,15 @@ class Timeline:
         return [b / self.makespan_s for b in self.busy_s]
 
 
-def simulate(costs: Sequence[StageCost], plan: Sequence[Sequence[frozenset[int]]], micro_batches: int,
-             batches: int = 8, link: Link = Link(), max_ahead: int = 2, cores: float | None = None) -> Timeline:
+def simulate(
+    costs: Sequence[StageCost],
+    plan: Sequence[Sequence[frozenset[int]]],
+    micro_batches: int,
+    batches: int = 8,
+    link: Link = Link(),
+    max_ahead: int = 2,
+    cores: float | None = None,
+) -> Timeline:
     """The schedule of ``batches`` batches (see the module docstring); ``plan`` is
     ``routing.message_plan(K, width, rule)`` and ``costs`` one :class:`StageCost` per stage."""
     K, order = len(costs), batch_calls(plan, micro_batches)
@@ -136,8 +143,11 @@ def simulate(costs: Sequence[StageCost], plan: Sequence[Sequence[frozenset[int]]
         src = order[i].source
         if src is not None:
             end = done.get((b, index[src]))
-            nbytes = (costs[src.stage].activation_bytes if order[i].kind == "forward"
-                      else heads[src] * costs[src.stage].gradient_bytes)
+            nbytes = (
+                costs[src.stage].activation_bytes
+                if order[i].kind == "forward"
+                else heads[src] * costs[src.stage].gradient_bytes
+            )
             times.append(None if end is None else end + link.seconds(nbytes))
         return None if None in times else max(times, default=0.0)
 
@@ -149,8 +159,12 @@ def simulate(costs: Sequence[StageCost], plan: Sequence[Sequence[frozenset[int]]
                 if at is not None and at <= t + _EPS:
                     running[k] = (queues[k][pos[k]], t, work(*queues[k][pos[k]]))
                     pos[k] += 1
-        waiting = [at for k in range(K) if k not in running and pos[k] < len(queues[k])
-                   if (at := arrival(*queues[k][pos[k]])) is not None]
+        waiting = [
+            at
+            for k in range(K)
+            if k not in running and pos[k] < len(queues[k])
+            if (at := arrival(*queues[k][pos[k]])) is not None
+        ]
         if not running:
             if not waiting:
                 raise RuntimeError("the schedule deadlocks: no call can start")

@@ -80,8 +80,10 @@ def _sizes(costs: list[float], num_stages: int, balance: Balance, sizes: Sequenc
     if sizes is None:
         return balanced_sizes(costs, num_stages, balance.boundaries if isinstance(balance, StageCosts) else None)
     if len(sizes) != num_stages or sum(sizes) != len(costs) or min(sizes) < 1:
-        raise ValueError(f"a split of {len(costs)} units into {num_stages} stages needs {num_stages} sizes >= 1 "
-                         f"summing to {len(costs)}, got {list(sizes)}")
+        raise ValueError(
+            f"a split of {len(costs)} units into {num_stages} stages needs {num_stages} sizes >= 1 "
+            f"summing to {len(costs)}, got {list(sizes)}"
+        )
     return list(sizes)
 
 
@@ -107,8 +109,9 @@ class _ResNetHead(nn.Module):
         return self.fc(x)
 
 
-def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blocks",
-                      sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+def split_timm_resnet(
+    model: nn.Module, num_stages: int, balance: Balance = "blocks", sizes: Sequence[int] | None = None
+) -> list[nn.Sequential]:
     """Split a timm ResNet into ``num_stages`` sequential stages sharing the model's modules.
 
     Units are the stem (conv1, bn1, act1, maxpool) and every residual block of layer1..layer4,
@@ -123,8 +126,9 @@ def split_timm_resnet(model: nn.Module, num_stages: int, balance: Balance = "blo
     return _group_units([stem, *blocks], head, num_stages, balance, sizes)
 
 
-def _group_units(units: list[nn.Module], head: nn.Module, num_stages: int, balance: Balance,
-                 sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+def _group_units(
+    units: list[nn.Module], head: nn.Module, num_stages: int, balance: Balance, sizes: Sequence[int] | None = None
+) -> list[nn.Sequential]:
     """Contiguous groups of units by cost (or of the given `sizes`); the head ends the last."""
     costs = _unit_costs(units, balance) if sizes is None else [1.0] * len(units)  # given sizes need no costs
     if balance == "params" and sizes is None:
@@ -134,27 +138,31 @@ def _group_units(units: list[nn.Module], head: nn.Module, num_stages: int, balan
     return [nn.Sequential(*g) for g in groups]
 
 
-def split_timm_efficientnet(model: nn.Module, num_stages: int, balance: Balance = "blocks",
-                            sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+def split_timm_efficientnet(
+    model: nn.Module, num_stages: int, balance: Balance = "blocks", sizes: Sequence[int] | None = None
+) -> list[nn.Sequential]:
     """The same for timm's EfficientNet / MobileNet family: units are the stem (conv_stem, bn1)
     and every block of ``model.blocks``; the last stage ends with conv_head, bn2, pool and
     classifier (timm ``forward_head``)."""
     stem = nn.Sequential(model.conv_stem, model.bn1)
     blocks = [b for stage in model.blocks for b in stage]
-    head = nn.Sequential(model.conv_head, model.bn2,
-                         _ResNetHead(model.global_pool, model.classifier, float(model.drop_rate)))
+    head = nn.Sequential(
+        model.conv_head, model.bn2, _ResNetHead(model.global_pool, model.classifier, float(model.drop_rate))
+    )
     return _group_units([stem, *blocks], head, num_stages, balance, sizes)
 
 
-def split_timm_cnn(model: nn.Module, num_stages: int, balance: Balance = "blocks",
-                   sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+def split_timm_cnn(
+    model: nn.Module, num_stages: int, balance: Balance = "blocks", sizes: Sequence[int] | None = None
+) -> list[nn.Sequential]:
     """A timm ResNet or EfficientNet-style model (``conv_stem`` + ``blocks``), split as above."""
     if hasattr(model, "layer1"):
         return split_timm_resnet(model, num_stages, balance, sizes)
     if hasattr(model, "conv_stem") and hasattr(model, "blocks"):
         return split_timm_efficientnet(model, num_stages, balance, sizes)
-    raise ValueError(f"cannot split {type(model).__name__}: interlocking splits timm ResNets and "
-                     "EfficientNet/MobileNet models")
+    raise ValueError(
+        f"cannot split {type(model).__name__}: interlocking splits timm ResNets and EfficientNet/MobileNet models"
+    )
 
 
 def is_timm_cnn(model: nn.Module) -> bool:
@@ -186,9 +194,15 @@ class DecoderStage(nn.Module):
     is logits).
     """
 
-    def __init__(self, config, layers: Sequence[nn.Module], rotary_emb: nn.Module,
-                 embed_tokens: nn.Module | None = None, norm: nn.Module | None = None,
-                 lm_head: nn.Module | None = None):
+    def __init__(
+        self,
+        config,
+        layers: Sequence[nn.Module],
+        rotary_emb: nn.Module,
+        embed_tokens: nn.Module | None = None,
+        norm: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
+    ):
         super().__init__()
         self.config = config
         self.embed_tokens, self.layers, self.rotary_emb = embed_tokens, nn.ModuleList(layers), rotary_emb
@@ -199,8 +213,9 @@ class DecoderStage(nn.Module):
 
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  cache=None, position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        )
         position_embeddings = self.rotary_emb(h, position_ids=position_ids)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
@@ -209,8 +224,9 @@ class DecoderStage(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
 
-def split_hf_decoder(model: nn.Module, num_stages: int, balance: Balance = "blocks",
-                     sizes: Sequence[int] | None = None) -> list[DecoderStage]:
+def split_hf_decoder(
+    model: nn.Module, num_stages: int, balance: Balance = "blocks", sizes: Sequence[int] | None = None
+) -> list[DecoderStage]:
     """Split a Hugging Face Llama-style causal LM (``model.model.{embed_tokens, layers, norm,
     rotary_emb}``, ``model.lm_head``) into stages sharing its modules; decoder layers are the
     units (``balance`` as in :func:`split_timm_resnet`; embeddings count with the first layer,
@@ -229,10 +245,14 @@ def split_hf_decoder(model: nn.Module, num_stages: int, balance: Balance = "bloc
     groups = _chunks(layers, _sizes(costs, num_stages, balance, sizes))
     last = num_stages - 1
     return [
-        DecoderStage(model.config, g, inner.rotary_emb,
-                     embed_tokens=inner.embed_tokens if k == 0 else None,
-                     norm=inner.norm if k == last else None,
-                     lm_head=model.lm_head if k == last else None)
+        DecoderStage(
+            model.config,
+            g,
+            inner.rotary_emb,
+            embed_tokens=inner.embed_tokens if k == 0 else None,
+            norm=inner.norm if k == last else None,
+            lm_head=model.lm_head if k == last else None,
+        )
         for k, g in enumerate(groups)
     ]
 
@@ -269,8 +289,9 @@ def untie_lm_head(model: nn.Module) -> bool:
     return True
 
 
-def split_model(model: nn.Module, family: str, num_stages: int, balance: Balance,
-                sizes: Sequence[int] | None = None) -> list[nn.Module]:
+def split_model(
+    model: nn.Module, family: str, num_stages: int, balance: Balance, sizes: Sequence[int] | None = None
+) -> list[nn.Module]:
     """A timm CNN or an HF decoder, split into `num_stages` stage modules (of `sizes` units if given)."""
     split = split_timm_cnn if family == "timm" else split_hf_decoder
     return split(model, num_stages, balance, sizes)
@@ -286,8 +307,15 @@ def units_per_stage(stages: Sequence[nn.Module], family: str) -> list[int]:
     return [len(m) - (k == len(stages) - 1) if family == "timm" else len(m.layers) for k, m in enumerate(stages)]
 
 
-def measure_balance(model: nn.Module, family: str, x: Tensor, num_classes: int | None, widths: Sequence[int],
-                    cpus: float | None = None, repeats: int = 3) -> StageCosts:
+def measure_balance(
+    model: nn.Module,
+    family: str,
+    x: Tensor,
+    num_classes: int | None,
+    widths: Sequence[int],
+    cpus: float | None = None,
+    repeats: int = 3,
+) -> StageCosts:
     """Forward + backward seconds of every unit and of the aux head a stage ending after it
     would carry, on input `x`, timed on a copy of the model (the last unit includes the model's
     own head) with the torch threads a stage actor of `cpus` CPUs has. Decoder aux heads are all
@@ -300,8 +328,9 @@ def measure_balance(model: nn.Module, family: str, x: Tensor, num_classes: int |
         torch.set_num_threads(before)
 
 
-def _measure_balance(probe: nn.Module, family: str, x: Tensor, num_classes: int | None, widths: Sequence[int],
-                     repeats: int) -> StageCosts:
+def _measure_balance(
+    probe: nn.Module, family: str, x: Tensor, num_classes: int | None, widths: Sequence[int], repeats: int
+) -> StageCosts:
     units = split_model(probe, family, model_units(probe, family), "blocks")
     unit_costs = measure_unit_costs(units, x, repeats)
     heads = resnet_aux_heads(units, num_classes, widths) if family == "timm" else decoder_aux_heads(probe, 2, False)

@@ -145,7 +145,7 @@ _CODECS = {"log": LogCodec, "linear": LinearCodec, "float32": Float32Codec}
 
 
 def codec_for(name: str, **params: float) -> Codec:
-    """"log" (g_min, g_max), "linear" (scale) or "float32"."""
+    """ "log" (g_min, g_max), "linear" (scale) or "float32"."""
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {sorted(_CODECS)}")
     return _CODECS[name](**params)

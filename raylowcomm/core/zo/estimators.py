@@ -36,8 +36,10 @@ def check_step_rule(rule: str, samples: int | None = None) -> None:
     if rule not in STEP_RULES:
         raise ValueError(f"unknown step rule {rule!r}; expected one of {STEP_RULES}")
     if rule == "normalised" and samples is not None and samples < 2:
-        raise ValueError(f"the normalised step divides by the spread of each node's projected gradients: "
-                         f"it needs samples >= 2, got {samples}")
+        raise ValueError(
+            f"the normalised step divides by the spread of each node's projected gradients: "
+            f"it needs samples >= 2, got {samples}"
+        )
 
 
 def forwards_per_step(estimator: str, samples: int) -> int:

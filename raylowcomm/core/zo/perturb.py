@@ -27,9 +27,7 @@ KINDS = ("rademacher", "gaussian")
 CHUNK = 1 << 18
 
 
-def trainable_parameters(
-    model: nn.Module, include: Sequence[str] | None = None
-) -> list[tuple[str, nn.Parameter]]:
+def trainable_parameters(model: nn.Module, include: Sequence[str] | None = None) -> list[tuple[str, nn.Parameter]]:
     """The parameters SPSA perturbs, in `named_parameters()` order (tied weights once).
 
     `include` restricts them to names matching any of the given regular expressions
@@ -228,8 +226,9 @@ def _parked(tensors: Sequence[torch.Tensor], spare: Sequence[torch.Tensor]) -> I
             t.data = th
 
 
-def _perturbed_(out: Sequence[torch.Tensor], theta: Sequence[torch.Tensor], seed: int, alpha: float, kind: str,
-                density: float = 1.0) -> None:
+def _perturbed_(
+    out: Sequence[torch.Tensor], theta: Sequence[torch.Tensor], seed: int, alpha: float, kind: str, density: float = 1.0
+) -> None:
     """out ← θ + alpha·z(seed): written from θ, so no restore is needed after the forward."""
     with torch.no_grad():
         for (part, z), dst in zip(_z_chunks(theta, seed, kind, density=density), _slices(out), strict=True):

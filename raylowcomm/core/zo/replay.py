@@ -150,9 +150,24 @@ class Replica:
     (forward_plus_s and forward_minus_s for two_point, forward_base_s and forward_plus_s for
     one_sided_batch) and replay_s."""
 
-    def __init__(self, model: nn.Module, node: int, run_seed: int, codec: Codec, *, eps: float, samples: int,
-                 lr: float, weight_decay: float = 0.0, kind: str = "rademacher", include: Sequence[str] | None = None,
-                 step: int = 0, estimator: str = "two_point", rule: str = "plain", density: float = 1.0):
+    def __init__(
+        self,
+        model: nn.Module,
+        node: int,
+        run_seed: int,
+        codec: Codec,
+        *,
+        eps: float,
+        samples: int,
+        lr: float,
+        weight_decay: float = 0.0,
+        kind: str = "rademacher",
+        include: Sequence[str] | None = None,
+        step: int = 0,
+        estimator: str = "two_point",
+        rule: str = "plain",
+        density: float = 1.0,
+    ):
         check_estimator(estimator)
         check_step_rule(rule, samples)
         mask_threshold(density)
@@ -164,29 +179,52 @@ class Replica:
         self.schedule, self.log, self.step, self.forwards = SeedSchedule(run_seed), ReplayLog(), step, 0
         self.published: tuple[int, bytes] | None = None
         self.spare = [torch.empty_like(p) for _, p in self.params]
-        parts = ("forward_plus_s", "forward_minus_s") if estimator == "two_point" else ("forward_base_s",
-                                                                                      "forward_plus_s")
+        parts = (
+            ("forward_plus_s", "forward_minus_s") if estimator == "two_point" else ("forward_base_s", "forward_plus_s")
+        )
         self.times = dict.fromkeys(("perturb_s", *parts, "replay_s"), 0.0)
 
     def catch_up(self, checkpoint_step: int, log: bytes) -> int:
         """A joiner: weights loaded from the checkpoint of `checkpoint_step`; replay the log up to
         its own step. Returns the steps replayed."""
         self.log = ReplayLog.from_bytes(log)
-        return self.log.replay_(self.params, checkpoint_step, self.step, schedule=self.schedule, codec=self.codec,
-                                lr=self.lr, weight_decay=self.weight_decay, decay=self.decay, kind=self.kind,
-                                rule=self.rule, density=self.density)
+        return self.log.replay_(
+            self.params,
+            checkpoint_step,
+            self.step,
+            schedule=self.schedule,
+            codec=self.codec,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            decay=self.decay,
+            kind=self.kind,
+            rule=self.rule,
+            density=self.density,
+        )
 
     def compute(self, loss_fn: Callable, batch: object) -> tuple[bytes, list[tuple[float, float]]]:
         """(this step's codes, the loss pairs measured: (L+, L−) for two_point, (L(θ+εz), L(θ)) for
         one_sided_batch); the codes are kept to apply."""
         seeds = step_seeds(self.schedule, self.step, self.node, self.samples)
         measure = spsa_losses if self.estimator == "two_point" else one_sided_losses
-        pairs = measure(self.model, self.params, loss_fn, batch, seeds, self.eps, self.kind, spare=self.spare,
-                        times=self.times, density=self.density)
+        pairs = measure(
+            self.model,
+            self.params,
+            loss_fn,
+            batch,
+            seeds,
+            self.eps,
+            self.kind,
+            spare=self.spare,
+            times=self.times,
+            density=self.density,
+        )
         self.forwards += forwards_per_step(self.estimator, self.samples)
         if not all(math.isfinite(lp) and math.isfinite(lm) for lp, lm in pairs):
-            raise FloatingPointError(f"node {self.node}, step {self.step}: the loss is not finite ({pairs[0]}): "
-                                     f"the weights diverged; lower the learning rate (spsa.lr) or eps (spsa.eps)")
+            raise FloatingPointError(
+                f"node {self.node}, step {self.step}: the loss is not finite ({pairs[0]}): "
+                f"the weights diverged; lower the learning rate (spsa.lr) or eps (spsa.eps)"
+            )
         payload = self.codec.to_bytes(projected_grads(self.estimator, pairs, self.eps))
         self.published = (self.step, payload)
         return payload, pairs
@@ -199,8 +237,11 @@ class Replica:
             raise RuntimeError(f"node {self.node} did not publish step {step}, asked to apply it")
         own, size = self.published[1], len(self.published[1])
         parts = iter(others[i : i + size] for i in range(0, len(others), size))
-        self.log.extend((step, node, sample, code) for node in publishers
-                        for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts))))
+        self.log.extend(
+            (step, node, sample, code)
+            for node in publishers
+            for sample, code in enumerate(self.codec.unpack(own if node == self.node else next(parts)))
+        )
         with timed(self.times, "replay_s"):
             updates = rule_updates(self.log.step_updates(step, self.schedule, self.codec), self.rule)
             apply_step_(self.params, updates, self.lr, self.weight_decay, self.decay, self.kind, self.density)

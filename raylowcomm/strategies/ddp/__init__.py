@@ -84,9 +84,12 @@ def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
     too), rank 0's own parts, and the end: from rank 0's final report (its checkpoint) until `fit`
     returned. Start and end compare wall clocks of the driver's and the workers' hosts."""
     rank0 = workers[0]
-    return {"train_run_start": round(min(w["entered_at"] for w in workers) - fit_at, 3), **rank0["phases_s"],
-            "train": round(max(w["train_s"] for w in workers), 3),
-            "train_run_end": round(fitted_at - rank0["final_report_at"], 3)}
+    return {
+        "train_run_start": round(min(w["entered_at"] for w in workers) - fit_at, 3),
+        **rank0["phases_s"],
+        "train": round(max(w["train_s"] for w in workers), 3),
+        "train_run_end": round(fitted_at - rank0["final_report_at"], 3),
+    }
 
 
 class Ddp(Strategy[DdpConfig]):
@@ -98,9 +101,13 @@ class Ddp(Strategy[DdpConfig]):
         if Ddp.opts(cfg).backend == "nccl" and cfg.nodes.gpus == 0:
             raise ConfigError("ddp.backend", "nccl", "nccl needs GPUs: set nodes.gpus > 0 or use gloo/auto")
         hosts = cfg.nodes.hosts or []
-        if any(h in hosts[:i - 1] for i, h in enumerate(hosts) if i and h != hosts[i - 1]):
-            raise ConfigError("nodes.hosts", hosts, "Ray Train numbers DDP's workers host by host: list each host's "
-                              "workers together (e.g. [A, A, B]), so rank k runs on nodes.hosts[k]")
+        if any(h in hosts[: i - 1] for i, h in enumerate(hosts) if i and h != hosts[i - 1]):
+            raise ConfigError(
+                "nodes.hosts",
+                hosts,
+                "Ray Train numbers DDP's workers host by host: list each host's "
+                "workers together (e.g. [A, A, B]), so rank k runs on nodes.hosts[k]",
+            )
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict]:
@@ -123,14 +130,22 @@ class Ddp(Strategy[DdpConfig]):
         if cfg.nodes.hosts:
             pins["label_selector"] = pin_bundles(cfg.nodes.count, resolve_hosts(cfg.nodes.hosts))
         return TorchTrainer(
-            train_worker, train_loop_config={"loop": loop},
-            scaling_config=ScalingConfig(num_workers=cfg.nodes.count, use_gpu=cfg.nodes.gpus > 0,
-                                         resources_per_worker=node_bundle(cfg), placement_strategy=cfg.nodes.placement,
-                                         **pins),
+            train_worker,
+            train_loop_config={"loop": loop},
+            scaling_config=ScalingConfig(
+                num_workers=cfg.nodes.count,
+                use_gpu=cfg.nodes.gpus > 0,
+                resources_per_worker=node_bundle(cfg),
+                placement_strategy=cfg.nodes.placement,
+                **pins,
+            ),
             torch_config=TorchConfig(backend=backend),
-            run_config=TrainRunConfig(name=self.name, storage_path=ctx.storage.uri_of(f"{self.name}/ray_train"),
-                                      failure_config=FailureConfig(max_failures=cfg.restarts),
-                                      checkpoint_config=CheckpointConfig(num_to_keep=2)),
+            run_config=TrainRunConfig(
+                name=self.name,
+                storage_path=ctx.storage.uri_of(f"{self.name}/ray_train"),
+                failure_config=FailureConfig(max_failures=cfg.restarts),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+            ),
         )
 
     def run(self, ctx: RunContext) -> RunRecord:
@@ -148,9 +163,21 @@ class Ddp(Strategy[DdpConfig]):
         logger.info("[ddp] %d workers x %s steps, %s", n, steps or "(their shards')", backend)
         ctx.live.expect(n, steps)
         earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
-        trainer = self._trainer(ctx, backend, DdpLoop(
-            cfg=cfg, spec=ctx.spec, task=ctx.data.task, weights=ray.put(start), steps=steps, storage=ctx.storage,
-            data=ctx.data.train, eval_sets=ray.put(eval_sets), progress=ctx.live.poster()))
+        trainer = self._trainer(
+            ctx,
+            backend,
+            DdpLoop(
+                cfg=cfg,
+                spec=ctx.spec,
+                task=ctx.data.task,
+                weights=ray.put(start),
+                steps=steps,
+                storage=ctx.storage,
+                data=ctx.data.train,
+                eval_sets=ray.put(eval_sets),
+                progress=ctx.live.poster(),
+            ),
+        )
         ctx.storage.delete(DATA_ERROR)  # a resumed run's earlier refusal
         before, fit_at = set(ray.util.placement_group_table()), time.time()
         try:
@@ -166,15 +193,22 @@ class Ddp(Strategy[DdpConfig]):
         details["phases_s"] = _phases(result.metrics["workers"], fit_at, time.time())
         return self._finish(ctx, ledger, clock, result, backend, details)
 
-    def _finish(self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str,
-                details: dict) -> RunRecord:
+    def _finish(
+        self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str, details: dict
+    ) -> RunRecord:
         cfg, n, steps = ctx.cfg, ctx.cfg.nodes.count, result.metrics["steps"]
         workers, setup_bytes = result.metrics["workers"], ledger.bytes_by_phase["setup"]
         ctx.report({"step": steps, "steps": steps, "train_loss": sum(w["mean_loss"] for w in workers) / n})
-        curve = [curve_point(p["step"], p["train_s"], p["step"] * cfg.optim.batch_size * n,
-                             setup_bytes + n * p["allreduce_bytes"],
-                             {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")})
-                 for p in result.metrics["curve"]]
+        curve = [
+            curve_point(
+                p["step"],
+                p["train_s"],
+                p["step"] * cfg.optim.batch_size * n,
+                setup_bytes + n * p["allreduce_bytes"],
+                {k: v for k, v in p.items() if k not in ("step", "train_s", "allreduce_bytes")},
+            )
+            for p in result.metrics["curve"]
+        ]
         for w in workers:
             ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
@@ -185,8 +219,25 @@ class Ddp(Strategy[DdpConfig]):
         details["phases_s"]["collect"] = round(time.perf_counter() - collecting, 3)
         state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         ledger.send("final", "model_checkpoint", state)  # under LoRA rank 0 checkpoints the adapters and head only
-        details = {"steps_per_worker": steps, "backend": backend,
-                   "allreduce_buckets_per_rank": [w["buckets"] for w in workers], **details, "train_run": result.path}
-        return finish_record(self.name, ctx, ledger, clock, metrics=result.metrics["final"], step=steps,
-                             samples=sum(w["samples"] for w in workers), train_s=max(w["train_s"] for w in workers),
-                             infos=workers, weights=state, curve=curve, nodes=workers, details=details)
+        details = {
+            "steps_per_worker": steps,
+            "backend": backend,
+            "allreduce_buckets_per_rank": [w["buckets"] for w in workers],
+            **details,
+            "train_run": result.path,
+        }
+        return finish_record(
+            self.name,
+            ctx,
+            ledger,
+            clock,
+            metrics=result.metrics["final"],
+            step=steps,
+            samples=sum(w["samples"] for w in workers),
+            train_s=max(w["train_s"] for w in workers),
+            infos=workers,
+            weights=state,
+            curve=curve,
+            nodes=workers,
+            details=details,
+        )

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE, RANK_FILE = "state.safetensors", "rank{}.safetensors"
 ATTEMPTS, DATA_ERROR = "ddp/attempts.json", "ddp/data_error.json"
 
+
 @dataclass
 class DdpLoop:
     """What every Ray Train worker is given: recipes and object references, no data. It travels as
@@ -94,8 +95,11 @@ class Tally:
         return loss
 
     def at(self, clock: TrainClock) -> dict:
-        return {**self.counts, "train_s": self.counts["train_s"] + clock.elapsed(),
-                "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
+        return {
+            **self.counts,
+            "train_s": self.counts["train_s"] + clock.elapsed(),
+            "writer": {"host": socket.gethostname(), "pid": os.getpid()},
+        }
 
 
 def _restore(rank: int, node: Node, optimizer) -> tuple[int, list, Tally]:
@@ -123,8 +127,15 @@ def _report(metrics: dict, step: int, rank: int, node: Node, optimizer, tally: d
         return train.report(metrics)
     with tempfile.TemporaryDirectory() as tmp:
         if rank == 0:
-            save_checkpoint(Storage(tmp), STATE_FILE, node.model, optimizer, step, extra={"curve": curve},
-                            trainable_only=node.fine_tune.trainable_only())  # LoRA: the frozen base never changes
+            save_checkpoint(
+                Storage(tmp),
+                STATE_FILE,
+                node.model,
+                optimizer,
+                step,
+                extra={"curve": curve},
+                trainable_only=node.fine_tune.trainable_only(),
+            )  # LoRA: the frozen base never changes
         params = {k for k, _ in node.model.named_parameters()}
         buffers = {k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items() if k not in params}
         Storage(tmp).save_tensors(RANK_FILE.format(rank), buffers, tally)
@@ -204,8 +215,16 @@ def train_worker(config: dict) -> None:
 class _Rank:
     """One started rank: its training with the curve and checkpoints at barriers, its final report."""
 
-    def __init__(self, loop: DdpLoop, node: Node, world: int, optimizer, steps: int, restored: tuple[int, list, Tally],
-                 watch: Stopwatch):
+    def __init__(
+        self,
+        loop: DdpLoop,
+        node: Node,
+        world: int,
+        optimizer,
+        steps: int,
+        restored: tuple[int, list, Tally],
+        watch: Stopwatch,
+    ):
         self.loop, self.node, self.rank, self.world, self.optimizer = loop, node, node.rank, world, optimizer
         self.steps, (self.start, self.curve, self.tally), self.watch = steps, restored, watch
         self.points, self.clock = set(eval_points(loop.cfg, steps)), TrainClock()
@@ -216,11 +235,27 @@ class _Rank:
         cfg, progress = self.loop.cfg, self.loop.progress
         if progress is not None:
             progress.worker, progress.steps = self.rank, self.steps
-        hooks = StepHooks(on_step=self.on_step, log=self.node.log if self.rank == 0 else None, log_every=cfg.log_every,
-                          progress=progress, clock=self.clock)
-        train_steps(wrapped, self.tally, self.optimizer, shard, self.start, self.steps, cfg.optim.batch_size,
-                    node_seed(cfg.seed, self.rank), hooks, precision=cfg.optim.precision, device=self.node.device,
-                    group_seed=group_seed(cfg))
+        hooks = StepHooks(
+            on_step=self.on_step,
+            log=self.node.log if self.rank == 0 else None,
+            log_every=cfg.log_every,
+            progress=progress,
+            clock=self.clock,
+        )
+        train_steps(
+            wrapped,
+            self.tally,
+            self.optimizer,
+            shard,
+            self.start,
+            self.steps,
+            cfg.optim.batch_size,
+            node_seed(cfg.seed, self.rank),
+            hooks,
+            precision=cfg.optim.precision,
+            device=self.node.device,
+            group_seed=group_seed(cfg),
+        )
 
     def on_step(self, step: int) -> None:
         """At a curve step or a checkpoint step before the last, the ranks meet (out of the training
@@ -252,17 +287,31 @@ class _Rank:
                 final = {"final": mean_metrics(per_rank), "final_per_rank": per_rank}
             else:
                 final = {"final": self.node.evaluate([self.loop.eval_sets])} if self.rank == 0 else {}
-        mine = {"rank": self.rank, "examples": examples, "allreduce_bytes": done["allreduce_bytes"],
-                "buckets": done["buckets"], "samples": steps * cfg.optim.batch_size, "train_s": done["train_s"],
-                "resumed_from": self.start, **process_info(), "mean_loss": done["loss_sum"] / steps if steps else None,
-                "entered_at": entered, "phases_s": self.watch.parts, "final_report_at": time.time(),
-                "final_hash": self.node.hash()}  # the replicas must agree: a reader compares them
+        mine = {
+            "rank": self.rank,
+            "examples": examples,
+            "allreduce_bytes": done["allreduce_bytes"],
+            "buckets": done["buckets"],
+            "samples": steps * cfg.optim.batch_size,
+            "train_s": done["train_s"],
+            "resumed_from": self.start,
+            **process_info(),
+            "mean_loss": done["loss_sum"] / steps if steps else None,
+            "entered_at": entered,
+            "phases_s": self.watch.parts,
+            "final_report_at": time.time(),
+            "final_hash": self.node.hash(),
+        }  # the replicas must agree: a reader compares them
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        metrics = {"workers": everyone, "gather_bytes": all_gather_nbytes(everyone, world),
-                   "shard_sizes_bytes": shard_sizes_bytes, "curve": self.curve, "steps": steps, **final}
+        metrics = {
+            "workers": everyone,
+            "gather_bytes": all_gather_nbytes(everyone, world),
+            "shard_sizes_bytes": shard_sizes_bytes,
+            "curve": self.curve,
+            "steps": steps,
+            **final,
+        }
         if self.rank == 0:
             _note_attempt(self.loop.storage, self.start, done, steps)
         _report(metrics, steps, self.rank, self.node, self.optimizer, done, self.curve)
-
-

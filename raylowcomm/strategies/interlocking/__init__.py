@@ -12,21 +12,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Literal
+from dataclasses import asdict
+from typing import ClassVar
 
 import ray
 import torch
 
 from raylowcomm import catalog
-from raylowcomm.actors import DriverFetches, NodeGroup
-from raylowcomm.common.batches import Source, Split, batch_at, num_examples
+from raylowcomm.actors import NodeGroup
+from raylowcomm.common.batches import Source, batch_at, num_examples
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.interlock.heads import LOSS_OF_FAMILY, aux_heads
-from raylowcomm.core.interlock.routing import message_plan
-from raylowcomm.core.interlock.schedule import Call, batch_calls
 from raylowcomm.core.interlock.splitting import (
     is_hf_decoder,
     is_timm_cnn,
@@ -48,106 +46,13 @@ from raylowcomm.strategies.base import (
     finish_record,
     warn_unused,
 )
+from raylowcomm.strategies.interlocking.config import InterlockingConfig
+from raylowcomm.strategies.interlocking.pipeline import evaluate_chained, final_head_metrics, train_interlocked
 from raylowcomm.strategies.interlocking.stage import StageActor
-from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, make_task, metric_names
+from raylowcomm.tasks import make_task
 from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InterlockingConfig:
-    stages: int = 2
-    """K: depth-wise stages, one actor each (nodes.cpus / nodes.gpus per stage)."""
-    n: int = 1
-    """Communication width, 1..stages: a head's loss trains at most n stages (`width` in the code)."""
-    rule: Literal["farthest", "sum"] = "farthest"
-    """farthest: stage k learns from the loss of the farthest head within n stages (n = stages:
-    end-to-end backprop); sum: from the sum of those heads' losses."""
-    micro_batches: int = 4
-    """Micro-batches per optimizer step, in flight together; optim.batch_size is split evenly."""
-    balance: Literal["blocks", "params", "measured"] = "measured"
-    """How units (stem + blocks / decoder layers) group into stages; measured: by timed forward +
-    backward, aux heads included."""
-    split: list[int] | None = None
-    """Units per stage, fixed (e.g. to compare n on one split); overrides balance."""
-    aux_widths: list[int] = field(default_factory=lambda: [128, 64])
-    """ResNet aux heads: (3x3 conv, BN, ReLU) widths before pool + linear."""
-    aux_init_from_lm_head: bool = True
-    """Decoder aux heads: a copy of the final norm + lm_head (false: random)."""
-    time_budget_s: float | None = None
-    """Stop submitting batches after this many seconds of training (in-flight ones finish)."""
-    max_batches_ahead: int = 2
-    """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier)."""
-
-    @property
-    def width(self) -> int:
-        """The communication width: the config's `n` (the paper's name), not a count of nodes."""
-        return self.n
-
-
-def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
-    """Submit every call of batch ``step`` in the order of `batch_calls` (the schedule model replays
-    that same list); returns the report refs. Only refs change hands."""
-    refs: dict[Call, tuple] = {}  # call -> (ref of h for the next stage or None, ref of its upstream message)
-    for call in batch_calls(plan, micro_batches):
-        actor = actors[call.stage]
-        if call.kind == "forward":
-            refs[call] = actor.forward.remote(step, call.mb, refs[call.source][0] if call.source else None)
-        else:
-            refs[call] = (None, actor.backward.remote(step, call.mb, refs[call.source][1]))
-    return [actor.report.remote() for actor in actors]
-
-
-def train_interlocked(actors: list, num_stages: int, width: int, rule: str, micro_batches: int, steps: int,
-                      fetch: DriverFetches, time_budget_s: float | None = None, max_ahead: int = 2,
-                      on_reports=None, eval_at: frozenset[int] = frozenset(), evaluate=None) -> dict:
-    """Up to ``steps`` batches (or ``time_budget_s`` of training); ``on_reports`` sees each batch's stage reports;
-    after batch b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock."""
-    plan = message_plan(num_stages, width, rule)
-    clock, pending, reports, batches = TrainClock(), [], [], 0
-
-    def drain(keep: int) -> None:
-        while len(pending) > keep:
-            reports.append(fetch.get(pending.pop(0), "train", "stage_reports"))
-            if on_reports is not None:
-                on_reports(reports[-1])
-
-    for step in range(steps):
-        if time_budget_s is not None and clock.elapsed() >= time_budget_s:
-            break
-        drain(max_ahead)
-        pending.append(submit_batch(actors, plan, step, micro_batches))
-        batches += 1
-        if evaluate is not None and batches in eval_at:
-            drain(0)
-            with clock.paused():
-                evaluate(batches, clock.elapsed())
-    drain(0)
-    return {"reports": reports, "batches": batches, "train_s": clock.elapsed()}
-
-
-def evaluate_chained(actors: list, eval_sets: dict[str, Split], batch_size: int, fetch: DriverFetches,
-                     loss: str) -> tuple[dict[str, list[dict]], int]:
-    """Every head's metrics on every eval set, chunks pipelined through the stages, each head's
-    per-chunk sums added up and summarised by the task (as `Task.evaluate` does for a whole
-    model); returns ({set: [metrics of head k]}, bytes sent between stages)."""
-    summarize = CausalLM.summarize if loss == "causal_lm" else ImageClassification.summarize
-    refs = {name: [[] for _ in actors] for name in eval_sets}
-    for name, split in eval_sets.items():
-        for chunk in range(-(-num_examples(split) // batch_size)):
-            x = None
-            for k, actor in enumerate(actors):
-                x, metrics = actor.evaluate.remote(name, chunk, x)
-                refs[name][k].append(metrics)
-    parts = {name: [fetch.get(chunks, "final", "eval_metrics") for chunks in stages] for name, stages in refs.items()}
-    sent = sum(p.pop("sent_bytes") for stages in parts.values() for chunks in stages for p in chunks)
-    return {name: [summarize(add_sums(chunks)) for chunks in stages] for name, stages in parts.items()}, sent
-
-
-def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
-    """The last stage's head on the test (id_*) and shift sets: the model's metrics."""
-    return metric_names({name: heads[-1] for name, heads in per_set.items() if name != "val"})
 
 
 class Interlocking(Strategy[InterlockingConfig]):
@@ -172,36 +77,58 @@ class Interlocking(Strategy[InterlockingConfig]):
         if not 1 <= o.n <= o.stages:
             raise ConfigError("interlocking.n", o.n, f"must be in 1..interlocking.stages ({o.stages})")
         if cfg.optim.batch_size % o.micro_batches:
-            raise ConfigError("interlocking.micro_batches", o.micro_batches,
-                              f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly")
+            raise ConfigError(
+                "interlocking.micro_batches",
+                o.micro_batches,
+                f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly",
+            )
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
-        warn_unused(cfg, "interlocking", restarts="a dead stage stops the run",
-                    checkpoints="stages keep no checkpoints")
+        warn_unused(
+            cfg, "interlocking", restarts="a dead stage stops the run", checkpoints="stages keep no checkpoints"
+        )
         for name, per_stage in (("aux_widths", False), ("split", True)):
             value = getattr(o, name)
             if value is not None and (not value or min(value) < 1 or (per_stage and len(value) != o.stages)):
-                raise ConfigError(f"interlocking.{name}", value, "must be a non-empty list of positive numbers"
-                                  + (", one per stage" if per_stage else ""))
+                raise ConfigError(
+                    f"interlocking.{name}",
+                    value,
+                    "must be a non-empty list of positive numbers" + (", one per stage" if per_stage else ""),
+                )
         if cfg.model.family == "hf_classifier":
-            raise ConfigError("model.family", cfg.model.family,
-                              "interlocking splits timm CNNs and causal LMs (hf_causal_lm)")
+            raise ConfigError(
+                "model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)"
+            )
         if cfg.data.node_files is not None or cfg.data.eval_on_nodes:
             field = "data.node_files" if cfg.data.node_files is not None else "data.eval_on_nodes"
-            raise ConfigError(field, getattr(cfg.data, field[5:]), "interlocking trains one model on one stream of "
-                              "batches and scores it on the driver's sets: not offered")
+            raise ConfigError(
+                field,
+                getattr(cfg.data, field[5:]),
+                "interlocking trains one model on one stream of "
+                "batches and scores it on the driver's sets: not offered",
+            )
         kind = catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns)
         if cfg.model.family == "hf_causal_lm" and kind not in ("text", None):
-            raise ConfigError("data.name", cfg.data.name,
-                              f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}")
+            raise ConfigError(
+                "data.name",
+                cfg.data.name,
+                f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}",
+            )
         arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
         if cfg.model.family == "timm" and not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
-            raise ConfigError("model.name", cfg.model.name,
-                              "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18)")
+            raise ConfigError(
+                "model.name",
+                cfg.model.name,
+                "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18)",
+            )
         if cfg.model.family == "hf_causal_lm" and cfg.model.lora is not None:
-            raise ConfigError("model.lora", dataclasses.asdict(cfg.model.lora), "interlocking splits a causal LM's own "
-                              "decoder layers, not adapters wrapped around them: train it without LoRA "
-                              "(model.lora: null)")
+            raise ConfigError(
+                "model.lora",
+                dataclasses.asdict(cfg.model.lora),
+                "interlocking splits a causal LM's own "
+                "decoder layers, not adapters wrapped around them: train it without LoRA "
+                "(model.lora: null)",
+            )
 
     @staticmethod
     def driver_weights(cfg: RunConfig) -> str | None:
@@ -213,23 +140,38 @@ class Interlocking(Strategy[InterlockingConfig]):
         layers) the model has and how many test rows time a measured split are known only now."""
         cfg, opts, family = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family
         if family == "timm" and not is_timm_cnn(ctx.architecture):
-            raise ConfigError("model.name", cfg.model.name, "has neither ResNet layers (layer1..4) nor conv_stem + "
-                              "blocks: interlocking splits timm ResNets and EfficientNet/MobileNet models "
-                              "(e.g. resnet18)")
+            raise ConfigError(
+                "model.name",
+                cfg.model.name,
+                "has neither ResNet layers (layer1..4) nor conv_stem + "
+                "blocks: interlocking splits timm ResNets and EfficientNet/MobileNet models "
+                "(e.g. resnet18)",
+            )
         if family == "hf_causal_lm" and not is_hf_decoder(ctx.architecture):
             field = "model.path" if cfg.model.path else "model.name"
-            raise ConfigError(field, getattr(cfg.model, field[6:]), "is not a Llama-style decoder (model.embed_tokens, "
-                              "layers, norm, rotary_emb and lm_head): interlocking splits those")
+            raise ConfigError(
+                field,
+                getattr(cfg.model, field[6:]),
+                "is not a Llama-style decoder (model.embed_tokens, "
+                "layers, norm, rotary_emb and lm_head): interlocking splits those",
+            )
         units, what = model_units(ctx.architecture, family), "stem + blocks" if family == "timm" else "decoder layers"
         if opts.split is not None and sum(opts.split) != units:
-            raise ConfigError("interlocking.split", opts.split,
-                              f"must add up to the model's {units} units ({what}), one entry per stage")
+            raise ConfigError(
+                "interlocking.split",
+                opts.split,
+                f"must add up to the model's {units} units ({what}), one entry per stage",
+            )
         if opts.stages > units:
             raise ConfigError("interlocking.stages", opts.stages, f"the model has only {units} units ({what}) to split")
         micro, test = cfg.optim.batch_size // opts.micro_batches, num_examples(ctx.data.eval_sets["test"])
         if opts.balance == "measured" and opts.split is None and test < micro:
-            raise ConfigError("interlocking.balance", opts.balance, f"times a micro-batch ({micro} rows) of the test "
-                              f"set, which has {test}: raise data.test_size, or use blocks or params")
+            raise ConfigError(
+                "interlocking.balance",
+                opts.balance,
+                f"times a micro-batch ({micro} rows) of the test "
+                f"set, which has {test}: raise data.test_size, or use blocks or params",
+            )
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, family, clock = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family, TrainClock()
@@ -238,8 +180,17 @@ class Interlocking(Strategy[InterlockingConfig]):
         model = copy.deepcopy(ctx.load_driver_weights()).float().train()  # the driver's copy: final weights land in it
         untied = family == "hf_causal_lm" and untie_lm_head(model)
         task = ctx.data.task  # one stream of batches from one source: stage 0 reads the training rows
-        source = Source("image" if family == "timm" else "tokens", None, ctx.eval_sets(), cfg.optim.batch_size,
-                        cfg.seed, task.image_size, cfg.eval_rows, task.mean, task.std)
+        source = Source(
+            "image" if family == "timm" else "tokens",
+            None,
+            ctx.eval_sets(),
+            cfg.optim.batch_size,
+            cfg.seed,
+            task.image_size,
+            cfg.eval_rows,
+            task.mean,
+            task.std,
+        )
         balance = opts.balance  # measured: timed on a micro-batch of the test set (the driver holds no training row)
         if opts.balance == "measured" and opts.split is None:
             size = cfg.optim.batch_size // opts.micro_batches
@@ -247,12 +198,15 @@ class Interlocking(Strategy[InterlockingConfig]):
             balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus)
         modules = split_model(model, family, K, balance, opts.split)
         heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
-        with (NodeGroup(StageActor, cfg, Ledger(), bundles=self.bundles(cfg)) as group,
-              group.stop_on_death("interlocking stage", "each stage holds layers no other has")):
+        with (
+            NodeGroup(StageActor, cfg, Ledger(), bundles=self.bundles(cfg)) as group,
+            group.stop_on_death("interlocking stage", "each stage holds layers no other has"),
+        ):
             self._load(group, modules, heads, source, ctx.data.train, cfg, family)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)
-            per_set, eval_bytes = evaluate_chained(group.handles(), source.eval_sets, cfg.eval_rows,
-                                                   group.fetch, LOSS_OF_FAMILY[family])
+            per_set, eval_bytes = evaluate_chained(
+                group.handles(), source.eval_sets, cfg.eval_rows, group.fetch, LOSS_OF_FAMILY[family]
+            )
             group.ledger.record("final", "eval_activations", eval_bytes)
             fetched_eval = {key: getattr(group.fetch, key) - trained["fetched"][key] for key in ("bytes", "tensors")}
             infos = group.call("info", phase="final", what="stage_info")
@@ -260,26 +214,54 @@ class Interlocking(Strategy[InterlockingConfig]):
                 module.load_state_dict(state)
         train_s, batches = trained["train_s"], trained["batches"]
         details = {
-            "stages": K, "n": opts.width, "rule": opts.rule, "micro_batches": opts.micro_batches,
-            "micro_batch_size": cfg.optim.batch_size // opts.micro_batches, "balance": opts.balance,
-            "units_per_stage": units_per_stage(modules, family), "batches": batches,
+            "stages": K,
+            "n": opts.width,
+            "rule": opts.rule,
+            "micro_batches": opts.micro_batches,
+            "micro_batch_size": cfg.optim.batch_size // opts.micro_batches,
+            "balance": opts.balance,
+            "units_per_stage": units_per_stage(modules, family),
+            "batches": batches,
             "step_time_s": train_s / batches if batches else None,
-            "steady_step_time_s": max((i["median_step_interval_s"] for i in infos
-                                       if i["median_step_interval_s"] is not None), default=None),
+            "steady_step_time_s": max(
+                (i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None), default=None
+            ),
             "busy_fraction": [b / train_s for b in busy] if train_s > 0 else None,
-            "heads": {name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
-                      for name, heads_m in per_set.items()},
+            "heads": {
+                name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
+                for name, heads_m in per_set.items()
+            },
             "train_head_loss_last": [v[-1] if v else None for v in stage_losses],
             "driver_fetched": {"train": trained["fetched"], "eval": fetched_eval},
-            "lm_head_untied": untied, **({"measured_costs_s": asdict(balance)} if balance != opts.balance else {}),
+            "lm_head_untied": untied,
+            **({"measured_costs_s": asdict(balance)} if balance != opts.balance else {}),
         }
-        return finish_record(self.name, ctx, group.ledger, clock, metrics=final_head_metrics(per_set), step=batches,
-                             samples=batches * cfg.optim.batch_size, train_s=train_s, infos=infos,
-                             weights=state_dict_of(model), curve=curve,
-                             nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)], details=details)
+        return finish_record(
+            self.name,
+            ctx,
+            group.ledger,
+            clock,
+            metrics=final_head_metrics(per_set),
+            step=batches,
+            samples=batches * cfg.optim.batch_size,
+            train_s=train_s,
+            infos=infos,
+            weights=state_dict_of(model),
+            curve=curve,
+            nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)],
+            details=details,
+        )
 
-    def _load(self, group: NodeGroup, modules: list, heads: list, source: Source, recipe: TrainSource, cfg: RunConfig,
-              family: str) -> None:
+    def _load(
+        self,
+        group: NodeGroup,
+        modules: list,
+        heads: list,
+        source: Source,
+        recipe: TrainSource,
+        cfg: RunConfig,
+        family: str,
+    ) -> None:
         """One stage actor per module, its aux head beside it; stage 0 also gets the evaluation sets
         and how to read the training data (not the data)."""
         opts, K, loaded = Interlocking.opts(cfg), len(modules), []
@@ -288,16 +270,34 @@ class Interlocking(Strategy[InterlockingConfig]):
         for k in range(K):
             ref = group.put((modules[k], heads[k] if k < K - 1 else None), "setup", "stage_modules")
             actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
-            loaded.append(actor.load.remote(k, K, opts.width, opts.rule, ref, LOSS_OF_FAMILY[family], cfg.optim,
-                                            opts.micro_batches, *((source, recipe) if k == 0 else ())))
+            loaded.append(
+                actor.load.remote(
+                    k,
+                    K,
+                    opts.width,
+                    opts.rule,
+                    ref,
+                    LOSS_OF_FAMILY[family],
+                    cfg.optim,
+                    opts.micro_batches,
+                    *((source, recipe) if k == 0 else ()),
+                )
+            )
         ray.get(loaded)
 
     def _train(self, ctx: RunContext, group: NodeGroup, source: Source) -> tuple[dict, list, list, list]:
         cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
         K, actors, ledger = opts.stages, group.handles(), group.ledger
         steps = total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
-        logger.info("[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s", K, opts.width, opts.rule, steps,
-                    opts.micro_batches, f", budget {opts.time_budget_s}s" if opts.time_budget_s else "")
+        logger.info(
+            "[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s",
+            K,
+            opts.width,
+            opts.rule,
+            steps,
+            opts.micro_batches,
+            f", budget {opts.time_budget_s}s" if opts.time_budget_s else "",
+        )
         stage_losses, busy, curve = [[] for _ in range(K)], [0.0] * K, []
 
         def absorb(batch_reports: list[dict]) -> None:
@@ -308,22 +308,42 @@ class Interlocking(Strategy[InterlockingConfig]):
                 busy[k] += r["busy_s"]
                 for what, size in ((what, size) for what, sizes in r["sent"].items() for size in sizes):
                     ledger.record("train", what, size)
-            ctx.report({"step": len(stage_losses[K - 1]), "steps": steps, "bytes": ledger.total_bytes,
-                        "train_loss": stage_losses[K - 1][-1]})
+            ctx.report(
+                {
+                    "step": len(stage_losses[K - 1]),
+                    "steps": steps,
+                    "bytes": ledger.total_bytes,
+                    "train_loss": stage_losses[K - 1][-1],
+                }
+            )
 
         def evaluate(batch: int, train_s: float) -> None:
-            per_set, sent = evaluate_chained(actors, ctx.eval_sets(val=False), cfg.eval_rows, group.fetch,
-                                             LOSS_OF_FAMILY[ctx.spec.family])
+            per_set, sent = evaluate_chained(
+                actors, ctx.eval_sets(val=False), cfg.eval_rows, group.fetch, LOSS_OF_FAMILY[ctx.spec.family]
+            )
             ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
             sent_so_far = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            curve.append(curve_point(batch, train_s, batch * cfg.optim.batch_size, sent_so_far,
-                                     final_head_metrics(per_set)))
+            curve.append(
+                curve_point(batch, train_s, batch * cfg.optim.batch_size, sent_so_far, final_head_metrics(per_set))
+            )
 
-        trained = train_interlocked(actors, K, opts.width, opts.rule, opts.micro_batches, steps, group.fetch,
-                                    opts.time_budget_s, opts.max_batches_ahead, absorb,
-                                    frozenset(eval_points(cfg, steps)), evaluate)
+        trained = train_interlocked(
+            actors,
+            K,
+            opts.width,
+            opts.rule,
+            opts.micro_batches,
+            steps,
+            group.fetch,
+            opts.time_budget_s,
+            opts.max_batches_ahead,
+            absorb,
+            frozenset(eval_points(cfg, steps)),
+            evaluate,
+        )
         for k in (k for k in range(K) if stage_losses[k]):
-            logger.info("[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0],
-                        stage_losses[k][-1])
+            logger.info(
+                "[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0], stage_losses[k][-1]
+            )
         trained["fetched"] = {"bytes": group.fetch.bytes, "tensors": group.fetch.tensors}
         return trained, stage_losses, busy, curve

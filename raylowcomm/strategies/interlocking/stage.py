@@ -40,8 +40,9 @@ class StageWorker:
         self.steps_done, self.step_times, self.stepped_s = 0, [], 0.0
         self.clock = time.perf_counter  # call_s's clock; a thread-CPU clock times calls on a shared machine
         # for the schedule model; *_wall: the whole actor call, object-store get and put included, step left out
-        self.call_s: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "step", "forward_wall",
-                                                                "backward_wall")}
+        self.call_s: dict[str, list[float]] = {
+            k: [] for k in ("forward", "backward", "step", "forward_wall", "backward_wall")
+        }
         self._reset()
 
     def inputs(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -101,8 +102,12 @@ class StageWorker:
 
     def report(self) -> dict:
         """Since the last report: own-head losses, busy seconds, sizes of every message sent."""
-        out = {"losses": list(self.stage.pop_losses().values()), "busy_s": self.busy_s, "sent": self.sent,
-               "steps_done": self.steps_done}
+        out = {
+            "losses": list(self.stage.pop_losses().values()),
+            "busy_s": self.busy_s,
+            "sent": self.sent,
+            "steps_done": self.steps_done,
+        }
         self._reset()
         return out
 
@@ -110,8 +115,11 @@ class StageWorker:
         """Step count, median step interval, and the median seconds of a forward call, a backward
         call (each without the optimizer step) and an optimizer step: the schedule model's inputs."""
         gaps = [b - a for a, b in zip(self.step_times, self.step_times[1:])]
-        return {"steps": self.steps_done, "median_step_interval_s": statistics.median(gaps) if gaps else None,
-                "median_call_s": {kind: statistics.median(v) if v else None for kind, v in self.call_s.items()}}
+        return {
+            "steps": self.steps_done,
+            "median_step_interval_s": statistics.median(gaps) if gaps else None,
+            "median_call_s": {kind: statistics.median(v) if v else None for kind, v in self.call_s.items()},
+        }
 
 
 @ray.remote
@@ -122,20 +130,41 @@ class StageActor:
     def __init__(self, cpus: float, gpus: float):
         self.device, self.worker = start_process(cpus, gpus), None
 
-    def load(self, index: int, num_stages: int, width: int, rule: str, payload: tuple, loss: str, optim: OptimConfig,
-             micro_batches: int, source: Source | None = None, recipe: TrainSource | None = None) -> None:
+    def load(
+        self,
+        index: int,
+        num_stages: int,
+        width: int,
+        rule: str,
+        payload: tuple,
+        loss: str,
+        optim: OptimConfig,
+        micro_batches: int,
+        source: Source | None = None,
+        recipe: TrainSource | None = None,
+    ) -> None:
         """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is
         reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host."""
         if recipe is not None:
             source.train = recipe.load(0, 1)
         module, head = (m.to(self.device) if m is not None else None for m in payload)
-        stage = InterlockStage(index, num_stages, width, rule, module, head, LOSSES[loss],
-                               lambda params: make_optimizer(optim, params), micro_batches)
+        stage = InterlockStage(
+            index,
+            num_stages,
+            width,
+            rule,
+            module,
+            head,
+            LOSSES[loss],
+            lambda params: make_optimizer(optim, params),
+            micro_batches,
+        )
         if loss == "causal_lm":
             task = CausalLM(self.device)
         else:
-            task = ImageClassification(source.image_size if source else 0, self.device,
-                                       *((source.mean, source.std) if source else ()))
+            task = ImageClassification(
+                source.image_size if source else 0, self.device, *((source.mean, source.std) if source else ())
+            )
         self.worker = StageWorker(stage, micro_batches, index == num_stages - 1, task)
         self.index, self.source = index, source
 
@@ -151,8 +180,11 @@ class StageActor:
         """Forward micro-batch ``mb`` of batch ``step``; returns (ref of (h, targets) for stage
         k + 1, ref of the early upstream message {k: dL_k/dx_k} or None)."""
         start = time.perf_counter()
-        x, y = self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches)) if self.index == 0 \
+        x, y = (
+            self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches))
+            if self.index == 0
             else self._received(x_ref)
+        )
         h, early = self.worker.forward(step, mb, x, y)
         out = self._put((h, y), not self.worker.last), self._put(early, bool(early))
         self.worker.call_s["forward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)

@@ -9,39 +9,35 @@ by s plus one collection. Fetching the snapshots is measurement, outside the run
 
 Where the nodes meet, the averaging topology, is one object chosen once (`exchange_for`): the
 driver's star (`star`) or rounds that travel node to node, compressed (`peers`, with the node's side
-in `node_rounds`). The loop below trains to each boundary and asks the exchange for the round.
+in `node_rounds`). The loop below trains to each boundary and asks the exchange for the round;
+`final` scores, recalibrates and saves the average the exchange ends with.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import ClassVar
 
-import ray
-
-from raylowcomm.actors import DriverFetches, NodeGroup
+from raylowcomm.actors import NodeGroup
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.core.averaging import batchnorm_layers, combine_bn_statistics
+from raylowcomm.core.averaging import batchnorm_layers
 from raylowcomm.core.compression import CODECS
-from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, curve_point, finish_record
+from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, finish_record
+from raylowcomm.strategies.lofi import final as final_phase
 from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig
-from raylowcomm.strategies.lofi.exchange import Exchange, FinalModel
+from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.strategies.lofi.peers import PeerExchange
-from raylowcomm.strategies.lofi.plan import Plan, average_nodes, plan_rounds
+from raylowcomm.strategies.lofi.plan import Plan, plan_rounds
 from raylowcomm.strategies.lofi.star import StarExchange
 from raylowcomm.tasks import make_task, mean_metrics
 
 logger = logging.getLogger(__name__)
 
-COLLECTION_KINDS = ("outer_gradients", "round_replies", "round_args", "verify_hash")
-"""What the final collection of peer rounds books (besides the star's `plan.average.what`): a curve
-point's bytes include one such collection."""
 
 def exchange_for(opts: LofiConfig) -> type[Exchange]:
     """The run's topology, chosen here only: peer rounds where `exchange: peers`, or `auto` with a
@@ -76,8 +72,12 @@ class Lofi(Strategy[LofiConfig]):
         if o.average_every is not None and o.average_every <= 0:
             raise ConfigError("lofi.average_every", o.average_every, "must be > 0, or null for one average at the end")
         if o.soup == "greedy" and (cfg.data.val_size == 0 or cfg.data.eval_on_nodes):
-            raise ConfigError("lofi.soup", o.soup, "a greedy soup needs a held-out split on the driver: "
-                                                   "set data.val_size > 0 (not with data.eval_on_nodes)")
+            raise ConfigError(
+                "lofi.soup",
+                o.soup,
+                "a greedy soup needs a held-out split on the driver: "
+                "set data.val_size > 0 (not with data.eval_on_nodes)",
+            )
         if not 0 < o.outer_lr:
             raise ConfigError("lofi.outer_lr", o.outer_lr, "must be > 0")
         if not 0 <= o.outer_momentum < 1:
@@ -92,8 +92,11 @@ class Lofi(Strategy[LofiConfig]):
         if adapters and o.soup == "greedy":
             raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
         if adapters and o.average_every is not None and cfg.eval_every:
-            raise ConfigError("eval_every", cfg.eval_every,
-                              "a curve with model.lora and lofi.average_every is not offered: set eval_every: 0")
+            raise ConfigError(
+                "eval_every",
+                cfg.eval_every,
+                "a curve with model.lora and lofi.average_every is not offered: set eval_every: 0",
+            )
 
     @staticmethod
     def check(ctx: RunContext) -> None:
@@ -110,8 +113,11 @@ class Lofi(Strategy[LofiConfig]):
         if o.compress not in CODECS:
             raise ConfigError("lofi.compress", o.compress, f"choose one of {', '.join(CODECS)}")
         if o.exchange == "driver" and o.compress != "none":
-            raise ConfigError("lofi.exchange", o.exchange, "compressed outer gradients travel between the nodes: "
-                                                           "set lofi.exchange: peers (or auto)")
+            raise ConfigError(
+                "lofi.exchange",
+                o.exchange,
+                "compressed outer gradients travel between the nodes: set lofi.exchange: peers (or auto)",
+            )
         if not 0 < o.topk_fraction <= 1:
             raise ConfigError("lofi.topk_fraction", o.topk_fraction, "must be in (0, 1]")
         if not 1 <= o.compress_block <= MAX_COMPRESS_BLOCK:
@@ -126,8 +132,11 @@ class Lofi(Strategy[LofiConfig]):
         defaults = LofiConfig()
         for name in ("topk_fraction", "compress_block", "error_feedback"):
             if getattr(o, name) != getattr(defaults, name):
-                logger.warning("lofi: lofi.%s=%s does not apply: lofi.compress is none (outer gradients "
-                               "cross uncompressed)", name, getattr(o, name))
+                logger.warning(
+                    "lofi: lofi.%s=%s does not apply: lofi.compress is none (outer gradients cross uncompressed)",
+                    name,
+                    getattr(o, name),
+                )
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, self.opts(ctx.cfg), ctx.cfg.nodes.count
@@ -143,15 +152,30 @@ class Lofi(Strategy[LofiConfig]):
                 # how to read the data, not the data
                 recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
                 for k in range(n):
-                    group.start(k, k, ctx.spec, ctx.data.task, weights_ref, recipe, cfg, ctx.storage,
-                                ctx.live.poster(k), rounds=opts if exchange.nodes_keep_rounds else None)
+                    group.start(
+                        k,
+                        k,
+                        ctx.spec,
+                        ctx.data.task,
+                        weights_ref,
+                        recipe,
+                        cfg,
+                        ctx.storage,
+                        ctx.live.poster(k),
+                        rounds=opts if exchange.nodes_keep_rounds else None,
+                    )
                 group.ready()
             sizes = ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes")
-            plan = plan_rounds(cfg, opts, sizes, merging_for(ctx.spec).node_average(initial, ctx.architecture,
-                                                                             opts.lora_average))
+            plan = plan_rounds(
+                cfg, opts, sizes, merging_for(ctx.spec).node_average(initial, ctx.architecture, opts.lora_average)
+            )
             ctx.live.expect(n, plan.steps)
-            logger.info("[lofi] %d nodes x %d steps, averaging at steps %s", n, plan.steps,
-                        plan.boundaries if plan.averaging else [plan.steps])
+            logger.info(
+                "[lofi] %d nodes x %d steps, averaging at steps %s",
+                n,
+                plan.steps,
+                plan.boundaries if plan.averaging else [plan.steps],
+            )
             first = exchange.resume(ctx, group, plan) if ctx.resume else 0
             if first:
                 logger.info("[lofi] resuming after averaging round %d (exchange: %s)", first, exchange.name)
@@ -159,8 +183,9 @@ class Lofi(Strategy[LofiConfig]):
                 trained = self._train(ctx, group, plan, exchange, start, first)
             return self._finish(ctx, group, plan, exchange, trained, clock, watch)
 
-    def _train(self, ctx: RunContext, group: NodeGroup, plan: Plan, exchange: Exchange, initial,
-               first: int = 0) -> dict:
+    def _train(
+        self, ctx: RunContext, group: NodeGroup, plan: Plan, exchange: Exchange, initial, first: int = 0
+    ) -> dict:
         """The rounds from round `first`: train to each boundary with no communication, then the
         exchange's averaging round. Training time as DDP measures it: the nodes' own loop time (slowest
         node per round) plus the averaging rounds; Ray call overhead is left out of both."""
@@ -173,8 +198,9 @@ class Lofi(Strategy[LofiConfig]):
             ledger.send("setup" if i == 0 else "train", "control", [until, *landing] if landing else until, copies=n)
             due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
             sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            trained.append(group.call("train", until, due, *landing, phase="final" if last else "train",
-                                      what="train_stats"))
+            trained.append(
+                group.call("train", until, due, *landing, phase="final" if last else "train", what="train_stats")
+            )
             if landing:
                 exchange.landed(group, until, "final" if last else "train")
             for s in due:  # a node restarted from a later checkpoint than s has no time for it: the others tell
@@ -183,12 +209,21 @@ class Lofi(Strategy[LofiConfig]):
                     snapshots.append((s, train_s + max(times), sent))
             train_s += max(s["train_s"] for s in trained[-1])
             losses = [s["mean_loss"] for s in trained[-1] if s["mean_loss"] is not None]
-            ctx.report({"step": until, "steps": plan.steps, "bytes": ledger.total_bytes,
-                        **({"train_loss": sum(losses) / len(losses)} if losses else {})})
+            ctx.report(
+                {
+                    "step": until,
+                    "steps": plan.steps,
+                    "bytes": ledger.total_bytes,
+                    **({"train_loss": sum(losses) / len(losses)} if losses else {}),
+                }
+            )
             for stats in trained[-1]:
                 if stats["restored_from"] is not None:
-                    logger.info("[lofi] node %d died and resumed from its checkpoint at step %d", stats["node"],
-                                stats["restored_from"])
+                    logger.info(
+                        "[lofi] node %d died and resumed from its checkpoint at step %d",
+                        stats["node"],
+                        stats["restored_from"],
+                    )
                     ledger.send("train", "recovery_refetch", initial)
                     ledger.send("train", "recovery_refetch", ctx.data.train)
             if not last:
@@ -197,8 +232,16 @@ class Lofi(Strategy[LofiConfig]):
                 train_s += round_clock.elapsed()
         return {"rounds": trained, "train_s": train_s, "snapshots": snapshots}
 
-    def _finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, exchange: Exchange, trained: dict,
-                clock: TrainClock, watch: Stopwatch) -> RunRecord:
+    def _finish(
+        self,
+        ctx: RunContext,
+        group: NodeGroup,
+        plan: Plan,
+        exchange: Exchange,
+        trained: dict,
+        clock: TrainClock,
+        watch: Stopwatch,
+    ) -> RunRecord:
         cfg, opts, n, ledger = ctx.cfg, self.opts(ctx.cfg), len(group), group.ledger
         with watch("evaluate_nodes"):
             node_metrics = group.evaluate_all()
@@ -207,101 +250,68 @@ class Lofi(Strategy[LofiConfig]):
         final = exchange.finish(ctx, group, plan, metric, node_metrics)
         collect_s = collect_clock.elapsed()
         watch.add("collect", collect_s)
-        details = {"steps_per_node": plan.steps, "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
-                   "soup_nodes": final.nodes, "exchange": exchange.name, **exchange.details()}
+        details = {
+            "steps_per_node": plan.steps,
+            "averaging_steps": plan.boundaries if plan.averaging else [plan.steps],
+            "soup_nodes": final.nodes,
+            "exchange": exchange.name,
+            **exchange.details(),
+        }
         with watch("curve"):
-            curve = self._snapshot_curve(group, trained["snapshots"], plan, cfg.optim.batch_size, collect_s, on_all,
-                                         sum(ledger.bytes_by_kind.get(f"final/{what}", 0) for what in
-                                             (plan.average.what, *COLLECTION_KINDS)))
+            curve = final_phase.snapshot_curve(
+                group,
+                trained["snapshots"],
+                plan,
+                cfg.optim.batch_size,
+                collect_s,
+                on_all,
+                sum(
+                    ledger.bytes_by_kind.get(f"final/{what}", 0)
+                    for what in (plan.average.what, *final_phase.COLLECTION_KINDS)
+                ),
+            )
         if opts.bn_recalibrate and batchnorm_layers(ctx.architecture):
-            before = self._score(group, plan, final.weights, final.on_nodes, on_all)
+            before = final_phase.score_average(group, plan, final.weights, final.on_nodes, on_all)
             details["average_without_bn_recalibration"] = mean_metrics(before)
             bn_clock = TrainClock()
-            self._recalibrate_bn(group, final, opts.bn_batches)
+            final_phase.recalibrate_bn(group, final, opts.bn_batches)
             bn_s = bn_clock.elapsed()
             collect_s += bn_s
             watch.add("bn_recalibrate", bn_s)
         with watch("score_average"):
-            per_node = self._score(group, plan, final.to_score, final.on_nodes, on_all)
+            per_node = final_phase.score_average(group, plan, final.to_score, final.on_nodes, on_all)
         metrics = mean_metrics(per_node)
-        self._save_on_node(ctx, group, plan, final)
+        final_phase.save_on_node(ctx, group, plan, final, self.name)
         if on_all:  # the test rows are the nodes': each scored the average on its own
             details["average_on_nodes"] = per_node
         details["collect_s"], details["phases_s"] = collect_s, watch.parts
-        details["curve_note"] = (f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
-                                 f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
-                                 f"average the {n} final models"
-                                 + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
-                                 + "; bytes include that collection")
-        self._warn_if_worse(metric, metrics, node_metrics, details)
+        details["curve_note"] = (
+            f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
+            f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
+            f"average the {n} final models"
+            + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
+            + "; bytes include that collection"
+        )
+        final_phase.warn_if_worse(metric, metrics, node_metrics, details)
         infos = group.call("info", phase="final", what="node_info")  # last: peaks include node 0's save
-        nodes = [{**info, "metrics": m, "train": [r[k] for r in trained["rounds"]]}
-                 for k, (info, m) in enumerate(zip(infos, node_metrics))]
+        nodes = [
+            {**info, "metrics": m, "train": [r[k] for r in trained["rounds"]]}
+            for k, (info, m) in enumerate(zip(infos, node_metrics))
+        ]
         samples = sum(s["samples"] for r in trained["rounds"] for s in r)
-        return finish_record(self.name, ctx, ledger, clock, metrics=metrics, step=plan.steps, samples=samples,
-                             train_s=trained["train_s"], infos=infos, weights=final.weights, curve=curve, nodes=nodes,
-                             details=details, curve_wall_s=trained["train_s"] + collect_s)
-
-    def _save_on_node(self, ctx: RunContext, group: NodeGroup, plan: Plan, final: FinalModel) -> None:
-        """Where the driver holds no model of the result, node 0 saves it: the average it holds (after
-        peer rounds), or the nodes' adapters it is sent, merged on its base."""
-        if final.weights is not None:
-            return  # saved with the record
-        rel = f"{self.name}/model.safetensors"
-        if final.on_nodes:
-            group.call("save_plain", None, ctx.storage, rel, phase="final", keys=[0])
-            return
-        ledger = group.ledger
-        ledger.record("final", "adapters_to_save", plan.average.sent(final.to_score)[1])  # as scoring books them
-        group.call("save_plain", ray.put(final.to_score), ctx.storage, rel, phase="final", keys=[0])
-
-    @staticmethod
-    def _score(group: NodeGroup, plan: Plan, state, on_nodes: bool, on_all: bool) -> list[dict]:
-        """Metrics of the average, scored where the device is, not on the driver: by the nodes that hold
-        it after peer rounds (nothing sent), else `state` sent to them."""
-        if on_nodes:
-            return group.evaluate_nodes(group.keys() if on_all else group.keys()[:1])
-        return group.score_weights(state, "final", on_all, sent=plan.average.sent(state))
-
-    @staticmethod
-    def _recalibrate_bn(group: NodeGroup, final: FinalModel, batches: int | None) -> None:
-        """BatchNorm statistics of the average measured on every node's shard, combined into the
-        average (which is then what is scored); nodes that hold the average measure it in place and
-        load the combined statistics."""
-        n = len(group)
-        ref = None if final.on_nodes else group.put(final.weights, "final", "averaged_weights_for_bn", copies=n)
-        combined = combine_bn_statistics(group.call("bn_statistics", ref, batches, phase="final", what="bn_statistics"))
-        if final.weights is not None:
-            final.weights.update(combined)
-            final.to_score = final.weights  # recalibrated statistics: the merged model itself
-        if final.on_nodes:
-            group.call("load_bn_statistics", group.put(combined, "final", "combined_bn_statistics", copies=n))
-
-    @staticmethod
-    def _snapshot_curve(group: NodeGroup, snapshots: list[tuple[int, float, int]], plan: Plan, batch: int,
-                        collect_s: float, on_all: bool, collect_bytes: int) -> list[dict]:
-        """Score the average of the nodes' snapshots at each curve step (see the module docstring),
-        on the nodes; fetching the snapshots and sending the averages back is measurement."""
-        curve, n = [], len(group)
-        for step, train_s, sent in snapshots:
-            try:  # fetching snapshots is measurement: a scratch ledger
-                average = average_nodes(group, plan, "final", "snapshot", step, fetch=DriverFetches(Ledger()))
-            except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
-                logger.warning("[lofi] no curve point at step %d: a node's snapshot is gone (%s)", step,
-                               type(err.cause).__name__)
-                continue
-            metrics = mean_metrics(group.score_weights(average, "final", on_all, ledger=Ledger()))
-            curve.append(curve_point(step, train_s + collect_s, step * batch * n, sent + collect_bytes, metrics))
-        return curve
-
-    @staticmethod
-    def _warn_if_worse(metric: str, metrics: dict, node_metrics: list[dict], details: dict) -> None:
-        node_mean = sum(m[f"id_{metric}"] for m in node_metrics) / len(node_metrics)
-        details[f"node_mean_id_{metric}"] = node_mean
-        worse = node_mean > metrics[f"id_{metric}"] if metric == "accuracy" else node_mean < metrics[f"id_{metric}"]
-        if worse:
-            msg = (f"lo-fi: the average scores worse than the mean of the nodes (id_{metric} "
-                   f"{metrics[f'id_{metric}']:.4f} vs {node_mean:.4f}): averaging left the shared basin. "
-                   "Try lofi.average_every (a few rounds), a lower lr, or a greedy soup.")
-            warnings.warn(msg, stacklevel=1)
-            details["warning"] = msg
+        return finish_record(
+            self.name,
+            ctx,
+            ledger,
+            clock,
+            metrics=metrics,
+            step=plan.steps,
+            samples=samples,
+            train_s=trained["train_s"],
+            infos=infos,
+            weights=final.weights,
+            curve=curve,
+            nodes=nodes,
+            details=details,
+            curve_wall_s=trained["train_s"] + collect_s,
+        )

@@ -80,12 +80,18 @@ def check_schedule(cfg: RunConfig, o: LofiConfig, smallest_shard: int) -> None:
     run = f"the run takes {steps} steps per node"
     end = "no round would come before its end (one average there, as plain lo-fi)"
     if o.average_unit == "steps":
-        raise ConfigError("lofi.average_every", o.average_every,
-                          f"{every} steps is longer than the run: {run}, so {end}: set lofi.average_every to at most "
-                          f"{steps}, or null for one average at the end")
+        raise ConfigError(
+            "lofi.average_every",
+            o.average_every,
+            f"{every} steps is longer than the run: {run}, so {end}: set lofi.average_every to at most "
+            f"{steps}, or null for one average at the end",
+        )
     epochs = steps / per_epoch
     fix = f"at most {steps // per_epoch} (epochs)" if epochs >= 1 else f"at most {steps} with lofi.average_unit: steps"
-    raise ConfigError("lofi.average_every", o.average_every,
-                      f"{o.average_every} epoch{'s' * (o.average_every != 1)} ({every} steps) is longer than the run: "
-                      f"{run} ({epochs:g} epoch{'s' * (epochs != 1)} of {per_epoch} steps), so {end}: set "
-                      f"lofi.average_every to {fix}, or null for one average at the end")
+    raise ConfigError(
+        "lofi.average_every",
+        o.average_every,
+        f"{o.average_every} epoch{'s' * (o.average_every != 1)} ({every} steps) is longer than the run: "
+        f"{run} ({epochs:g} epoch{'s' * (epochs != 1)} of {per_epoch} steps), so {end}: set "
+        f"lofi.average_every to {fix}, or null for one average at the end",
+    )

@@ -72,8 +72,9 @@ class Exchange(Protocol):
     def round(self, group: NodeGroup, plan: Plan, round_: int, until: int) -> None:
         """Averaging round `round_`, at step `until` of every node."""
 
-    def finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
-               node_metrics: list[dict]) -> FinalModel:
+    def finish(
+        self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
+    ) -> FinalModel:
         """The final average, and where it lives."""
 
     def details(self) -> dict:

@@ -96,8 +96,9 @@ class AdapterMerging:
         """An adapter factor's adapted layer; any other tensor's module."""
         return name.rsplit(".lora_", 1)[0] if ".lora_" in name else name.rsplit(".", 1)[0]
 
-    def merge_nodes(self, model: nn.Module, node_states: list[State], weights: list[float], how: str,
-                    seed: int) -> list[str]:
+    def merge_nodes(
+        self, model: nn.Module, node_states: list[State], weights: list[float], how: str, seed: int
+    ) -> list[str]:
         """A peer round's landing: the nodes' states of some tensors (decoded from their payloads) averaged
         into `model` (`how`: lofi.lora_average), what the merge consumed restarted from `seed`; returns the
         names restarted."""

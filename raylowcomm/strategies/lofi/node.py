@@ -27,8 +27,18 @@ class LofiNode(Node):
 
     label = "lofi node"
 
-    def __init__(self, node: int, spec, task, weights, data: TrainSource, cfg: RunConfig, storage: Storage,
-                 progress=None, rounds: LofiConfig | None = None):
+    def __init__(
+        self,
+        node: int,
+        spec,
+        task,
+        weights,
+        data: TrainSource,
+        cfg: RunConfig,
+        storage: Storage,
+        progress=None,
+        rounds: LofiConfig | None = None,
+    ):
         # weights: the initial state dict, or the recipe this node loads them by; a checkpoint may hold
         # what trains only: the rest comes from them. rounds: the run's lo-fi options, where its exchange
         # keeps rounds on the nodes (None: the driver's star)
@@ -54,8 +64,15 @@ class LofiNode(Node):
     def save_state(self, step: int) -> None:
         """Model and optimizer; under LoRA the adapters and head only until an average is merged
         into the base (lofi.average_every), after which the base is this node's own too."""
-        save_checkpoint(self.storage, self.checkpoint, self.model, self.optimizer, step, extra={"rounds": self.rounds},
-                        trainable_only=self.fine_tune.trainable_only(base_moved=self.rounds > 0))
+        save_checkpoint(
+            self.storage,
+            self.checkpoint,
+            self.model,
+            self.optimizer,
+            step,
+            extra={"rounds": self.rounds},
+            trainable_only=self.fine_tune.trainable_only(base_moved=self.rounds > 0),
+        )
 
     def _snapshot_path(self, step: int) -> str:
         return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
@@ -81,14 +98,32 @@ class LofiNode(Node):
                 with clock.paused():
                     self.storage.save_tensors(self._snapshot_path(step), self.weights())
 
-        hooks = StepHooks(on_step=on_step, log=self.log, log_every=self.cfg.log_every, progress=self.progress,
-                          clock=clock)
-        stats = train_steps(self.model, self.task, self.optimizer, self.shard, self.step, until,
-                            self.cfg.optim.batch_size, self.seed, hooks, precision=self.cfg.optim.precision,
-                            device=self.device, group_seed=group_seed(self.cfg))
+        hooks = StepHooks(
+            on_step=on_step, log=self.log, log_every=self.cfg.log_every, progress=self.progress, clock=clock
+        )
+        stats = train_steps(
+            self.model,
+            self.task,
+            self.optimizer,
+            self.shard,
+            self.step,
+            until,
+            self.cfg.optim.batch_size,
+            self.seed,
+            hooks,
+            precision=self.cfg.optim.precision,
+            device=self.device,
+            group_seed=group_seed(self.cfg),
+        )
         self.step, restored, self.restored_from = until, self.restored_from, None
-        return {"node": self.rank, "step": until, "restored_from": restored, "snapshot_s": snapshot_s, **stats,
-                **waited}
+        return {
+            "node": self.rank,
+            "step": until,
+            "restored_from": restored,
+            "snapshot_s": snapshot_s,
+            **stats,
+            **waited,
+        }
 
     def snapshot(self, step: int) -> dict:
         return self.storage.load_tensors(self._snapshot_path(step))[0]

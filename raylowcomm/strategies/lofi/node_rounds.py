@@ -69,11 +69,15 @@ class NodeRounds:
         self.codec = DeltaCodec(opts, initial, params)
         self.global_state = crossing(initial, opts)  # the caller's copy, kept
         sizes = self.codec.sizes()
-        self.fragments = streaming.split({k: sizes[k] for k in self.global_state}, opts.fragments,
-                                         self.merging.sync_unit)
+        self.fragments = streaming.split(
+            {k: sizes[k] for k in self.global_state}, opts.fragments, self.merging.sync_unit
+        )
         self.mix = opts.mix if opts.overlap else 0.0  # with nothing in flight, nothing to mix
-        self.outer = OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum) \
-            if opts.outer_optimizer == "nesterov" else None
+        self.outer = (
+            OuterNesterov(self.global_state, params, opts.outer_lr, opts.outer_momentum)
+            if opts.outer_optimizer == "nesterov"
+            else None
+        )
         if self.outer is not None:
             self.global_state = self.outer.state  # one copy, moved by the outer step
         self.payload: Payload | None = None
@@ -134,8 +138,9 @@ class NodeRounds:
         `train` lands it at the step the driver names."""
         if round_ > self.node.rounds:
             payload = self.payload
-            self.in_flight = streaming.InFlightRound(round_, fragment,
-                                                     lambda: self._average(round_, refs, weights, payload))
+            self.in_flight = streaming.InFlightRound(
+                round_, fragment, lambda: self._average(round_, refs, weights, payload)
+            )
 
     def expect_landing(self, landing: list | None) -> None:
         """Before training on: the exchange that lands in this call must be in flight here; a node
@@ -159,8 +164,10 @@ class NodeRounds:
         """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node."""
         payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
         if self.merging.merges_rounds:
-            return [{k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
-                    for delta in self.codec.decode_each(payloads)], weights
+            return [
+                {k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
+                for delta in self.codec.decode_each(payloads)
+            ], weights
         return self.codec.average(payloads, weights)
 
     def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
@@ -193,8 +200,9 @@ class NodeRounds:
         """`AdapterMerging.merge_nodes` with the round's seed (the same on every node); the merged tensors'
         optimizer state starts again (zeroed in place: the other fragments' keep theirs), what restarted
         loses its residual, and their new values are the global ones."""
-        restarted = self.merging.merge_nodes(self.node.model, states, weights, self.opts.lora_average,
-                                                    seed=epoch_seed(self.seed, round_))
+        restarted = self.merging.merge_nodes(
+            self.node.model, states, weights, self.opts.lora_average, seed=epoch_seed(self.seed, round_)
+        )
         self.codec.forget(restarted)
         params, mine = dict(self.node.model.named_parameters()), floats(self.node.weights())
         for k in states[0]:
@@ -209,8 +217,12 @@ class NodeRounds:
         if mix == 0.0:
             new = {k: self.global_state[k] for k in self._names(fragment)}
         else:
-            new = {k: (mix * mine[k].to(torch.float64) + (1 - mix) * self.global_state[k].to(torch.float64))
-                   .to(mine[k].dtype) for k in self._names(fragment)}
+            new = {
+                k: (mix * mine[k].to(torch.float64) + (1 - mix) * self.global_state[k].to(torch.float64)).to(
+                    mine[k].dtype
+                )
+                for k in self._names(fragment)
+            }
         self.node.load_global({**mine, **new}, round_)
 
     def _payload_of(self, k: int, ref, round_: int, mine: Payload | None) -> Payload:
@@ -223,14 +235,30 @@ class NodeRounds:
         except ray.exceptions.ObjectLostError as err:  # OwnerDiedError among them
             raise ActorDied(died_during(k, round_)) from err
 
-    def _save_round(self, round_: int, fragment: int, mix: float, nodes: list[dict] | None = None,
-                    weights: list[float] | None = None) -> None:
+    def _save_round(
+        self,
+        round_: int,
+        fragment: int,
+        mix: float,
+        nodes: list[dict] | None = None,
+        weights: list[float] | None = None,
+    ) -> None:
         momentum = self.outer.buf if self.outer is not None else None
         storage, rank = self.node.storage, self.node.rank
         if rank == 0:
             write_round(storage, GLOBAL, round_, self.global_state, momentum)
-        write_round(storage, round_path(rank), round_, self.global_state, momentum, self.codec.residual(), nodes,
-                    fragment=fragment, mix=mix, **({"weights": weights} if weights else {}))
+        write_round(
+            storage,
+            round_path(rank),
+            round_,
+            self.global_state,
+            momentum,
+            self.codec.residual(),
+            nodes,
+            fragment=fragment,
+            mix=mix,
+            **({"weights": weights} if weights else {}),
+        )
 
     def global_hash(self) -> str:
         """Exact hash of this node's global model and frozen weights: what every replica must agree on
@@ -242,5 +270,7 @@ class NodeRounds:
 
 def died_during(node: int, round_: int) -> str:
     """Why a round cannot finish: the payload a node put in the object store died with the node."""
-    return (f"lofi node {node} died during averaging round {round_}'s exchange: its payload died with it; "
-            "rerun with --resume")
+    return (
+        f"lofi node {node} died during averaging round {round_}'s exchange: its payload died with it; "
+        "rerun with --resume"
+    )

@@ -32,8 +32,10 @@ class DeltaCodec:
     def __init__(self, opts, state: dict, params: set[str]):
         fl = crossing(state, opts)
         codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
-        self.parts = [(codec, layout_of({k: v for k, v in fl.items() if k in params})),
-                      (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))]
+        self.parts = [
+            (codec, layout_of({k: v for k, v in fl.items() if k in params})),
+            (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params})),
+        ]
         self.feedback = [ErrorFeedback(c) for c, _ in self.parts] if opts.error_feedback else None
 
     @property
@@ -49,8 +51,11 @@ class DeltaCodec:
         weights' own dtype, rounded here."""
         payload = Payload()
         for i, (codec, layout) in enumerate(self.parts):
-            part = {k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k]
-                    for k, spec in layout.items() if k in delta}
+            part = {
+                k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k]
+                for k, spec in layout.items()
+                if k in delta
+            }
             if part:
                 payload.update(self.feedback[i].encode(part) if self.feedback else codec.encode(part))
         return payload
@@ -68,9 +73,16 @@ class DeltaCodec:
     def decode_each(self, payloads: list[Payload]) -> list[dict]:
         """Each node's Δ in float64, in node order: for a fine-tune that merges rounds (`merges_rounds`,
         LoRA), whose average is not the mean of Δ; small, as what crosses there is adapters."""
-        return [{k: v for codec, layout in self.parts
-                 for k, v in codec.decode(Payload({k: p[k] for k in layout if k in p}), layout,
-                                          dtype=torch.float64).items()} for p in payloads]
+        return [
+            {
+                k: v
+                for codec, layout in self.parts
+                for k, v in codec.decode(
+                    Payload({k: p[k] for k in layout if k in p}), layout, dtype=torch.float64
+                ).items()
+            }
+            for p in payloads
+        ]
 
     def forget(self, names) -> None:
         """Drop the error-feedback residuals of tensors that restarted (`ErrorFeedback.forget`)."""

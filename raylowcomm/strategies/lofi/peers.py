@@ -58,8 +58,12 @@ class PeerExchange:
         field = "lofi.compress" if o.compress != "none" else "lofi.exchange"
         value = o.compress if o.compress != "none" else o.exchange
         if cfg.model.lora is not None and o.overlap and o.mix:
-            raise ConfigError("lofi.mix", o.mix, "with model.lora a landed round restarts the adapters it merged, "
-                                                 "which leaves nothing of the node's own to mix: set lofi.mix: 0")
+            raise ConfigError(
+                "lofi.mix",
+                o.mix,
+                "with model.lora a landed round restarts the adapters it merged, "
+                "which leaves nothing of the node's own to mix: set lofi.mix: 0",
+            )
         if o.soup == "greedy":
             raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
 
@@ -73,16 +77,22 @@ class PeerExchange:
         """Every node restored its round state itself; the run continues after their round."""
         done, steps = zip(*group.call("round_of", phase="train"))
         if len(set(done)) > 1:
-            raise RuntimeError(f"lo-fi nodes resumed at different averaging rounds {done}: the run was stopped "
-                               "during a round's exchange, which a resume does not repair; start it afresh")
+            raise RuntimeError(
+                f"lo-fi nodes resumed at different averaging rounds {done}: the run was stopped "
+                "during a round's exchange, which a resume does not repair; start it afresh"
+            )
         if done[0] >= len(plan.boundaries):
-            raise RuntimeError(f"lo-fi's final round ({done[0]}) had finished when the run stopped: the average is in "
-                               f"storage ({GLOBAL}); start afresh to score it again")
+            raise RuntimeError(
+                f"lo-fi's final round ({done[0]}) had finished when the run stopped: the average is in "
+                f"storage ({GLOBAL}); start afresh to score it again"
+            )
         sent_at = plan.boundaries[done[0]]
         if max(steps) > sent_at:  # lofi.overlap: trained past the send of a round that never landed
-            raise RuntimeError(f"lo-fi nodes trained to steps {list(steps)}, past step {sent_at} where round "
-                               f"{done[0] + 1} was sent: the run stopped while that exchange was in flight "
-                               "(lofi.overlap), which a resume does not repair; start it afresh")
+            raise RuntimeError(
+                f"lo-fi nodes trained to steps {list(steps)}, past step {sent_at} where round "
+                f"{done[0] + 1} was sent: the run stopped while that exchange was in flight "
+                "(lofi.overlap), which a resume does not repair; start it afresh"
+            )
         return done[0]
 
     def landing(self, plan: Plan, i: int) -> list:
@@ -94,17 +104,24 @@ class PeerExchange:
         check_global(group, step, group.ledger, phase)
 
     def round(self, group: NodeGroup, plan: Plan, round_: int, until: int) -> None:
-        exchange_round(group, round_, until, plan.weights, self.fetched, fragment=plan.fragments[round_ - 1],
-                       overlap=plan.landings is not None)
+        exchange_round(
+            group,
+            round_,
+            until,
+            plan.weights,
+            self.fetched,
+            fragment=plan.fragments[round_ - 1],
+            overlap=plan.landings is not None,
+        )
 
-    def finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
-               node_metrics: list[dict]) -> FinalModel:
+    def finish(
+        self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
+    ) -> FinalModel:
         """One more round, the nodes' compressed Δ on their global model, which leaves the average on
         every node; lo-fi's one average is decoded on the driver too, from the pretrained weights."""
         everyone = list(range(len(group)))
         if self.on_nodes:
-            exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0},
-                           "final")
+            exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0}, "final")
             return FinalModel(everyone, on_nodes=True)
         order = [k for k, _ in ctx.architecture.named_parameters()]
         start, outer = driver_start(state_dict_of(ctx.load_driver_weights()), set(order), self.opts)
@@ -115,8 +132,16 @@ class PeerExchange:
         return {"driver_fetched": {"train": self.fetched}}
 
 
-def exchange_round(group, round_: int, until: int, weights: list[float], fetched: dict, phase: str = "train",
-                   fragment: int | None = None, overlap: bool = False) -> tuple[list, str | None]:
+def exchange_round(
+    group,
+    round_: int,
+    until: int,
+    weights: list[float],
+    fetched: dict,
+    phase: str = "train",
+    fragment: int | None = None,
+    overlap: bool = False,
+) -> tuple[list, str | None]:
     """One peer round from the driver: the nodes put their payloads (of `fragment`, or all), the
     driver hands every node the refs, the nodes average and step, the driver checks their global
     models' hashes; returns the refs and the common hash. With `overlap` the nodes only begin the
@@ -148,8 +173,9 @@ def check_global(group, step: int, ledger: Ledger, phase: str = "train") -> str:
     return check_replicas(dict(zip(group.keys(), group.handles())), step, ledger, phase, method="global_hash")
 
 
-def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str],
-                fetched: dict) -> dict:
+def final_round(
+    group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str], fetched: dict
+) -> dict:
     """The final average, as one more round: every node ends holding it (hash-checked), and the
     driver decodes the same N payloads from `start` (with `outer`, the momentum there) into its own
     copy, start − Δ̄ (or the outer step on Δ̄) over the floating-point tensors, the rest as `start`
@@ -166,8 +192,9 @@ def final_round(group, opts, start: dict, outer: OuterNesterov | None, plan, par
             average[k] = (start[k].to(torch.float64) - d).to(start[k].dtype)
     mine = parameter_hash(list(crossing(average, opts).items()))  # what `global_hash` hashes on every node
     if mine != nodes_hash:
-        raise ReplicaMismatch(f"lo-fi's final average on the driver (hash {mine[:16]}) differs from the nodes' "
-                              f"(hash {nodes_hash[:16]})")
+        raise ReplicaMismatch(
+            f"lo-fi's final average on the driver (hash {mine[:16]}) differs from the nodes' (hash {nodes_hash[:16]})"
+        )
     return average
 
 

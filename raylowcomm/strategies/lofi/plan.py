@@ -15,8 +15,9 @@ from raylowcomm.strategies.lofi.merging import NodeAverage
 from raylowcomm.training import total_steps
 
 
-def gather_nodes(group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args,
-                 fetch: DriverFetches | None = None):
+def gather_nodes(
+    group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args, fetch: DriverFetches | None = None
+):
     """The nodes' `method(*args)` states, streamed in as they are ready and gathered by the run's
     average: full weights into one running sum (one incoming copy at a time), adapters kept (with
     their weights, for the driver to combine on its base or a node to merge on its own)."""
@@ -24,8 +25,9 @@ def gather_nodes(group: NodeGroup, plan: Plan, phase: str, method: str = "weight
     return plan.average.gather(stream, plan.weights)
 
 
-def average_nodes(group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args,
-                  fetch: DriverFetches | None = None) -> dict:
+def average_nodes(
+    group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args, fetch: DriverFetches | None = None
+) -> dict:
     """The average of the nodes' `method(*args)` states, as plain weights."""
     return plan.average.combine(gather_nodes(group, plan, phase, method, *args, fetch=fetch))
 
@@ -55,6 +57,13 @@ def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int], averag
     boundaries, fragments = streaming.schedule(every, opts.fragments, steps) if every else ([steps], [streaming.ALL])
     weights = [float(s) if opts.weighting == "examples" else 1.0 for s in shard_sizes]
     averaging = every is not None or opts.outer_optimizer != "none"
-    return Plan(steps, boundaries, averaging, weights, eval_points(cfg, steps), average,
-                fragments if opts.fragments > 1 else [None] * len(boundaries),
-                streaming.landings(boundaries, opts.overlap) if opts.overlap else None)
+    return Plan(
+        steps,
+        boundaries,
+        averaging,
+        weights,
+        eval_points(cfg, steps),
+        average,
+        fragments if opts.fragments > 1 else [None] * len(boundaries),
+        streaming.landings(boundaries, opts.overlap) if opts.overlap else None,
+    )

@@ -18,14 +18,26 @@ def round_path(rank: int) -> str:
     return f"lofi/checkpoints/node{rank}_round.safetensors"
 
 
-def write_round(storage, path: str, round_: int, state: dict, momentum: dict | None = None,
-                residual: dict | None = None, nodes: list[dict] | None = None, **meta) -> None:
+def write_round(
+    storage,
+    path: str,
+    round_: int,
+    state: dict,
+    momentum: dict | None = None,
+    residual: dict | None = None,
+    nodes: list[dict] | None = None,
+    **meta,
+) -> None:
     """A round's state as one safetensors file: `global.*`, `momentum.*` (with an outer step) and
     `residual.*` (a node's error feedback), per tensor, so per fragment too; with the round number
     (and `meta`: which fragment the round synced, how it was mixed in); `read_round` reads it back.
     `nodes`: where rounds merge (LoRA), every node's decoded state of the round, `node_states` reads them."""
-    parts = {"global": state, "momentum": momentum or {}, "residual": residual or {},
-             **{f"node{k}": values for k, values in enumerate(nodes or [])}}
+    parts = {
+        "global": state,
+        "momentum": momentum or {},
+        "residual": residual or {},
+        **{f"node{k}": values for k, values in enumerate(nodes or [])},
+    }
     tensors = {f"{part}.{k}": v for part, values in parts.items() for k, v in values.items()}
     storage.save_tensors(path, tensors, {"round": round_, **meta})
 
@@ -33,8 +45,10 @@ def write_round(storage, path: str, round_: int, state: dict, momentum: dict | N
 def read_round(storage, path: str) -> tuple[dict, dict, dict, int]:
     """(global, momentum, residual, round) as `write_round` wrote them (empty parts where it had none)."""
     tensors, meta = storage.load_tensors(path)
-    parts = {p: {k[len(p) + 1:]: v for k, v in tensors.items() if k.startswith(p + ".")}
-             for p in ("global", "momentum", "residual")}
+    parts = {
+        p: {k[len(p) + 1 :]: v for k, v in tensors.items() if k.startswith(p + ".")}
+        for p in ("global", "momentum", "residual")
+    }
     return parts["global"], parts["momentum"], parts["residual"], meta["round"]
 
 

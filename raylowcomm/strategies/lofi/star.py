@@ -33,8 +33,9 @@ class StarExchange:
         self.opts = o
         params = {k for k, _ in ctx.architecture.named_parameters()}
         self.storage = ctx.storage
-        self.outer = OuterNesterov(start, params, o.outer_lr, o.outer_momentum) \
-            if o.outer_optimizer == "nesterov" else None
+        self.outer = (
+            OuterNesterov(start, params, o.outer_lr, o.outer_momentum) if o.outer_optimizer == "nesterov" else None
+        )
 
     @staticmethod
     def validate(cfg: RunConfig, o: LofiConfig) -> None:
@@ -79,8 +80,9 @@ class StarExchange:
         write_round(self.storage, GLOBAL, round_, average, self.outer.buf if self.outer is not None else None)
         group.call("load_round", group.put(average, "train", "global_weights", copies=len(group)), round_)
 
-    def finish(self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str,
-               node_metrics: list[dict]) -> FinalModel:
+    def finish(
+        self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
+    ) -> FinalModel:
         """Full weights: the average itself; adapters: the nodes', merged where they are scored (and,
         where the driver holds no base, merged and saved by node 0). The outer step, where there is one,
         moves the average the driver scores and saves."""
@@ -91,8 +93,12 @@ class StarExchange:
         else:
             to_score = gather_nodes(group, plan, "final")
             merge_on_node = plan.average.what == "node_adapters" and ctx.probe_nodes_load_weights()
-            final = FinalModel(list(range(n)), on_nodes=False,
-                               weights=None if merge_on_node else plan.average.combine(to_score), to_score=to_score)
+            final = FinalModel(
+                list(range(n)),
+                on_nodes=False,
+                weights=None if merge_on_node else plan.average.combine(to_score),
+                to_score=to_score,
+            )
         if self.outer is not None:  # full weights only (not offered with model.lora): what is scored is saved
             final.weights = final.to_score = self.outer.step(final.weights)
         return final

@@ -52,8 +52,11 @@ def split(sizes: dict[str, int], count: int, unit=module_of) -> list[list[str]]:
     total, groups, running = sum(sizes.values()), [[]], 0
     for i, names in enumerate(modules):
         left = len(modules) - i  # modules not yet placed, this one included
-        due = len(groups) < count and groups[-1] and (running >= total * len(groups) / count
-                                                      or left == count - len(groups))
+        due = (
+            len(groups) < count
+            and groups[-1]
+            and (running >= total * len(groups) / count or left == count - len(groups))
+        )
         if due:
             groups.append([])
         groups[-1].extend(names)
@@ -111,17 +114,20 @@ def validate(o: LofiConfig, peers: bool) -> None:
         if not on:
             continue
         if not peers:
-            raise ConfigError(field, value, "needs peer rounds: set lofi.compress (int8, int4, topk) or "
-                                            "lofi.exchange: peers")
+            raise ConfigError(
+                field, value, "needs peer rounds: set lofi.compress (int8, int4, topk) or lofi.exchange: peers"
+            )
         if o.average_every is None or o.average_unit != "steps":
-            raise ConfigError(field, value, "needs rounds every H steps: set lofi.average_every and "
-                                            "lofi.average_unit: steps")
+            raise ConfigError(
+                field, value, "needs rounds every H steps: set lofi.average_every and lofi.average_unit: steps"
+            )
     if o.fragments > 1 and o.average_every % o.fragments:
         raise ConfigError("lofi.fragments", o.fragments, f"must divide lofi.average_every ({o.average_every})")
     gap = o.average_every // o.fragments if o.average_every else 0
     if o.overlap and o.overlap > gap:
-        raise ConfigError("lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): "
-                                                     "one round in flight at a time")
+        raise ConfigError(
+            "lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): one round in flight at a time"
+        )
     if not o.overlap and o.mix != type(o)().mix:  # set away from its default, not ignored in silence
         logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
 
@@ -135,5 +141,8 @@ def check(opts, model, fine_tune, sync_unit) -> None:
         sent = [k for k, v in model.state_dict().items() if v.is_floating_point()]
     count = len({sync_unit(k) for k in sent})
     if opts.fragments > count:
-        raise ConfigError("lofi.fragments", opts.fragments, f"the model sends {count} modules with floating-point "
-                                                            f"tensors to cut into fragments: set at most {count}")
+        raise ConfigError(
+            "lofi.fragments",
+            opts.fragments,
+            f"the model sends {count} modules with floating-point tensors to cut into fragments: set at most {count}",
+        )

@@ -71,8 +71,12 @@ class Spsa(Strategy[SpsaConfig]):
             raise ConfigError("spsa.density", o.density, str(err)) from None
         if keep != 256 * o.density:  # the mask keeps round(256 * density) / 256 of the weights
             low, high = math.floor(256 * o.density), math.ceil(256 * o.density)
-            raise ConfigError("spsa.density", o.density, f"a multiple of 1/256 in [1/256, 1]: the nearest are "
-                                                         f"{low / 256} ({low}/256) and {high / 256} ({high}/256)")
+            raise ConfigError(
+                "spsa.density",
+                o.density,
+                f"a multiple of 1/256 in [1/256, 1]: the nearest are "
+                f"{low / 256} ({low}/256) and {high / 256} ({high}/256)",
+            )
         for i, pattern in enumerate(o.include or []):
             try:
                 re.compile(pattern)
@@ -93,9 +97,13 @@ class Spsa(Strategy[SpsaConfig]):
         except ValueError:
             names = [n for n, _ in trainable_parameters(ctx.architecture)]
             some = names[:: max(1, len(names) // 4)][:4]
-            raise ConfigError("spsa.include", include, f"matches none of the {len(names)} weights SPSA would tune "
-                                                       f"(e.g. {', '.join(some)}): give regexes (re.search) of their "
-                                                       "names, or null for all") from None
+            raise ConfigError(
+                "spsa.include",
+                include,
+                f"matches none of the {len(names)} weights SPSA would tune "
+                f"(e.g. {', '.join(some)}): give regexes (re.search) of their "
+                "names, or null for all",
+            ) from None
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts = ctx.cfg, Spsa.opts(ctx.cfg)

@@ -98,26 +98,54 @@ class SpsaRun:
                 self.weights_ref = ray.put(self.start[1])
             self.ledger.send(phase, *self.start)
         recipe = self.group.put(self.ctx.data.train, phase, "data_recipe")
-        self.group.start(k, k, self.ctx.spec, self.ctx.data.task, recipe, self.slots, self.cfg, self.opts, self.storage,
-                         weights=self.weights_ref if initial else None, until=until)
+        self.group.start(
+            k,
+            k,
+            self.ctx.spec,
+            self.ctx.data.task,
+            recipe,
+            self.slots,
+            self.cfg,
+            self.opts,
+            self.storage,
+            weights=self.weights_ref if initial else None,
+            until=until,
+        )
 
     def checkpoint(self, step: int) -> None:
         """θ at `step` (from the lowest running node) and the driver's counts, into storage."""
         self.counts.ckpt_step, self.counts.ckpt_size = step, ray.get(self.group[min(self.group.keys())].save.remote())
-        self.storage.write_json(DRIVER_STATE, {
-            "step": step, "running": self.group.keys(), "ledger": self.ledger.to_dict(),
-            "train_s": self.train_clock.elapsed(), "records": self.records,
-            **asdict(self.counts)})
+        self.storage.write_json(
+            DRIVER_STATE,
+            {
+                "step": step,
+                "running": self.group.keys(),
+                "ledger": self.ledger.to_dict(),
+                "train_s": self.train_clock.elapsed(),
+                "records": self.records,
+                **asdict(self.counts),
+            },
+        )
 
     def run(self) -> RunRecord:
         cfg = self.cfg
         start = self.start_nodes()
         if start == 0:
             self.counts.step0 = self.evaluate(0)
-        logger.info("[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s, %s, %s step, %d forwards), "
-                    "verify every %d", len(self.group), self.steps, self.opts.samples, self.codec.nbytes,
-                    self.opts.codec, self.opts.perturbation, self.opts.estimator, self.opts.step, self.node_forwards,
-                    self.opts.verify_every)
+        logger.info(
+            "[spsa] %d nodes x %d steps, %d x %d B per node per step (%s, %s, %s, %s step, %d forwards), "
+            "verify every %d",
+            len(self.group),
+            self.steps,
+            self.opts.samples,
+            self.codec.nbytes,
+            self.opts.codec,
+            self.opts.perturbation,
+            self.opts.estimator,
+            self.opts.step,
+            self.node_forwards,
+            self.opts.verify_every,
+        )
         self.train_clock = TrainClock()
         self.train_clock.start -= self.resumed_train_s
         if start == 0:
@@ -134,8 +162,14 @@ class SpsaRun:
             if step + 1 in points:
                 with self.train_clock.paused():
                     metrics = self.evaluate(step + 1)
-                self.counts.curve.append({**curve_point(step + 1, self.train_clock.elapsed(), self.counts.samples,
-                                                 self.ledger.total_bytes, metrics), "forwards": self.counts.forwards})
+                self.counts.curve.append(
+                    {
+                        **curve_point(
+                            step + 1, self.train_clock.elapsed(), self.counts.samples, self.ledger.total_bytes, metrics
+                        ),
+                        "forwards": self.counts.forwards,
+                    }
+                )
                 progress.update(metrics)
             self.ctx.report(progress)
         return self.finish(self.counts.step0)
@@ -161,8 +195,14 @@ class SpsaRun:
                 self.ledger.record("train", "join_log", log_size)
                 self.ledger.record("train", "join_checkpoint", self.counts.ckpt_size)
                 self.start_node(k, "train", step)
-                self.records[k] = {"node": k, "joined_step": step, "left_step": None, "left_how": None,
-                                   "joined_from_checkpoint_step": self.counts.ckpt_step, "join_log_bytes": log_size}
+                self.records[k] = {
+                    "node": k,
+                    "joined_step": step,
+                    "left_step": None,
+                    "left_how": None,
+                    "joined_from_checkpoint_step": self.counts.ckpt_step,
+                    "join_log_bytes": log_size,
+                }
                 self.verify(step)
 
     def exchange(self, step: int) -> dict:
@@ -187,12 +227,20 @@ class SpsaRun:
             self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
         self.counts.samples += len(pubs) * self.cfg.optim.batch_size
         self.counts.forwards += len(pubs) * self.node_forwards
-        for key, value in (("payload", sum(map(len, codes.values()))), ("wire", wire), ("control", control),
-                           ("wall", time.perf_counter() - t0)):
+        for key, value in (
+            ("payload", sum(map(len, codes.values()))),
+            ("wire", wire),
+            ("control", control),
+            ("wall", time.perf_counter() - t0),
+        ):
             self.counts.per_step[key].append(value)
         losses = [struct.unpack(LOSS_FORMAT, m[-LOSS_BYTES:])[0] for m in messages.values()]
-        return {"step": step + 1, "steps": self.steps, "bytes": ledger.total_bytes,
-                "train_loss": sum(losses) / len(pubs)}
+        return {
+            "step": step + 1,
+            "steps": self.steps,
+            "bytes": ledger.total_bytes,
+            "train_loss": sum(losses) / len(pubs),
+        }
 
     def verify(self, step: int) -> None:
         digest = check_replicas(self.group.actors, step, self.ledger)
@@ -220,26 +268,53 @@ class SpsaRun:
         hashes = dict(zip(group.keys(), ray.get([group[k].hash.remote() for k in group.keys()])))
         self.infos.update(zip(group.keys(), group.call("info", phase="final", what="node_info")))
         state = group.fetch.get([group[min(group.keys())].weights.remote()], "final", "model_weights")[0]
-        nodes = [{**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)}
-                 for k in sorted(self.records)]
+        nodes = [
+            {**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)} for k in sorted(self.records)
+        ]
         infos = list(self.infos.values())
         compute, replay = (max((i[key] for i in infos), default=0.0) for key in ("compute_s", "replay_s"))
         total = {key: sum(values) for key, values in self.counts.per_step.items()}
         details = {
-            "step0_metrics": step0, "steps": steps, "codec": opts.codec, "codec_bytes": self.codec.nbytes,
-            "perturbation": opts.perturbation, "samples_per_node_step": opts.samples, "estimator": opts.estimator,
-            "step_rule": opts.step, "density": opts.density, "forwards": self.counts.forwards,
+            "step0_metrics": step0,
+            "steps": steps,
+            "codec": opts.codec,
+            "codec_bytes": self.codec.nbytes,
+            "perturbation": opts.perturbation,
+            "samples_per_node_step": opts.samples,
+            "estimator": opts.estimator,
+            "step_rule": opts.step,
+            "density": opts.density,
+            "forwards": self.counts.forwards,
             "forwards_per_node_step": self.node_forwards,
-            "lr": opts.lr or self.cfg.optim.lr, "eps": opts.eps, "shard_slots": self.slots,
+            "lr": opts.lr or self.cfg.optim.lr,
+            "eps": opts.eps,
+            "shard_slots": self.slots,
             "verified": self.counts.verified,
-            "grad_bytes": total["payload"], "grad_wire_bytes": total["wire"],
+            "grad_bytes": total["payload"],
+            "grad_wire_bytes": total["wire"],
             "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
-            "payload_bytes_per_step": total["payload"] / steps, "wire_bytes_per_step": total["wire"] / steps,
-            "control_wire_bytes_per_step": total["control"] / steps, "mean_step_s": total["wall"] / steps,
-            "curve_eval_s": self.train_clock.paused_s, "mean_compute_s": compute / steps,
+            "payload_bytes_per_step": total["payload"] / steps,
+            "wire_bytes_per_step": total["wire"] / steps,
+            "control_wire_bytes_per_step": total["control"] / steps,
+            "mean_step_s": total["wall"] / steps,
+            "curve_eval_s": self.train_clock.paused_s,
+            "mean_compute_s": compute / steps,
             "mean_replay_s": replay / steps,
-            "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps)}
-        return finish_record(NAME, self.ctx, self.ledger, self.clock, metrics=metrics, step=steps,
-                             samples=self.counts.samples, train_s=train_s, infos=infos, weights=state,
-                             curve=self.counts.curve, nodes=nodes, details=details,
-                             final_point={"forwards": self.counts.forwards})
+            "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps),
+        }
+        return finish_record(
+            NAME,
+            self.ctx,
+            self.ledger,
+            self.clock,
+            metrics=metrics,
+            step=steps,
+            samples=self.counts.samples,
+            train_s=train_s,
+            infos=infos,
+            weights=state,
+            curve=self.counts.curve,
+            nodes=nodes,
+            details=details,
+            final_point={"forwards": self.counts.forwards},
+        )

@@ -33,24 +33,49 @@ class SpsaNode(Node):
 
     label = "spsa node"
 
-    def __init__(self, node: int, spec, task, data: TrainSource, slots: int, cfg: RunConfig, o: SpsaConfig,
-                 storage: Storage, weights: dict | None = None, until: int | None = None):
+    def __init__(
+        self,
+        node: int,
+        spec,
+        task,
+        data: TrainSource,
+        slots: int,
+        cfg: RunConfig,
+        o: SpsaConfig,
+        storage: Storage,
+        weights: dict | None = None,
+        until: int | None = None,
+    ):
         super().__init__(node, cfg, spec, task, weights)
         self.storage, self.shard = storage, data.load(node, slots)  # read on the node's host
         self.hold_out(data, slots)
         self.seed, self.losses = node_seed(cfg.seed, node), []
-        self.replica = Replica(self.model, node, cfg.seed, o.make_codec(), eps=o.eps, samples=o.samples,
-                                  lr=o.lr if o.lr is not None else cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                  kind=o.perturbation, include=o.include, step=until or 0, estimator=o.estimator,
-                                  rule=o.step, density=o.density)
+        self.replica = Replica(
+            self.model,
+            node,
+            cfg.seed,
+            o.make_codec(),
+            eps=o.eps,
+            samples=o.samples,
+            lr=o.lr if o.lr is not None else cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay,
+            kind=o.perturbation,
+            include=o.include,
+            step=until or 0,
+            estimator=o.estimator,
+            rule=o.step,
+            density=o.density,
+        )
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
         if until is not None:  # a joiner, or a resumed run: the checkpoint, then the replay log, from storage
             t0 = time.perf_counter()
             start = load_checkpoint(storage, CHECKPOINT, self.model, None)["step"]
             log = storage.read_bytes(REPLAY_LOG) if start < until else b""
             replayed = self.replica.catch_up(start, log)
-            self.log(f"started at step {until}: checkpoint of step {start} + {replayed} replayed steps "
-                     f"({len(log)} log bytes from {storage.uri}) in {time.perf_counter() - t0:.2f}s")
+            self.log(
+                f"started at step {until}: checkpoint of step {start} + {replayed} replayed steps "
+                f"({len(log)} log bytes from {storage.uri}) in {time.perf_counter() - t0:.2f}s"
+            )
 
     def compute(self) -> bytes:
         """This node's step message: its codes, then its mean loss. The node keeps its own step
@@ -65,8 +90,10 @@ class SpsaNode(Node):
         if (step + 1) % every == 0:
             decoded = ", ".join(f"{g:+.4g}" for g in self.replica.codec.from_bytes(payload))
             other = "L-" if self.replica.estimator == "two_point" else "L0"
-            self.log(f"step {step + 1} loss {sum(self.losses[-every:]) / len(self.losses[-every:]):.4f} "
-                     f"(L+ {pairs[0][0]:.4f} {other} {pairs[0][1]:.4f}) g {decoded}")
+            self.log(
+                f"step {step + 1} loss {sum(self.losses[-every:]) / len(self.losses[-every:]):.4f} "
+                f"(L+ {pairs[0][0]:.4f} {other} {pairs[0][1]:.4f}) g {decoded}"
+            )
         return payload + struct.pack(LOSS_FORMAT, self.losses[-1])
 
     def apply(self, publishers: list[int], others: bytes) -> None:
@@ -80,15 +107,25 @@ class SpsaNode(Node):
 
     def save(self) -> int:
         """Checkpoint θ at the start of the node's step into storage; returns its size."""
-        return save_checkpoint(self.storage, CHECKPOINT, self.model, None, self.replica.step, extra={"node": self.rank},
-                               trainable_only=self.fine_tune.trainable_only())  # LoRA: the adapters SPSA tunes
+        return save_checkpoint(
+            self.storage,
+            CHECKPOINT,
+            self.model,
+            None,
+            self.replica.step,
+            extra={"node": self.rank},
+            trainable_only=self.fine_tune.trainable_only(),
+        )  # LoRA: the adapters SPSA tunes
 
     def examples(self) -> int:
         return num_examples(self.shard)
 
     def extra_info(self) -> dict:
-        return {"examples": num_examples(self.shard), "steps_computed": len(self.losses),
-                "forwards": self.replica.forwards,
-                "mean_loss": sum(self.losses) / len(self.losses) if self.losses else None,
-                **{k: round(v, 3) for k, v in self.times.items()},
-                **{f"replica_{k}": round(v, 3) for k, v in self.replica.times.items()}}  # perturb, forwards, replay
+        return {
+            "examples": num_examples(self.shard),
+            "steps_computed": len(self.losses),
+            "forwards": self.replica.forwards,
+            "mean_loss": sum(self.losses) / len(self.losses) if self.losses else None,
+            **{k: round(v, 3) for k, v in self.times.items()},
+            **{f"replica_{k}": round(v, 3) for k, v in self.replica.times.items()},
+        }  # perturb, forwards, replay

@@ -1,0 +1,37 @@
+"""Interlocking's options (the `interlocking:` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class InterlockingConfig:
+    stages: int = 2
+    """K: depth-wise stages, one actor each (nodes.cpus / nodes.gpus per stage)."""
+    n: int = 1
+    """Communication width, 1..stages: a head's loss trains at most n stages (`width` in the code)."""
+    rule: Literal["farthest", "sum"] = "farthest"
+    """farthest: stage k learns from the loss of the farthest head within n stages (n = stages:
+    end-to-end backprop); sum: from the sum of those heads' losses."""
+    micro_batches: int = 4
+    """Micro-batches per optimizer step, in flight together; optim.batch_size is split evenly."""
+    balance: Literal["blocks", "params", "measured"] = "measured"
+    """How units (stem + blocks / decoder layers) group into stages; measured: by timed forward +
+    backward, aux heads included."""
+    split: list[int] | None = None
+    """Units per stage, fixed (e.g. to compare n on one split); overrides balance."""
+    aux_widths: list[int] = field(default_factory=lambda: [128, 64])
+    """ResNet aux heads: (3x3 conv, BN, ReLU) widths before pool + linear."""
+    aux_init_from_lm_head: bool = True
+    """Decoder aux heads: a copy of the final norm + lm_head (false: random)."""
+    time_budget_s: float | None = None
+    """Stop submitting batches after this many seconds of training (in-flight ones finish)."""
+    max_batches_ahead: int = 2
+    """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier)."""
+
+    @property
+    def width(self) -> int:
+        """The communication width: the config's `n` (the paper's name), not a count of nodes."""
+        return self.n

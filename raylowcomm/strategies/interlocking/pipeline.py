@@ -1,0 +1,91 @@
+"""The driver's side of the stage pipeline: a batch's calls submitted in the schedule model's order,
+batches kept in flight up to a bound, and every head scored through the chain. Only refs change hands."""
+
+from __future__ import annotations
+
+import logging
+
+from raylowcomm.actors import DriverFetches
+from raylowcomm.common.batches import Split, num_examples
+from raylowcomm.common.timing import TrainClock
+from raylowcomm.core.interlock.routing import message_plan
+from raylowcomm.core.interlock.schedule import Call, batch_calls
+from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, metric_names
+
+logger = logging.getLogger(__name__)
+
+
+def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
+    """Submit every call of batch ``step`` in the order of `batch_calls` (the schedule model replays
+    that same list); returns the report refs. Only refs change hands."""
+    refs: dict[Call, tuple] = {}  # call -> (ref of h for the next stage or None, ref of its upstream message)
+    for call in batch_calls(plan, micro_batches):
+        actor = actors[call.stage]
+        if call.kind == "forward":
+            refs[call] = actor.forward.remote(step, call.mb, refs[call.source][0] if call.source else None)
+        else:
+            refs[call] = (None, actor.backward.remote(step, call.mb, refs[call.source][1]))
+    return [actor.report.remote() for actor in actors]
+
+
+def train_interlocked(
+    actors: list,
+    num_stages: int,
+    width: int,
+    rule: str,
+    micro_batches: int,
+    steps: int,
+    fetch: DriverFetches,
+    time_budget_s: float | None = None,
+    max_ahead: int = 2,
+    on_reports=None,
+    eval_at: frozenset[int] = frozenset(),
+    evaluate=None,
+) -> dict:
+    """Up to ``steps`` batches (or ``time_budget_s`` of training); ``on_reports`` sees each batch's stage reports;
+    after batch b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock."""
+    plan = message_plan(num_stages, width, rule)
+    clock, pending, reports, batches = TrainClock(), [], [], 0
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
+            reports.append(fetch.get(pending.pop(0), "train", "stage_reports"))
+            if on_reports is not None:
+                on_reports(reports[-1])
+
+    for step in range(steps):
+        if time_budget_s is not None and clock.elapsed() >= time_budget_s:
+            break
+        drain(max_ahead)
+        pending.append(submit_batch(actors, plan, step, micro_batches))
+        batches += 1
+        if evaluate is not None and batches in eval_at:
+            drain(0)
+            with clock.paused():
+                evaluate(batches, clock.elapsed())
+    drain(0)
+    return {"reports": reports, "batches": batches, "train_s": clock.elapsed()}
+
+
+def evaluate_chained(
+    actors: list, eval_sets: dict[str, Split], batch_size: int, fetch: DriverFetches, loss: str
+) -> tuple[dict[str, list[dict]], int]:
+    """Every head's metrics on every eval set, chunks pipelined through the stages, each head's
+    per-chunk sums added up and summarised by the task (as `Task.evaluate` does for a whole
+    model); returns ({set: [metrics of head k]}, bytes sent between stages)."""
+    summarize = CausalLM.summarize if loss == "causal_lm" else ImageClassification.summarize
+    refs = {name: [[] for _ in actors] for name in eval_sets}
+    for name, split in eval_sets.items():
+        for chunk in range(-(-num_examples(split) // batch_size)):
+            x = None
+            for k, actor in enumerate(actors):
+                x, metrics = actor.evaluate.remote(name, chunk, x)
+                refs[name][k].append(metrics)
+    parts = {name: [fetch.get(chunks, "final", "eval_metrics") for chunks in stages] for name, stages in refs.items()}
+    sent = sum(p.pop("sent_bytes") for stages in parts.values() for chunks in stages for p in chunks)
+    return {name: [summarize(add_sums(chunks)) for chunks in stages] for name, stages in parts.items()}, sent
+
+
+def final_head_metrics(per_set: dict[str, list[dict]]) -> dict[str, float]:
+    """The last stage's head on the test (id_*) and shift sets: the model's metrics."""
+    return metric_names({name: heads[-1] for name, heads in per_set.items() if name != "val"})
