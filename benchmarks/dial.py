@@ -1,15 +1,17 @@
 """The dial, measured: accuracy against bytes sent after setup, lo-fi's settings against DDP.
 
     python -m benchmarks.dial [--workloads mnist minilm] [--settings NAME ...] [--seeds 0]
-                              [--frontier-seeds 0 1 2] [--out runs/bench/dial.json]
+                              [--frontier-seeds 0 1 2] [--lengths 62 125 250 1ep 2ep]
+                              [--out runs/bench/dial.json]
 
-Every (workload, setting, seed) is one `raylowcomm run` of the workload's example with the
-setting's overrides, into OUT_DIR/dial/<workload>/<setting>/seed_<s>; a run whose results.json is
+Every (workload, length, setting, seed) is one `raylowcomm run` of the workload's example with the
+length's and the setting's overrides, into OUT_DIR/dial/<workload>/<setting>/seed_<s> (with
+--lengths, OUT_DIR/dial/<workload>/<length>/<setting>/seed_<s>); a run whose results.json is
 there already is read, not repeated (a failed one is run again), so the benchmark can be stopped and
 started again. First
 every setting runs on `--seeds`; then the settings on the accuracy-per-byte frontier (no other
 setting has both fewer bytes and a higher mean ID accuracy), and DDP, run on `--frontier-seeds`
-too. Prints a table per workload (mean and 95% Student-t interval over the seeds that ran, bytes
+too. Prints a table per workload and length (mean and 95% Student-t interval over the seeds that ran, bytes
 after setup ÷ DDP's, training time) and writes the JSON and one frontier plot per workload
 (log bytes) beside it; `raylowcomm report` shows both. A benchmark: it reports, it asserts nothing.
 """
@@ -33,6 +35,14 @@ WORKLOADS = {
     "mnist": ROOT / "examples" / "lofi_vs_ddp_mnist.yaml",  # EfficientNet-Lite0 (BatchNorm), MNIST, UCI-digits shift
     "minilm": ROOT / "examples" / "lofi_vs_ddp_minilm.yaml",  # MiniLM, Rotten Tomatoes, Amazon shift
 }
+
+LENGTHS: dict[str, dict[str, list[str]]] = {
+    # steps a node: 2 x 1,000 images (the short fine-tune), the example's 2 x 2,000, and 4 epochs of those
+    # (the asset holds 5,000 rows: a longer run repeats epochs)
+    "mnist": {"62": ["data.train_size=2000"], "125": [], "250": ["optim.epochs=4"]},
+    "minilm": {"1ep": ["optim.epochs=1"], "2ep": []},
+}
+"""Run lengths a workload offers (`--lengths`): overrides of its example, none for the example's own."""
 
 _PEERS = ["strategies=[lofi]", "lofi.exchange=peers"]
 SETTINGS: dict[str, list[str]] = {
@@ -61,6 +71,40 @@ SETTINGS: dict[str, list[str]] = {
         "lofi.compress=topk",
         "lofi.topk_fraction=0.01",
         "lofi.fragments=2",
+    ],
+    # the end of a short run: the final round flushes the residual (dense int8, or float32)
+    "H6_topk3_fin8": [
+        *_PEERS,
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.final_round=int8",
+    ],
+    "H6_topk3_finx": [
+        *_PEERS,
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.final_round=exact",
+    ],
+    "H16_int4_fin8": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4", "lofi.final_round=int8"],
+    "H16_int4_finx": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4", "lofi.final_round=exact"],
+    "H6_none": [*_PEERS, "lofi.average_every=6"],
+    # the start of a short run: a round after each of the first steps, or H growing
+    "W4_H6_topk3_fin8": [
+        *_PEERS,
+        "lofi.warmup_steps=4",
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.final_round=int8",
+    ],
+    "Hgrow_topk3_fin8": [
+        *_PEERS,
+        "lofi.average_every=[2,4,8]",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.final_round=int8",
     ],
     "H4_topk1_ov1": [
         *_PEERS,
@@ -98,28 +142,31 @@ DEFAULT = {
 }
 
 
-def run_dir(out: Path, workload: str, setting: str, seed: int) -> Path:
-    return out / "dial" / workload / setting / f"seed_{seed}"
+def run_dir(out: Path, workload: str, setting: str, seed: int, length: str | None = None) -> Path:
+    return out / "dial" / workload / (length or "") / setting / f"seed_{seed}"
 
 
-def measure(out: Path, workload: str, setting: str, seed: int) -> dict:
+def measure(out: Path, workload: str, setting: str, seed: int, length: str | None = None) -> dict:
     """One run's figures: read from its results.json, or run it first."""
-    where = run_dir(out, workload, setting, seed)
+    where = run_dir(out, workload, setting, seed, length)
     path = where / "results.json"
     if path.is_file() and any("error" in rec for rec in json.loads(path.read_text())):
         shutil.rmtree(where)  # a failed run (its actors were killed, say) runs again, from the start
     if not path.is_file():
-        cfg = load_config(WORKLOADS[workload], [*SETTINGS[setting], f"seed={seed}"])
-        logger.info("dial: %s %s seed %d -> %s", workload, setting, seed, where)
+        overrides = [*LENGTHS[workload].get(length, []), *SETTINGS[setting], f"seed={seed}"]
+        cfg = load_config(WORKLOADS[workload], overrides)
+        logger.info("dial: %s %s %s seed %d -> %s", workload, length or "", setting, seed, where)
         run(cfg, where, bar=False)
     [rec] = json.loads(path.read_text())
-    row = {"workload": workload, "setting": setting, "seed": seed, "strategy": rec["strategy"]}
+    row = {"workload": workload, "length": length, "setting": setting, "seed": seed, "strategy": rec["strategy"]}
     if "error" in rec:  # a failed run is shown, not averaged
         logger.warning("dial: %s %s seed %d failed: %s", workload, setting, seed, rec["error"])
         return {**row, "error": rec["error"]}
     phases, metrics = rec["comm"]["by_phase"], rec["metrics"]
+    steps = rec["details"].get("steps_per_node") or rec["details"].get("steps_per_worker")
     return {
         **row,
+        "steps": steps,
         "id": metrics["id_accuracy"],
         "shift": metrics.get("shift_accuracy"),
         "after_setup_bytes": phases.get("train", 0) + phases.get("final", 0),
@@ -130,28 +177,38 @@ def measure(out: Path, workload: str, setting: str, seed: int) -> dict:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (workload, setting): mean and interval over seeds of ID accuracy, shift accuracy, bytes after
-    setup and training time, and DDP's mean bytes after setup ÷ the setting's."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    """Per (workload, length, setting): mean and interval over seeds of ID accuracy, shift accuracy, bytes
+    after setup and training time, DDP's mean bytes after setup ÷ the setting's, and the paired difference
+    to DDP's ID accuracy over the seeds both ran."""
+    groups: dict[tuple[str, str | None, str], list[dict]] = {}
     for r in (r for r in rows if "error" not in r):
-        groups.setdefault((r["workload"], r["setting"]), []).append(r)
-    ddp = {w: interval([r["after_setup_bytes"] for r in rs])["mean"] for (w, s), rs in groups.items() if s == "ddp"}
+        groups.setdefault((r["workload"], r.get("length"), r["setting"]), []).append(r)
+    ddp = {(w, n): rs for (w, n, s), rs in groups.items() if s == "ddp"}
     out = []
-    for (workload, setting), rs in groups.items():
-        row = {"workload": workload, "setting": setting, "seeds": sorted(r["seed"] for r in rs)}
+    for (workload, length, setting), rs in groups.items():
+        row = {"workload": workload, "length": length, "setting": setting, "seeds": sorted(r["seed"] for r in rs)}
         for key in ("id", "shift", "after_setup_bytes", "train_s"):
             values = [r[key] for r in rs if r[key] is not None]
             row[key] = interval(values) if values else None
+        base = ddp.get((workload, length))
         mean_bytes = row["after_setup_bytes"]["mean"]
-        row["ddp_bytes_over_these"] = ddp[workload] / mean_bytes if workload in ddp and mean_bytes else None
+        ddp_bytes = interval([r["after_setup_bytes"] for r in base])["mean"] if base else None
+        row["ddp_bytes_over_these"] = ddp_bytes / mean_bytes if ddp_bytes and mean_bytes else None
+        by_seed = {r["seed"]: r["id"] for r in base or []}
+        paired = [r["id"] - by_seed[r["seed"]] for r in rs if r["seed"] in by_seed]
+        row["id_minus_ddp"] = interval(paired) if paired and setting != "ddp" else None
         out.append(row)
     return out
 
 
-def frontier(summary: list[dict], workload: str) -> list[str]:
+def _rows_of(summary: list[dict], workload: str, length: str | None) -> list[dict]:
+    return [r for r in summary if r["workload"] == workload and r.get("length") == length]
+
+
+def frontier(summary: list[dict], workload: str, length: str | None = None) -> list[str]:
     """The settings no other setting beats on both axes (fewer mean bytes after setup, higher mean ID
     accuracy), cheapest first."""
-    rows = [r for r in summary if r["workload"] == workload]
+    rows = _rows_of(summary, workload, length)
 
     def beaten(r: dict) -> bool:
         b, a = r["after_setup_bytes"]["mean"], r["id"]["mean"]
@@ -171,30 +228,33 @@ def _shown(stat: dict | None, scale: float = 1.0, digits: int = 1) -> str:
     return mean if stat["half_width"] is None else f"{mean} ± {stat['half_width'] * scale:.{digits}f}"
 
 
-def table(summary: list[dict], workload: str, on_frontier: list[str]) -> str:
+def table(summary: list[dict], workload: str, on_frontier: list[str], length: str | None = None) -> str:
+    rows = _rows_of(summary, workload, length)
+    steps = f", {length} steps a node" if length and length.isdigit() else f", {length}" if length else ""
     lines = [
-        f"{workload}: mean ± 95% interval over the seeds run (ID/shift in %, bytes in MB)",
-        f"{'setting':<11} {'seeds':<7} {'ID':<13} {'shift':<13} {'MB after setup':<18} {'DDP÷':>7} "
-        f"{'train s':<12} frontier",
+        f"{workload}{steps}: mean ± 95% interval over the seeds run (ID/shift in %, bytes in MB)",
+        f"{'setting':<17} {'seeds':<6} {'ID':<13} {'− DDP (paired)':<15} {'shift':<13} {'MB after setup':<18} "
+        f"{'DDP÷':>7} {'train s':<12} frontier",
     ]
-    for r in sorted((r for r in summary if r["workload"] == workload), key=lambda r: -r["after_setup_bytes"]["mean"]):
+    for r in sorted(rows, key=lambda r: -r["after_setup_bytes"]["mean"]):
         ratio = f"{r['ddp_bytes_over_these']:.0f}" if r["ddp_bytes_over_these"] else "-"
         lines.append(
-            f"{r['setting']:<11} {len(r['seeds']):<7} {_shown(r['id'], 100):<13} "
-            f"{_shown(r['shift'], 100):<13} {_shown(r['after_setup_bytes'], 1e-6):<18} {ratio:>7} "
+            f"{r['setting']:<17} {len(r['seeds']):<6} {_shown(r['id'], 100):<13} "
+            f"{_shown(r.get('id_minus_ddp'), 100):<15} {_shown(r['shift'], 100):<13} "
+            f"{_shown(r['after_setup_bytes'], 1e-6):<18} {ratio:>7} "
             f"{_shown(r['train_s']):<12} {'*' if r['setting'] in on_frontier else ''}"
         )
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], workload: str, on_frontier: list[str], path: Path) -> None:
+def plot(summary: list[dict], workload: str, on_frontier: list[str], path: Path, length: str | None = None) -> None:
     """ID accuracy against bytes after setup (log), with intervals; the frontier joined."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summary if r["workload"] == workload]
+    rows = _rows_of(summary, workload, length)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         x, y = r["after_setup_bytes"]["mean"], r["id"]["mean"] * 100
@@ -213,7 +273,8 @@ def plot(summary: list[dict], workload: str, on_frontier: list[str], path: Path)
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent after setup (log)")
     ax.set_ylabel("ID accuracy (%)")
-    ax.set_title(f"{workload}: accuracy per byte (mean ± 95% over seeds)")
+    at = f", {length}" if length else ""
+    ax.set_title(f"{workload}{at}: accuracy per byte (mean ± 95% over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -227,27 +288,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--frontier-seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds the frontier's settings and DDP run"
     )
+    every_length = sorted({n for lengths in LENGTHS.values() for n in lengths})
+    parser.add_argument(
+        "--lengths",
+        nargs="+",
+        choices=every_length,
+        help="run lengths (each workload runs those it has; default: the example's own)",
+    )
     parser.add_argument("--out", default="runs/bench/dial.json", help="the JSON to write (runs go beside it)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = Path(args.out)
     out = path.parent
+    lengths = {w: [n for n in LENGTHS[w] if n in args.lengths] if args.lengths else [None] for w in args.workloads}
+    cases = [(w, n) for w in args.workloads for n in lengths[w]]
     rows = []
-    for workload in args.workloads:
+    for workload, length in cases:
         settings = args.settings or DEFAULT[workload]
-        rows += [measure(out, workload, s, seed) for s in settings for seed in args.seeds]
-        on_frontier = frontier(summarize(rows), workload)
+        rows += [measure(out, workload, s, seed, length) for s in settings for seed in args.seeds]
+        on_frontier = frontier(summarize(rows), workload, length)
         extra = [s for s in settings if s in on_frontier or s == "ddp"]
         rows += [
-            measure(out, workload, s, seed) for s in extra for seed in args.frontier_seeds if seed not in args.seeds
+            measure(out, workload, s, seed, length)
+            for s in extra
+            for seed in args.frontier_seeds
+            if seed not in args.seeds
         ]
     summary, plots, tables = summarize(rows), [], {}
-    for workload in args.workloads:
-        on_frontier = frontier(summary, workload)
-        tables[workload] = on_frontier
-        plots.append(f"{path.stem}_{workload}.png")
-        plot(summary, workload, on_frontier, out / plots[-1])
-        print(table(summary, workload, on_frontier), flush=True)
+    for workload, length in cases:
+        on_frontier = frontier(summary, workload, length)
+        name = workload if length is None else f"{workload}_{length}"
+        tables[name] = on_frontier
+        plots.append(f"{path.stem}_{name}.png")
+        plot(summary, workload, on_frontier, out / plots[-1], length)
+        print(table(summary, workload, on_frontier, length), flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"summary": summary, "frontier": tables, "runs": rows, "plots": plots}, indent=2))
     print(f"wrote {path} and {', '.join(plots)}")

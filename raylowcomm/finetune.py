@@ -36,11 +36,6 @@ class FineTune(Protocol):
         """Whether a checkpoint may hold only the tensors that train, every reader having the rest from
         the initial weights; not once an averaging round has moved that rest (`base_moved`)."""
 
-    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
-        """Load an averaging round's global model (plain weights) into a node's model, `seed` drawing
-        what restarts (the same on every node). True where the tensors that train are new ones, so the
-        optimizer's state no longer fits them."""
-
     def plain_state(self, payload: object, model: nn.Module) -> State:
         """Plain weights to score from what the driver sent (an average of the nodes: plain weights, or
         under LoRA the nodes' adapters), put together on this node's `model` where the payload needs its
@@ -69,10 +64,6 @@ class FullWeights:
         return state_dict_of(model)
 
     def trainable_only(self, base_moved: bool = False) -> bool:
-        return False
-
-    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
-        model.load_state_dict(state)
         return False
 
     def plain_state(self, payload: State | None, model: nn.Module) -> State:

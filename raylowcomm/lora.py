@@ -445,11 +445,6 @@ class LoraFineTune:
     def trainable_only(self, base_moved: bool = False) -> bool:
         return not base_moved
 
-    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
-        """The merged average becomes the frozen base under fresh adapters (`merge_and_reset`)."""
-        merge_and_reset(model, state, seed)
-        return True
-
     def plain_state(self, payload: NodeAdapters | State | None, model: nn.Module) -> State:
         """The nodes' adapters merged on this node's base, a merged model as it came, or (None) this
         node's own model merged."""

@@ -69,8 +69,7 @@ class Lofi(Strategy[LofiConfig]):
     @staticmethod
     def validate(cfg: RunConfig) -> None:
         o = Lofi.opts(cfg)
-        if o.average_every is not None and o.average_every <= 0:
-            raise ConfigError("lofi.average_every", o.average_every, "must be > 0, or null for one average at the end")
+        Lofi._validate_schedule(o)
         if o.soup == "greedy" and (cfg.data.val_size == 0 or cfg.data.eval_on_nodes):
             raise ConfigError(
                 "lofi.soup",
@@ -109,6 +108,24 @@ class Lofi(Strategy[LofiConfig]):
             check_schedule(ctx.cfg, o, min(sizes))
 
     @staticmethod
+    def _validate_schedule(o: LofiConfig) -> None:
+        every = o.average_every if isinstance(o.average_every, list) else [o.average_every]
+        if o.average_every is not None and (not every or any(h <= 0 for h in every)):
+            raise ConfigError(
+                "lofi.average_every",
+                o.average_every,
+                "must be > 0 (a list: each entry), or null for one average at the end",
+            )
+        if o.warmup_steps < 0:
+            raise ConfigError("lofi.warmup_steps", o.warmup_steps, "must be a number of steps >= 0")
+        if o.warmup_steps and o.average_every is None:
+            raise ConfigError(
+                "lofi.warmup_steps",
+                o.warmup_steps,
+                "a warm-up of rounds needs rounds after it: set lofi.average_every (or warmup_steps: 0)",
+            )
+
+    @staticmethod
     def _validate_exchange(cfg: RunConfig, o: LofiConfig) -> None:
         if o.compress not in CODECS:
             raise ConfigError("lofi.compress", o.compress, f"choose one of {', '.join(CODECS)}")
@@ -130,7 +147,7 @@ class Lofi(Strategy[LofiConfig]):
     def _warn_unused_codec(o: LofiConfig) -> None:
         """The codec's options, set away from their defaults with compress: none, are said, not ignored."""
         defaults = LofiConfig()
-        for name in ("topk_fraction", "compress_block", "error_feedback"):
+        for name in ("topk_fraction", "compress_block", "error_feedback", "final_round"):
             if getattr(o, name) != getattr(defaults, name):
                 logger.warning(
                     "lofi: lofi.%s=%s does not apply: lofi.compress is none (outer gradients cross uncompressed)",

@@ -13,8 +13,14 @@ MAX_COMPRESS_BLOCK = 65536
 
 @dataclass
 class LofiConfig:
-    average_every: int | None = None
-    """Average and re-broadcast every this many `average_unit`s; None = lo-fi, once at the end."""
+    average_every: int | list[int] | None = None
+    """Average and re-broadcast every this many `average_unit`s; None = lo-fi, once at the end. A list is
+    a schedule: the gaps between successive rounds, its last entry repeating to the end of the run
+    ([2, 4, 8, 16]: H growing as the nodes drift apart less). A list of equal entries is the number."""
+    warmup_steps: int = 0
+    """Steps at the start after each of which the nodes average (post-local SGD's warm-up, while a new
+    head and BatchNorm statistics drift apart fastest), before `average_every` takes over: one round's
+    bytes per step. Needs average_every."""
     average_unit: Literal["steps", "epochs"] = "steps"
     """What average_every counts: optimizer steps, or epochs of the smallest shard."""
     outer_optimizer: Literal["none", "nesterov"] = "none"
@@ -59,9 +65,38 @@ class LofiConfig:
     (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""
     overlap: int = 0
     """Peer rounds: steps a node trains on while a round is in flight (at most average_every/fragments)."""
+    final_round: Literal["compressed", "int8", "exact"] = "compressed"
+    """Peer rounds: the codec of the final round, which leaves the average. compressed: `compress`, with
+    error feedback (what it drops of Δ and of the residual stays on the nodes, unused); int8: Δ plus the
+    whole residual as dense blockwise int8 (about 1 byte a weight per payload); exact: Δ plus the
+    residual in float32 (4 bytes a weight): nothing compression held back is lost at the end."""
     mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
     (0 with model.lora)."""
+
+
+def fixed_period(o: LofiConfig) -> bool:
+    """Whether rounds come every H `average_unit`s (a number, no warm-up): what fragments and overlap need."""
+    return isinstance(o.average_every, int) and not o.warmup_steps
+
+
+def round_gaps(o: LofiConfig, per_epoch: int) -> list[int] | None:
+    """The steps between successive rounds, the last repeating (None: no rounds): the warm-up's single
+    steps, then average_every's entries in steps."""
+    if o.average_every is None:
+        return None
+    every = o.average_every if isinstance(o.average_every, list) else [o.average_every]
+    return [1] * o.warmup_steps + [h * (per_epoch if o.average_unit == "epochs" else 1) for h in every]
+
+
+def round_boundaries(gaps: list[int], steps: int) -> list[int]:
+    """The steps at which rounds come (gaps added up, the last repeating) below `steps`, then `steps`."""
+    bounds, t, i = [], 0, 0
+    while t + gaps[min(i, len(gaps) - 1)] < steps:
+        t += gaps[min(i, len(gaps) - 1)]
+        bounds.append(t)
+        i += 1
+    return bounds + [steps]
 
 
 def check_schedule(cfg: RunConfig, o: LofiConfig, smallest_shard: int) -> None:
@@ -74,24 +109,26 @@ def check_schedule(cfg: RunConfig, o: LofiConfig, smallest_shard: int) -> None:
     if o.average_every is None:
         return
     steps, per_epoch = total_steps(cfg.optim, smallest_shard), steps_per_epoch(smallest_shard, cfg.optim.batch_size)
-    every = o.average_every * (per_epoch if o.average_unit == "epochs" else 1)
+    every = round_gaps(o, per_epoch)[0]
     if every <= steps:
         return
+    listed = isinstance(o.average_every, list)
+    first, which = (o.average_every[0], " (its first round)") if listed else (o.average_every, "")
     run = f"the run takes {steps} steps per node"
     end = "no round would come before its end (one average there, as plain lo-fi)"
     if o.average_unit == "steps":
         raise ConfigError(
             "lofi.average_every",
             o.average_every,
-            f"{every} steps is longer than the run: {run}, so {end}: set lofi.average_every to at most "
-            f"{steps}, or null for one average at the end",
+            f"{every} steps{which} is longer than the run: {run}, so {end}: set lofi.average_every to at "
+            f"most {steps}, or null for one average at the end",
         )
     epochs = steps / per_epoch
     fix = f"at most {steps // per_epoch} (epochs)" if epochs >= 1 else f"at most {steps} with lofi.average_unit: steps"
     raise ConfigError(
         "lofi.average_every",
         o.average_every,
-        f"{o.average_every} epoch{'s' * (o.average_every != 1)} ({every} steps) is longer than the run: "
+        f"{first} epoch{'s' * (first != 1)} ({every} steps){which} is longer than the run: "
         f"{run} ({epochs:g} epoch{'s' * (epochs != 1)} of {per_epoch} steps), so {end}: set "
         f"lofi.average_every to {fix}, or null for one average at the end",
     )

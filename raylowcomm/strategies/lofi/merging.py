@@ -51,6 +51,11 @@ class RoundMerging(Protocol):
         """The average of the nodes' states, which all started from `model`'s weights `base` (None: the
         nodes loaded them); `how`: lofi.lora_average."""
 
+    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
+        """Load an averaging round's global model (plain weights) into a node's model, `seed` drawing
+        what restarts (the same on every node). True where the tensors that train are new ones, so the
+        optimizer's state no longer fits them."""
+
 
 class WeightAverage:
     """The nodes' full weights, streamed into one running sum as they arrive: one incoming copy at a time."""
@@ -85,6 +90,10 @@ class WeightMerging:
     def node_average(self, base: State, model: nn.Module, how: str) -> WeightAverage:
         return WeightAverage()
 
+    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
+        model.load_state_dict(state)
+        return False
+
 
 class AdapterMerging:
     """LoRA adapters: averages are exact (`lora.average_delta`), merged into the frozen base, and each
@@ -110,6 +119,13 @@ class AdapterMerging:
         from raylowcomm.lora import AdapterAverage, lora_layers
 
         return AdapterAverage(base, lora_layers(model), how)
+
+    def load_global(self, model: nn.Module, state: State, seed: int) -> bool:
+        """The merged average becomes the frozen base under fresh adapters (`lora.merge_and_reset`)."""
+        from raylowcomm.lora import merge_and_reset
+
+        merge_and_reset(model, state, seed)
+        return True
 
 
 def merging_for(spec: ModelSpec) -> WeightMerging | AdapterMerging:

@@ -57,7 +57,8 @@ class LofiNode(Node):
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
-        self.peer = NodeRounds(self, rounds, cfg.seed, start, merging_for(spec)) if rounds is not None else None
+        self.merging = merging_for(spec)  # how a round's average lands in what trains
+        self.peer = NodeRounds(self, rounds, cfg.seed, start, self.merging) if rounds is not None else None
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
             self._load_bn(storage.load_tensors(self._bn_path)[0])
 
@@ -140,7 +141,7 @@ class LofiNode(Node):
     def load_global(self, state: dict, rounds: int) -> None:
         """A global model: its weights, or under LoRA the merged average as the new frozen base with
         fresh adapters (seeded by the round, the same on every node) and a fresh optimizer."""
-        if self.fine_tune.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
+        if self.merging.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
             self.optimizer = make_optimizer(self.cfg.optim, self.model)
 
     def bn_statistics(self, state: dict | None, max_batches: int | None) -> tuple[dict, int]:
@@ -173,11 +174,13 @@ class LofiNode(Node):
             raise KeyError(f"BatchNorm statistics for tensors this model lacks: {sorted(missing)[:3]}")
         self.model.load_state_dict({names[k]: v for k, v in stats.items()}, strict=False)
 
-    def send_delta(self, fragment: int = ALL) -> tuple[list, int]:
-        return self.peer.send_delta(fragment)
+    def send_delta(self, fragment: int = ALL, final: bool = False) -> tuple[list, int]:
+        return self.peer.send_delta(fragment, final)
 
-    def apply_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
-        self.peer.apply_round(round_, refs, weights, fragment)
+    def apply_round(
+        self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL, final: bool = False
+    ) -> None:
+        self.peer.apply_round(round_, refs, weights, fragment, final)
 
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
         self.peer.begin_round(round_, refs, weights, fragment)

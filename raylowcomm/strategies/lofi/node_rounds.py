@@ -114,24 +114,28 @@ class NodeRounds:
         mine = floats(self.node.weights())
         return {k: self.global_state[k].to(torch.float64) - mine[k].to(torch.float64) for k in self._names(fragment)}
 
-    def encode_delta(self, fragment: int = streaming.ALL) -> Payload:
-        """This node's payload: Δ plus what compression dropped before (error feedback)."""
-        self.payload = self.codec.encode(self._delta(fragment))
+    def encode_delta(self, fragment: int = streaming.ALL, final: bool = False) -> Payload:
+        """This node's payload: Δ plus what compression dropped before (error feedback); `final`: in the
+        final round's codec (`lofi.final_round`)."""
+        self.payload = self.codec.encode(self._delta(fragment), final)
         return self.payload
 
-    def send_delta(self, fragment: int = streaming.ALL) -> tuple[list, int]:
+    def send_delta(self, fragment: int = streaming.ALL, final: bool = False) -> tuple[list, int]:
         """Encode Δ (of one fragment, or all) and put it in the object store from here: ([its
         ObjectRef], its packed bytes); the ref travels in a list so that nobody resolves it on the way."""
-        payload = self.encode_delta(fragment)
+        payload = self.encode_delta(fragment, final)
         return [ray.put(payload)], payload.nbytes
 
-    def apply_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
+    def apply_round(
+        self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL, final: bool = False
+    ) -> None:
         """Fetch the peers' payloads, average them in node order, take the outer step and load the new
         global fragment; checkpoint it (round file first). A node that has this round already keeps it.
         A node restarted since it sent its payload, or a peer's payload lost with its owner, ends the
         round with ActorDied naming the node: the payload died with it."""
         if round_ > self.node.rounds:
-            self._land(round_, fragment, self._average(round_, refs, weights, self.payload), 0.0, self.node.step)
+            mean = self._average(round_, refs, weights, self.payload, final)
+            self._land(round_, fragment, mean, 0.0, self.node.step)
 
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
         """`apply_round` overlapped (lofi.overlap): fetch and average in a thread and return at once;
@@ -160,15 +164,15 @@ class NodeRounds:
         self._land(round_, exchange.fragment, mean, self.mix, step)
         return waited
 
-    def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None):
+    def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None, final=False):
         """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node."""
         payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
         if self.merging.merges_rounds:
             return [
                 {k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
-                for delta in self.codec.decode_each(payloads)
+                for delta in self.codec.decode_each(payloads, final)
             ], weights
-        return self.codec.average(payloads, weights)
+        return self.codec.average(payloads, weights, final)
 
     def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
         """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint;

@@ -10,6 +10,8 @@ import torch
 from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
 
 BN_STATISTICS = (".running_mean", ".running_var")
+FINAL_CODECS = {"compressed": None, "int8": "int8", "exact": "none"}
+"""lofi.final_round → the codec of the final round's parameters (None: `compress`'s)."""
 
 
 def floats(state: dict) -> dict:
@@ -27,16 +29,19 @@ class DeltaCodec:
     """How Δ crosses: the parameters with `lofi.compress`, each part with its own error feedback; the
     floating-point buffers that cross (BatchNorm statistics without recalibration) uncompressed, since
     a quantised running variance can go below zero. One flat payload (name → bytes) holds both; every
-    node and the driver build the same parts from their own model."""
+    node and the driver build the same parts from their own model. The final round may encode the
+    parameters with a codec of its own (`lofi.final_round`), flushing the residuals through it."""
 
     def __init__(self, opts, state: dict, params: set[str]):
         fl = crossing(state, opts)
         codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
-        self.parts = [
-            (codec, layout_of({k: v for k, v in fl.items() if k in params})),
-            (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params})),
-        ]
+        weights = layout_of({k: v for k, v in fl.items() if k in params})
+        self.parts = [(codec, weights), (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))]
         self.feedback = [ErrorFeedback(c) for c, _ in self.parts] if opts.error_feedback else None
+        flush = FINAL_CODECS[opts.final_round]
+        self.final_parts = self.parts
+        if flush is not None and flush != opts.compress:
+            self.final_parts = [(make_codec(flush, opts.compress_block), weights), self.parts[1]]
 
     @property
     def nbytes(self) -> int:
@@ -46,37 +51,48 @@ class DeltaCodec:
         """Each tensor's packed bytes in a payload: what fragments are balanced by."""
         return {k: codec.packed_nbytes(spec) for codec, layout in self.parts for k, spec in layout.items()}
 
-    def encode(self, delta: dict) -> Payload:
+    def _parts(self, final: bool) -> list:
+        return self.final_parts if final else self.parts
+
+    def _feedback(self, i: int, codec) -> ErrorFeedback:
+        """Part i's error feedback; for the final round's own codec, one over the same residuals."""
+        if self.feedback[i].codec is codec:
+            return self.feedback[i]
+        flush = ErrorFeedback(codec)
+        flush.residual = self.feedback[i].residual  # the same dict: what the flush drops stays the residual
+        return flush
+
+    def encode(self, delta: dict, final: bool = False) -> Payload:
         """Δ (float64, over all tensors or one fragment's) → payload; the none codec sends Δ in the
-        weights' own dtype, rounded here."""
+        weights' own dtype, rounded here. `final`: the final round's codec."""
         payload = Payload()
-        for i, (codec, layout) in enumerate(self.parts):
+        for i, (codec, layout) in enumerate(self._parts(final)):
             part = {
                 k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k]
                 for k, spec in layout.items()
                 if k in delta
             }
             if part:
-                payload.update(self.feedback[i].encode(part) if self.feedback else codec.encode(part))
+                payload.update(self._feedback(i, codec).encode(part) if self.feedback else codec.encode(part))
         return payload
 
-    def average(self, payloads: list[Payload], weights: list[float]) -> dict:
+    def average(self, payloads: list[Payload], weights: list[float], final: bool = False) -> dict:
         """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order."""
         mean = {}
-        for codec, layout in self.parts:
+        for codec, layout in self._parts(final):
             names = [k for k in layout if k in payloads[0]]  # one fragment's, or all
             if names:
                 parts = [Payload({k: p[k] for k in names}) for p in payloads]
                 mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
         return mean
 
-    def decode_each(self, payloads: list[Payload]) -> list[dict]:
+    def decode_each(self, payloads: list[Payload], final: bool = False) -> list[dict]:
         """Each node's Δ in float64, in node order: for a fine-tune that merges rounds (`merges_rounds`,
         LoRA), whose average is not the mean of Δ; small, as what crosses there is adapters."""
         return [
             {
                 k: v
-                for codec, layout in self.parts
+                for codec, layout in self._parts(final)
                 for k, v in codec.decode(
                     Payload({k: p[k] for k in layout if k in p}), layout, dtype=torch.float64
                 ).items()

@@ -10,7 +10,7 @@ from raylowcomm.common.batches import steps_per_epoch
 from raylowcomm.config import RunConfig
 from raylowcomm.strategies.base import eval_points
 from raylowcomm.strategies.lofi import streaming
-from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.config import LofiConfig, fixed_period, round_boundaries, round_gaps
 from raylowcomm.strategies.lofi.merging import NodeAverage
 from raylowcomm.training import total_steps
 
@@ -51,12 +51,15 @@ class Plan:
 
 def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int], average: NodeAverage) -> Plan:
     steps = total_steps(cfg.optim, min(shard_sizes))
-    every = opts.average_every
-    if every is not None and opts.average_unit == "epochs":
-        every *= steps_per_epoch(min(shard_sizes), cfg.optim.batch_size)
-    boundaries, fragments = streaming.schedule(every, opts.fragments, steps) if every else ([steps], [streaming.ALL])
+    gaps = round_gaps(opts, steps_per_epoch(min(shard_sizes), cfg.optim.batch_size))
+    if gaps is None:
+        boundaries, fragments = [steps], None
+    elif fixed_period(opts) and opts.fragments > 1:  # Streaming DiLoCo: fragments at staggered steps
+        boundaries, fragments = streaming.schedule(gaps[0], opts.fragments, steps)
+    else:  # the whole model at the gaps' running sums
+        boundaries, fragments = round_boundaries(gaps, steps), None
     weights = [float(s) if opts.weighting == "examples" else 1.0 for s in shard_sizes]
-    averaging = every is not None or opts.outer_optimizer != "none"
+    averaging = gaps is not None or opts.outer_optimizer != "none"
     return Plan(
         steps,
         boundaries,
@@ -64,6 +67,6 @@ def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int], averag
         weights,
         eval_points(cfg, steps),
         average,
-        fragments if opts.fragments > 1 else [None] * len(boundaries),
+        fragments or [None] * len(boundaries),
         streaming.landings(boundaries, opts.overlap) if opts.overlap else None,
     )

@@ -22,7 +22,7 @@ import logging
 import threading
 
 from raylowcomm.config import ConfigError
-from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.config import LofiConfig, fixed_period
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +121,14 @@ def validate(o: LofiConfig, peers: bool) -> None:
             raise ConfigError(
                 field, value, "needs rounds every H steps: set lofi.average_every and lofi.average_unit: steps"
             )
+    if (o.fragments > 1 or o.overlap) and not fixed_period(o):
+        field, value = ("lofi.fragments", o.fragments) if o.fragments > 1 else ("lofi.overlap", o.overlap)
+        raise ConfigError(
+            field, value, "needs one period: set lofi.average_every to a number and lofi.warmup_steps to 0"
+        )
     if o.fragments > 1 and o.average_every % o.fragments:
         raise ConfigError("lofi.fragments", o.fragments, f"must divide lofi.average_every ({o.average_every})")
-    gap = o.average_every // o.fragments if o.average_every else 0
+    gap = o.average_every // o.fragments if fixed_period(o) and o.average_every else 0
     if o.overlap and o.overlap > gap:
         raise ConfigError(
             "lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): one round in flight at a time"

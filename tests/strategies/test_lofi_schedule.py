@@ -1,0 +1,112 @@
+"""lo-fi's rounds on a schedule (`lofi.average_every` as a list, `lofi.warmup_steps`) and the final round's own
+codec (`lofi.final_round`): where the rounds come, that every node lands each one bit-identical, and that
+the final round flushes what compression held back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylowcomm.config import ConfigError
+from raylowcomm.core.compression import layout_of, make_codec
+from raylowcomm.strategies.lofi.config import LofiConfig, round_boundaries, round_gaps
+from raylowcomm.strategies.lofi.merging import WeightAverage
+from raylowcomm.strategies.lofi.payload import DeltaCodec
+from raylowcomm.strategies.lofi.plan import plan_rounds
+from tests.strategies.test_lofi import run_lofi, tiny_config
+from tests.strategies.test_lofi_rounds import payload_bytes, round_files
+
+
+def boundaries(**lofi) -> list[int]:
+    cfg = tiny_config(**lofi)
+    return plan_rounds(cfg, cfg.options["lofi"], [300, 300], WeightAverage()).boundaries
+
+
+def test_a_list_of_equal_gaps_is_the_number():
+    """[H, H, H] and H give the same rounds, in steps and in epochs, and the list's last entry repeats."""
+    for every in (3, 5, 7):
+        assert boundaries(average_every=[every] * 3) == boundaries(average_every=every)
+        assert boundaries(average_every=[every]) == boundaries(average_every=every)
+    assert boundaries(average_every=[1], average_unit="epochs") == boundaries(average_every=1, average_unit="epochs")
+
+
+def test_a_warm_up_of_single_steps_then_growing_gaps():
+    """Post-local SGD's warm-up (a round after each of the first steps), then H growing: the rounds come at
+    the running sums of the gaps, the last gap repeating, and the final round at the run's last step."""
+    gaps = round_gaps(LofiConfig(average_every=[2, 4], warmup_steps=3), per_epoch=10)
+    assert gaps == [1, 1, 1, 2, 4]
+    assert round_boundaries(gaps, 20) == [1, 2, 3, 5, 9, 13, 17, 20]
+    assert round_boundaries([4], 12) == [4, 8, 12]  # a round at the last step is the final round itself
+    assert round_gaps(LofiConfig(average_every=[1, 2], average_unit="epochs"), per_epoch=9) == [9, 18]
+
+
+@pytest.mark.parametrize(
+    "lofi, field",
+    [
+        ({"average_every": [4, 0]}, "lofi.average_every"),
+        ({"average_every": []}, "lofi.average_every"),
+        ({"warmup_steps": 2}, "lofi.warmup_steps"),
+        ({"average_every": 4, "warmup_steps": -1}, "lofi.warmup_steps"),
+        ({"average_every": [2, 4], "compress": "int4", "fragments": 2}, "lofi.fragments"),
+        ({"average_every": 4, "warmup_steps": 2, "compress": "int4", "overlap": 1}, "lofi.overlap"),
+    ],
+)
+def test_a_schedule_it_cannot_run_is_refused_naming_the_field(lofi, field):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(**lofi)
+    assert err.value.field_name == field
+
+
+@pytest.mark.parametrize("final_round", ["int8", "exact"])
+def test_the_final_round_flushes_the_residual_through_its_own_codec(final_round):
+    """With error feedback a round sends Δ + r and keeps what its codec dropped, exactly (d + r' == x, see
+    core.compression). The final round encodes Δ + r in its own codec: the payload is that codec's size, and
+    what is left is at most its rounding, u·|x| (float32, u = 2^-24) or half an int8 step of the tensor's
+    largest |x| (bf16 scale rounded up: ×(1 + 2^-7)), where top-k rounds left most of Δ behind."""
+    torch.manual_seed(0)
+    state = {"a.weight": torch.randn(64, 33), "b.weight": torch.randn(300)}
+    opts = LofiConfig(compress="topk", topk_fraction=0.05, final_round=final_round)
+    codec = DeltaCodec(opts, state, set(state))
+    first = {k: torch.randn_like(v).double() for k, v in state.items()}  # float32 values: exact in both
+    codec.encode(first)
+    kept = {k: r.clone() for k, r in codec.residual().items()}
+    assert all(r.abs().max() > 0 for r in kept.values())
+    last = {k: torch.randn_like(v).double() for k, v in state.items()}
+    payload = codec.encode(last, final=True)
+    flush = make_codec("none" if final_round == "exact" else final_round)
+    assert payload.nbytes == flush.payload_nbytes(layout_of(state))
+    decoded = {k: v for k, v in flush.decode(payload, layout_of(state), dtype=torch.float64).items()}
+    after = codec.residual()
+    for k, x in ((k, last[k] + kept[k]) for k in state):
+        assert torch.equal(decoded[k] + after[k], x)  # nothing lost: what did not cross is the residual
+        bound = 2.0**-24 * x.abs() if final_round == "exact" else x.abs().max() / 254 * (1 + 2.0**-7)
+        assert (after[k].abs() <= bound).all()
+    # every node and the driver decode the final round with the final codec: the average is what was sent
+    mean = codec.average([payload, payload], [1.0, 1.0], final=True)
+    assert all(torch.equal(mean[k], decoded[k]) for k in state)
+
+
+def test_scheduled_rounds_land_bit_identical_and_the_final_round_crosses_in_its_codec(ray_session, tmp_path):
+    """A warm-up of two single-step rounds, then gaps of 3 and 5 steps, int4 rounds and an int8 final round:
+    the rounds come where the schedule says, every round's global model hashes the same on every node (a
+    mismatch raises ReplicaMismatch), the round files agree bit for bit, and the ledger books each round's
+    int4 payloads and the final round's int8 ones at their packed size."""
+    cfg = tiny_config(average_every=[3, 5], warmup_steps=2, compress="int4", final_round="int8", bn_recalibrate=False)
+    ctx, rec = run_lofi(cfg, tmp_path)
+    n, steps = 2, rec["details"]["steps_per_node"]
+    want, t = [1, 2, 5], 5
+    while t + 5 < steps:
+        t += 5
+        want.append(t)
+    assert rec["details"]["averaging_steps"] == [*want, steps]
+    kinds, rounds = rec["comm"]["by_kind"], len(want)
+    assert kinds["train/outer_gradients"] == rounds * n * (n - 1) * payload_bytes(ctx, "int4")
+    assert kinds["final/outer_gradients"] == n * (n - 1) * payload_bytes(ctx, "int8")
+    assert kinds["train/verify_hash"] > 0 and kinds["final/verify_hash"] > 0
+    files = round_files(tmp_path / "state")
+    globals_ = [{k: v for k, v in f.items() if k.startswith("global.")} for f in files]
+    assert globals_[0].keys() == globals_[1].keys()
+    assert all(torch.equal(globals_[0][k], globals_[1][k]) for k in globals_[0])
+    saved = load_file(rec["weights"])  # node 0's model after the final round: the global model itself
+    assert all(torch.equal(saved[k[len("global.") :]], v) for k, v in globals_[0].items())
