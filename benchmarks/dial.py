@@ -89,6 +89,22 @@ SETTINGS: dict[str, list[str]] = {
     ],
     "H16_int4_fin8": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4", "lofi.final_round=int8"],
     "H16_int4_finx": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4", "lofi.final_round=exact"],
+    # ... or sends the last Δ alone, dense, dropping the residual (as the reference simulation's exact average)
+    "H6_topk3_fdx": [
+        *_PEERS,
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.final_round=exact",
+        "lofi.final_residual=false",
+    ],
+    "H16_int4_fdx": [
+        *_PEERS,
+        "lofi.average_every=16",
+        "lofi.compress=int4",
+        "lofi.final_round=exact",
+        "lofi.final_residual=false",
+    ],
     "H6_none": [*_PEERS, "lofi.average_every=6"],
     # the start of a short run: a round after each of the first steps, or H growing
     "W4_H6_topk3_fin8": [

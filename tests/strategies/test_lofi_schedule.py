@@ -87,6 +87,22 @@ def test_the_final_round_flushes_the_residual_through_its_own_codec(final_round)
     assert all(torch.equal(mean[k], decoded[k]) for k in state)
 
 
+def test_a_final_round_without_the_residual_sends_the_last_delta_alone():
+    """lofi.final_residual: false: the final payload is the final codec's encoding of the last Δ alone, and
+    the residual the run built up is left as it was (dropped), as an exact average of the models would."""
+    torch.manual_seed(1)
+    state = {"w": torch.randn(40, 25)}
+    opts = LofiConfig(compress="int4", final_round="exact", final_residual=False)
+    codec = DeltaCodec(opts, state, set(state))
+    codec.encode({"w": torch.randn_like(state["w"]).double()})
+    kept = codec.residual()["w"].clone()
+    last = {"w": torch.randn_like(state["w"]).double()}
+    payload = codec.encode(last, final=True)
+    decoded = make_codec("none").decode(payload, layout_of(state), dtype=torch.float64)["w"]
+    assert torch.equal(decoded, last["w"])  # float32 values: the float32 payload holds them exactly
+    assert torch.equal(codec.residual()["w"], kept)
+
+
 def test_scheduled_rounds_land_bit_identical_and_the_final_round_crosses_in_its_codec(ray_session, tmp_path):
     """A warm-up of two single-step rounds, then gaps of 3 and 5 steps, int4 rounds and an int8 final round:
     the rounds come where the schedule says, every round's global model hashes the same on every node (a

@@ -147,7 +147,7 @@ class Lofi(Strategy[LofiConfig]):
     def _warn_unused_codec(o: LofiConfig) -> None:
         """The codec's options, set away from their defaults with compress: none, are said, not ignored."""
         defaults = LofiConfig()
-        for name in ("topk_fraction", "compress_block", "error_feedback", "final_round"):
+        for name in ("topk_fraction", "compress_block", "error_feedback", "final_round", "final_residual"):
             if getattr(o, name) != getattr(defaults, name):
                 logger.warning(
                     "lofi: lofi.%s=%s does not apply: lofi.compress is none (outer gradients cross uncompressed)",

@@ -70,6 +70,10 @@ class LofiConfig:
     error feedback (what it drops of Δ and of the residual stays on the nodes, unused); int8: Δ plus the
     whole residual as dense blockwise int8 (about 1 byte a weight per payload); exact: Δ plus the
     residual in float32 (4 bytes a weight): nothing compression held back is lost at the end."""
+    final_residual: bool = True
+    """Peer rounds with error feedback: whether the final round adds the residual (what compression held
+    back over the run) to the last Δ. false: the final round sends the last Δ alone and the residual is
+    dropped, as an exact average of the nodes' models would."""
     mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
     (0 with model.lora)."""

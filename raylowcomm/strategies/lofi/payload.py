@@ -14,6 +14,12 @@ FINAL_CODECS = {"compressed": None, "int8": "int8", "exact": "none"}
 """lofi.final_round → the codec of the final round's parameters (None: `compress`'s)."""
 
 
+def final_is_own(opts) -> bool:
+    """Whether the final round is encoded unlike the others (`lofi.final_round`, `lofi.final_residual`):
+    the nodes are then told which round is the final one."""
+    return opts.final_round != "compressed" or not opts.final_residual
+
+
 def floats(state: dict) -> dict:
     return {k: v for k, v in state.items() if v.is_floating_point()}
 
@@ -42,6 +48,7 @@ class DeltaCodec:
         self.final_parts = self.parts
         if flush is not None and flush != opts.compress:
             self.final_parts = [(make_codec(flush, opts.compress_block), weights), self.parts[1]]
+        self.final_residual = opts.final_residual
 
     @property
     def nbytes(self) -> int:
@@ -64,8 +71,9 @@ class DeltaCodec:
 
     def encode(self, delta: dict, final: bool = False) -> Payload:
         """Δ (float64, over all tensors or one fragment's) → payload; the none codec sends Δ in the
-        weights' own dtype, rounded here. `final`: the final round's codec."""
-        payload = Payload()
+        weights' own dtype, rounded here. `final`: the final round's codec, and its residual unless
+        `lofi.final_residual` is false."""
+        payload, feedback = Payload(), self.feedback and (self.final_residual or not final)
         for i, (codec, layout) in enumerate(self._parts(final)):
             part = {
                 k: delta[k].to(spec.dtype) if codec.name == "none" else delta[k]
@@ -73,7 +81,7 @@ class DeltaCodec:
                 if k in delta
             }
             if part:
-                payload.update(self._feedback(i, codec).encode(part) if self.feedback else codec.encode(part))
+                payload.update(self._feedback(i, codec).encode(part) if feedback else codec.encode(part))
         return payload
 
     def average(self, payloads: list[Payload], weights: list[float], final: bool = False) -> dict:

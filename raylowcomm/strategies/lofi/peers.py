@@ -29,7 +29,7 @@ from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.merging import merging_for
-from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing
+from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, final_is_own
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.round_file import GLOBAL
 from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
@@ -120,10 +120,10 @@ class PeerExchange:
     ) -> FinalModel:
         """One more round, the nodes' compressed Δ on their global model, which leaves the average on
         every node; lo-fi's one average is decoded on the driver too, from the pretrained weights."""
-        everyone, flush = list(range(len(group))), self.opts.final_round != "compressed"
+        everyone, own = list(range(len(group))), final_is_own(self.opts)
         if self.on_nodes:
             fetched = {"bytes": 0, "tensors": 0}
-            exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", flush=flush)
+            exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", final=own)
             return FinalModel(everyone, on_nodes=True)
         order = [k for k, _ in ctx.architecture.named_parameters()]
         start, outer = driver_start(state_dict_of(ctx.load_driver_weights()), set(order), self.opts)
@@ -143,7 +143,7 @@ def exchange_round(
     phase: str = "train",
     fragment: int | None = None,
     overlap: bool = False,
-    flush: bool = False,
+    final: bool = False,
 ) -> tuple[list, str | None]:
     """One peer round from the driver: the nodes put their payloads (of `fragment`, or all), the
     driver hands every node the refs, the nodes average and step, the driver checks their global
@@ -152,11 +152,11 @@ def exchange_round(
     The ledger books each payload's packed bytes once per receiving peer (`outer_gradients`), each
     node's reply (its ref and size, `round_replies`: also counted in `fetched`, no tensor) and what
     every node is sent (round, the N refs and the weights, and the fragment where there are
-    several, `round_args`, and the final round's flag where it has a codec of its own: `flush`). An
+    several, `round_args`, and the final round's flag where it is encoded unlike the others: `final`). An
     ObjectRef crosses as its binary id."""
     n, ledger = len(group), group.ledger
     part = [] if fragment is None else [fragment]
-    if flush:
+    if final:
         part = [streaming.ALL if fragment is None else fragment, True]
     sent = group.call("send_delta", *part, phase=phase)
     refs = [ref for ref, _ in sent]
@@ -187,12 +187,12 @@ def final_round(
     copy, start − Δ̄ (or the outer step on Δ̄) over the floating-point tensors, the rest as `start`
     has it. Its floating-point tensors must hash as the nodes' global models do: one average, not two."""
     params = set(param_order)
-    flush = opts.final_round != "compressed"
+    own = final_is_own(opts)
     refs, nodes_hash = exchange_round(
-        group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", flush=flush
+        group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", final=own
     )
     payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")
-    mean = DeltaCodec(opts, start, params).average(payloads, plan.weights, final=flush)
+    mean = DeltaCodec(opts, start, params).average(payloads, plan.weights, final=own)
     if outer is not None:
         average = dict(outer.step_delta(mean))
     else:
