@@ -106,6 +106,10 @@ SETTINGS: dict[str, list[str]] = {
         "lofi.final_residual=false",
     ],
     "H6_none": [*_PEERS, "lofi.average_every=6"],
+    "H2_topk3": [*_PEERS, "lofi.average_every=2", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
+    # H growing: the nodes meet early, while they drift apart fastest, then less often
+    "H4g_int4": [*_PEERS, "lofi.average_every=[4,12,24]", "lofi.compress=int4"],
+    "H8g_int4": [*_PEERS, "lofi.average_every=[8,16]", "lofi.compress=int4"],
     # the start of a short run: a round after each of the first steps, or H growing
     "W4_H6_topk3_fin8": [
         *_PEERS,
