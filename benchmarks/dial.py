@@ -110,6 +110,9 @@ SETTINGS: dict[str, list[str]] = {
     # H growing: the nodes meet early, while they drift apart fastest, then less often
     "H4g_int4": [*_PEERS, "lofi.average_every=[4,12,24]", "lofi.compress=int4"],
     "H8g_int4": [*_PEERS, "lofi.average_every=[8,16]", "lofi.compress=int4"],
+    "H6g_int4": [*_PEERS, "lofi.average_every=[6,20]", "lofi.compress=int4"],
+    "H8g20_int4": [*_PEERS, "lofi.average_every=[8,20]", "lofi.compress=int4"],
+    "H10g_int4": [*_PEERS, "lofi.average_every=[10,20]", "lofi.compress=int4"],
     # the start of a short run: a round after each of the first steps, or H growing
     "W4_H6_topk3_fin8": [
         *_PEERS,
