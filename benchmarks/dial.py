@@ -113,6 +113,15 @@ SETTINGS: dict[str, list[str]] = {
     "H6g_int4": [*_PEERS, "lofi.average_every=[6,20]", "lofi.compress=int4"],
     "H8g20_int4": [*_PEERS, "lofi.average_every=[8,20]", "lofi.compress=int4"],
     "H10g_int4": [*_PEERS, "lofi.average_every=[10,20]", "lofi.compress=int4"],
+    # a start that does not drift: the nodes probe their heads and share the average first (LP-FT)
+    "P8_H16_int4": [*_PEERS, "lofi.probe_steps=8", "lofi.average_every=16", "lofi.compress=int4"],
+    "P8_H6_topk3": [
+        *_PEERS,
+        "lofi.probe_steps=8",
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+    ],
     # the start of a short run: a round after each of the first steps, or H growing
     "W4_H6_topk3_fin8": [
         *_PEERS,

@@ -126,3 +126,33 @@ def test_scheduled_rounds_land_bit_identical_and_the_final_round_crosses_in_its_
     assert all(torch.equal(globals_[0][k], globals_[1][k]) for k in globals_[0])
     saved = load_file(rec["weights"])  # node 0's model after the final round: the global model itself
     assert all(torch.equal(saved[k[len("global.") :]], v) for k, v in globals_[0].items())
+
+
+def test_a_probe_starts_every_node_from_one_averaged_head(ray_session, tmp_path, monkeypatch):
+    """lofi.probe_steps (LP-FT): each node trains its head alone, the driver averages the heads and every node
+    starts from that one head, also as the global model of peer rounds (a node starting from another would
+    fail the first round's hash check). Only heads cross for it: one per node up, the average to each node."""
+    from raylowcomm.actors import NodeGroup
+    from raylowcomm.strategies.lofi.probe import head_names
+
+    put, shared = NodeGroup.put, []
+
+    def watched(group, obj, phase, what, copies=1):
+        if what == "shared_head":
+            shared.append(obj)
+        return put(group, obj, phase, what, copies=copies)
+
+    monkeypatch.setattr(NodeGroup, "put", watched)
+    cfg = tiny_config(average_every=8, compress="int4", probe_steps=3, bn_recalibrate=False)
+    ctx, rec = run_lofi(cfg, tmp_path)
+    model = ctx.load_driver_weights()
+    [average] = shared  # the probed heads' average, sent once: it moved away from the random head
+    assert average.keys() == set(head_names(model, "timm"))
+    assert any(not torch.equal(v, dict(model.named_parameters())[k].detach()) for k, v in average.items())
+    names = head_names(model, "timm")
+    assert names and all(n.startswith(model.pretrained_cfg["classifier"]) for n in names)
+    head = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in names)
+    kinds = rec["comm"]["by_kind"]
+    assert kinds["setup/probe_heads"] == 2 * head and kinds["setup/shared_head"] == 2 * head
+    assert kinds["train/verify_hash"] > 0  # every round hash-checked: the nodes' global models agreed
+    assert "probe" in rec["details"]["phases_s"]

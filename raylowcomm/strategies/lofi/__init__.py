@@ -33,6 +33,7 @@ from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.plan import Plan, plan_rounds
+from raylowcomm.strategies.lofi.probe import shared_head
 from raylowcomm.strategies.lofi.star import StarExchange
 from raylowcomm.tasks import make_task, mean_metrics
 
@@ -88,6 +89,13 @@ class Lofi(Strategy[LofiConfig]):
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
             raise ConfigError("lofi.outer_optimizer", o.outer_optimizer, "not offered with model.lora: set it to none")
+        if o.probe_steps and (adapters or cfg.model.family == "hf_causal_lm"):
+            raise ConfigError(
+                "lofi.probe_steps",
+                o.probe_steps,
+                "a probe trains a new classifier head with every other weight frozen: not offered with "
+                "model.lora or a causal LM; set it to 0",
+            )
         if adapters and o.soup == "greedy":
             raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
         if adapters and o.average_every is not None and cfg.eval_every:
@@ -116,6 +124,8 @@ class Lofi(Strategy[LofiConfig]):
                 o.average_every,
                 "must be > 0 (a list: each entry), or null for one average at the end",
             )
+        if o.probe_steps < 0:
+            raise ConfigError("lofi.probe_steps", o.probe_steps, "must be a number of steps >= 0")
         if o.warmup_steps < 0:
             raise ConfigError("lofi.warmup_steps", o.warmup_steps, "must be a number of steps >= 0")
         if o.warmup_steps and o.average_every is None:
@@ -186,6 +196,9 @@ class Lofi(Strategy[LofiConfig]):
             plan = plan_rounds(
                 cfg, opts, sizes, merging_for(ctx.spec).node_average(initial, ctx.architecture, opts.lora_average)
             )
+            if opts.probe_steps and not ctx.resume:
+                with watch("probe"):
+                    shared_head(group, opts.probe_steps, plan.weights)
             ctx.live.expect(n, plan.steps)
             logger.info(
                 "[lofi] %d nodes x %d steps, averaging at steps %s",

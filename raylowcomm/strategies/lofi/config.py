@@ -65,6 +65,11 @@ class LofiConfig:
     (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""
     overlap: int = 0
     """Peer rounds: steps a node trains on while a round is in flight (at most average_every/fragments)."""
+    probe_steps: int = 0
+    """Before the nodes split, each trains the new head alone for this many steps on its own shard and the
+    nodes average the heads (LP-FT): fine-tuning starts from one briefly trained head, not a random one.
+    Costs the head's bytes twice per node and `probe_steps` cheap steps (no backward through the body).
+    Full fine-tuning of a classifier (timm, hf_classifier) only."""
     final_round: Literal["compressed", "int8", "exact"] = "compressed"
     """Peer rounds: the codec of the final round, which leaves the average. compressed: `compress`, with
     error feedback (what it drops of Δ and of the residual stays on the nodes, unused); int8: Δ plus the

@@ -17,6 +17,7 @@ from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
+from raylowcomm.strategies.lofi.probe import head_names
 from raylowcomm.strategies.lofi.streaming import ALL
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
 
@@ -61,6 +62,44 @@ class LofiNode(Node):
         self.peer = NodeRounds(self, rounds, cfg.seed, start, self.merging) if rounds is not None else None
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
             self._load_bn(storage.load_tensors(self._bn_path)[0])
+
+    def probe(self, steps: int) -> dict | None:
+        """LP-FT's probe before the nodes split: `steps` steps of the new head alone on this node's shard
+        (every other weight frozen, its own optimizer); returns the head. None where this node restored a
+        checkpoint: it holds the shared head already."""
+        if self.restored_from is not None:
+            return None
+        names = set(head_names(self.model, self.spec.family))
+        frozen = [p for n, p in self.model.named_parameters() if n not in names and p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            optimizer = make_optimizer(self.cfg.optim, self.model)
+            train_steps(
+                self.model,
+                self.task,
+                optimizer,
+                self.shard,
+                0,
+                steps,
+                self.cfg.optim.batch_size,
+                self.seed,
+                precision=self.cfg.optim.precision,
+                device=self.device,
+                group_seed=group_seed(self.cfg),
+            )
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if n in names}
+
+    def load_head(self, head: dict) -> None:
+        """The nodes' averaged head: into the model (and the global model of peer rounds, where every node
+        starts from it), checkpointed at step 0 so that a restart starts from it too."""
+        self.model.load_state_dict({k: v.to(self.device) for k, v in head.items()}, strict=False)
+        if self.peer is not None:
+            self.peer.global_state.update({k: v.clone() for k, v in head.items()})
+        self.save_state(0)
 
     def save_state(self, step: int) -> None:
         """Model and optimizer; under LoRA the adapters and head only until an average is merged
