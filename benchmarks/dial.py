@@ -113,6 +113,32 @@ SETTINGS: dict[str, list[str]] = {
     "H6g_int4": [*_PEERS, "lofi.average_every=[6,20]", "lofi.compress=int4"],
     "H8g20_int4": [*_PEERS, "lofi.average_every=[8,20]", "lofi.compress=int4"],
     "H10g_int4": [*_PEERS, "lofi.average_every=[10,20]", "lofi.compress=int4"],
+    # the outer step for ten rounds: DiLoCo's Nesterov (lr 0.7, momentum 0.9, tuned for hundreds) and a
+    # milder one
+    "H6_topk3_n79": [
+        *_PEERS,
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.outer_optimizer=nesterov",
+    ],
+    "H6_topk3_n105": [
+        *_PEERS,
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.outer_optimizer=nesterov",
+        "lofi.outer_lr=1.0",
+        "lofi.outer_momentum=0.5",
+    ],
+    "H16_int4_n105": [
+        *_PEERS,
+        "lofi.average_every=16",
+        "lofi.compress=int4",
+        "lofi.outer_optimizer=nesterov",
+        "lofi.outer_lr=1.0",
+        "lofi.outer_momentum=0.5",
+    ],
     # a start that does not drift: the nodes probe their heads and share the average first (LP-FT)
     "P8_H16_int4": [*_PEERS, "lofi.probe_steps=8", "lofi.average_every=16", "lofi.compress=int4"],
     "P8_H6_topk3": [
