@@ -141,6 +141,27 @@ SETTINGS: dict[str, list[str]] = {
     ],
     # a start that does not drift: the nodes probe their heads and share the average first (LP-FT)
     "P8_H16_int4": [*_PEERS, "lofi.probe_steps=8", "lofi.average_every=16", "lofi.compress=int4"],
+    "P8_H2_topk3": [
+        *_PEERS,
+        "lofi.probe_steps=8",
+        "lofi.average_every=2",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+    ],
+    "P8_H4_topk3": [
+        *_PEERS,
+        "lofi.probe_steps=8",
+        "lofi.average_every=4",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+    ],
+    "P16_H6_topk3": [
+        *_PEERS,
+        "lofi.probe_steps=16",
+        "lofi.average_every=6",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+    ],
     "P8_H6_topk3": [
         *_PEERS,
         "lofi.probe_steps=8",
