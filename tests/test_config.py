@@ -11,6 +11,9 @@ def test_defaults_and_overrides(tmp_path):
     cfg = load_config(path, ["optim.lr=0.01", "nodes.count=3", "lofi.outer_optimizer=nesterov"])
     assert cfg.optim.lr == 0.01 and cfg.nodes.count == 3
     assert cfg.options["lofi"].average_every == 5 and cfg.options["lofi"].outer_optimizer == "nesterov"
+    # no strategies named: the ones the registry runs by default, lo-fi and its baseline, written out
+    assert cfg.strategies == ["lofi", "ddp"] and cfg.to_dict()["strategies"] == ["lofi", "ddp"]
+    assert load_config(path, ["strategies=[spsa]"]).strategies == ["spsa"]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ class StrategyOptions(Protocol):
     fp32_updates: bool
     """Whether its optimizer steps every weight it trains, so full fine-tuning needs fp32 weights."""
     count_field: str
+    runs_by_default: bool
+    """Whether a config that names no strategies runs it."""
 
     @staticmethod
     def validate(cfg: RunConfig) -> None: ...
@@ -46,6 +48,8 @@ def from_dict(raw: dict, strategies: Mapping[str, StrategyOptions]) -> RunConfig
     if "options" in raw:
         raise ConfigError("options", raw["options"], f"write each strategy's options under its own name: {names}")
     cfg = build_dataclass(RunConfig, raw, "")
+    if cfg.strategies is None:
+        cfg.strategies = [name for name, s in strategies.items() if s.runs_by_default]
     if not cfg.strategies:
         raise ConfigError("strategies", cfg.strategies, f"name at least one strategy to run: {names}")
     for i, name in enumerate(cfg.strategies):

@@ -212,9 +212,10 @@ class RunConfig:
     """Hyper-parameters every strategy shares, so they run on identical settings."""
     nodes: NodesConfig = field(default_factory=NodesConfig)
     """The actors: how many, and the CPUs, GPUs and custom resources of each."""
-    strategies: list[str] = field(default_factory=lambda: ["lofi", "ddp"])
+    strategies: list[str] | None = None
     """The strategies to run, one after another, on identical model, data and hyper-parameters:
-    lofi, ddp, spsa, interlocking."""
+    lofi, ddp, spsa, interlocking. null: those the registry runs by default, lofi and ddp (the
+    question raylowcomm answers first: lo-fi against its data-parallel baseline)."""
     seed: int = 0
     """The run's seed: a new head's and the adapters' initialisation, each node's batch order and
     SPSA's perturbations derive from it (which rows are test/val/train: data.shuffle_seed)."""

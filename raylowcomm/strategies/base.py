@@ -188,6 +188,8 @@ class Strategy(ABC, Generic[Options]):
     Config: ClassVar[type]
     count_field: ClassVar[str] = "nodes.count"
     """The option that sets how many actors it starts: the field a too-big run is told to lower."""
+    runs_by_default: ClassVar[bool] = False
+    """Whether a config that names no strategies (`strategies: null`) runs it."""
     fp32_updates: ClassVar[bool] = True
     """Its optimizer steps every weight it trains, so full fine-tuning needs fp32 weights (config
     refuses bf16/fp16 weights without LoRA); False where updates are applied alike on every replica."""

@@ -94,6 +94,7 @@ def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
 
 class Ddp(Strategy[DdpConfig]):
     name: ClassVar[str] = "ddp"
+    runs_by_default: ClassVar[bool] = True  # the baseline every run is compared with
     Config: ClassVar[type] = DdpConfig
 
     @staticmethod

@@ -49,6 +49,7 @@ def exchange_for(opts: LofiConfig) -> type[Exchange]:
 
 class Lofi(Strategy[LofiConfig]):
     name: ClassVar[str] = "lofi"
+    runs_by_default: ClassVar[bool] = True
     Config: ClassVar[type] = LofiConfig
 
     @staticmethod
