@@ -50,6 +50,8 @@ def test_a_warm_up_of_single_steps_then_growing_gaps():
         ({"average_every": 4, "warmup_steps": -1}, "lofi.warmup_steps"),
         ({"average_every": [2, 4], "compress": "int4", "fragments": 2}, "lofi.fragments"),
         ({"average_every": 4, "warmup_steps": 2, "compress": "int4", "overlap": 1}, "lofi.overlap"),
+        ({"average_every": 4, "probe_steps": 4, "outer_optimizer": "nesterov"}, "lofi.probe_steps"),
+        ({"probe_steps": -1}, "lofi.probe_steps"),
     ],
 )
 def test_a_schedule_it_cannot_run_is_refused_naming_the_field(lofi, field):

@@ -97,6 +97,13 @@ class Lofi(Strategy[LofiConfig]):
                 "a probe trains a new classifier head with every other weight frozen: not offered with "
                 "model.lora or a causal LM; set it to 0",
             )
+        if o.probe_steps and o.outer_optimizer != "none" and not exchange_for(o).nodes_keep_rounds:
+            raise ConfigError(
+                "lofi.probe_steps",
+                o.probe_steps,
+                "the driver's outer step starts from the pretrained head, not the probed one: with "
+                "lofi.outer_optimizer use peer rounds (lofi.exchange: peers), or set probe_steps to 0",
+            )
         if adapters and o.soup == "greedy":
             raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
         if adapters and o.average_every is not None and cfg.eval_every:

@@ -65,8 +65,9 @@ class LofiNode(Node):
 
     def probe(self, steps: int) -> dict | None:
         """LP-FT's probe before the nodes split: `steps` steps of the new head alone on this node's shard
-        (every other weight frozen, its own optimizer); returns the head. None where this node restored a
-        checkpoint: it holds the shared head already."""
+        (every other weight frozen, its own optimizer; BatchNorm's running statistics still follow the
+        batches, as in any training step); returns the head. None where this node restored a checkpoint: it
+        holds the shared head already."""
         if self.restored_from is not None:
             return None
         names = set(head_names(self.model, self.spec.family))
