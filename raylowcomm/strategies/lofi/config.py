@@ -69,7 +69,7 @@ class LofiConfig:
     """Before the nodes split, each trains the new head alone for this many steps on its own shard and the
     nodes average the heads (LP-FT): fine-tuning starts from one briefly trained head, not a random one.
     Costs the head's bytes twice per node and `probe_steps` cheap steps (no backward through the body).
-    Full fine-tuning of a classifier (timm, hf_classifier) only."""
+    Full fine-tuning of a classifier (timm, hf_classifier) only; an outer step needs peer rounds with it."""
     final_round: Literal["compressed", "int8", "exact"] = "compressed"
     """Peer rounds: the codec of the final round, which leaves the average. compressed: `compress`, with
     error feedback (what it drops of Δ and of the residual stays on the nodes, unused); int8: Δ plus the
