@@ -64,7 +64,6 @@ def run_replica(cfg, out: Path) -> dict:
     from raylowcomm.common.batches import batch_at, group_seed
     from raylowcomm.common.hashing import parameter_hash
     from raylowcomm.common.seeding import node_seed
-    from raylowcomm.core.zo.replay import Replica
     from raylowcomm.runner import prepare
     from raylowcomm.strategies.spsa import Spsa
     from raylowcomm.tasks import make_task, score_sets
@@ -75,21 +74,7 @@ def run_replica(cfg, out: Path) -> dict:
     shard, task = ctx.data.train.load(0, 1), make_task(ctx.data.task)
     steps = o.steps or total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
     Spsa.validate(cfg)
-    replica = Replica(
-        ctx.load_driver_weights(),
-        0,
-        cfg.seed,
-        o.make_codec(),
-        eps=o.eps,
-        samples=o.samples,
-        lr=o.lr if o.lr is not None else cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay,
-        kind=o.perturbation,
-        include=o.include,
-        estimator=o.estimator,
-        rule=o.step,
-        density=o.density,
-    )
+    replica = o.make_replica(ctx.load_driver_weights(), 0, cfg.seed, cfg.optim)
     sets, train_s, points = ctx.eval_sets(val=False), 0.0, []
     for step in range(steps + 1):
         if step % (cfg.eval_every or steps) == 0 or step == steps:

@@ -156,8 +156,8 @@ def exchange_round(
     ObjectRef crosses as its binary id."""
     n, ledger = len(group), group.ledger
     part = [] if fragment is None else [fragment]
-    if final:
-        part = [streaming.ALL if fragment is None else fragment, True]
+    if final:  # the final round syncs every fragment
+        part = [streaming.ALL, True]
     sent = group.call("send_delta", *part, phase=phase)
     refs = [ref for ref, _ in sent]
     replies = sum(len(ref[0].binary()) + payload_nbytes(nbytes) for ref, nbytes in sent)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from raylowcomm.config import ConfigError
+from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.core.membership import JoinEvent, LeaveEvent, ScheduleError, check_schedule
 from raylowcomm.core.zo.codec import Codec, codec_for
+from raylowcomm.core.zo.replay import Replica
 
 NAME = "spsa"
 """The strategy's name: its config section, and its folder in storage."""
@@ -61,6 +62,26 @@ class SpsaConfig:
     def make_codec(self) -> Codec:
         params = {"log": {"g_min": self.g_min, "g_max": self.g_max}, "linear": {"scale": self.scale}, "float32": {}}
         return codec_for(self.codec, **params[self.codec])
+
+    def make_replica(self, model, node: int, seed: int, optim: OptimConfig, step: int = 0) -> Replica:
+        """Node `node`'s replica of `model` under these options (the run's `optim` for the lr, unless
+        spsa.lr is set, and the weight decay), at `step`."""
+        return Replica(
+            model,
+            node,
+            seed,
+            self.make_codec(),
+            eps=self.eps,
+            samples=self.samples,
+            lr=self.lr if self.lr is not None else optim.lr,
+            weight_decay=optim.weight_decay,
+            kind=self.perturbation,
+            include=self.include,
+            step=step,
+            estimator=self.estimator,
+            rule=self.step,
+            density=self.density,
+        )
 
 
 def check_membership(count: int, o: SpsaConfig, steps: int | None) -> None:

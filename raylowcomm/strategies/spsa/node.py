@@ -13,7 +13,6 @@ from raylowcomm.common.batches import batch_at, group_seed, num_examples
 from raylowcomm.common.seeding import node_seed
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo.estimators import measured_loss
-from raylowcomm.core.zo.replay import Replica
 from raylowcomm.data import TrainSource
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.spsa.config import SpsaConfig
@@ -50,22 +49,7 @@ class SpsaNode(Node):
         self.storage, self.shard = storage, data.load(node, slots)  # read on the node's host
         self.hold_out(data, slots)
         self.seed, self.losses = node_seed(cfg.seed, node), []
-        self.replica = Replica(
-            self.model,
-            node,
-            cfg.seed,
-            o.make_codec(),
-            eps=o.eps,
-            samples=o.samples,
-            lr=o.lr if o.lr is not None else cfg.optim.lr,
-            weight_decay=cfg.optim.weight_decay,
-            kind=o.perturbation,
-            include=o.include,
-            step=until or 0,
-            estimator=o.estimator,
-            rule=o.step,
-            density=o.density,
-        )
+        self.replica = o.make_replica(self.model, node, cfg.seed, cfg.optim, step=until or 0)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
         if until is not None:  # a joiner, or a resumed run: the checkpoint, then the replay log, from storage
             t0 = time.perf_counter()
