@@ -185,6 +185,15 @@ class Storage:
         header = json.loads(data[8 : 8 + size])
         return load(data), json.loads((header.get("__metadata__") or {}).get("raylowcomm", "{}"))
 
+    def list(self, rel: str) -> list[str]:
+        """The names of the files directly in folder `rel`, sorted; none if it is absent. Files being
+        written (a local write's temporary name) are not among them."""
+        from pyarrow import fs
+
+        found = self.fs.get_file_info(fs.FileSelector(self.path(rel), allow_not_found=True))
+        names = (info.base_name for info in found if info.type == fs.FileType.File)
+        return sorted(n for n in names if not n.endswith(".tmp"))
+
     def delete(self, rel: str) -> None:
         """A file or a folder and everything in it; nothing if absent."""
         from pyarrow import fs

@@ -3,6 +3,7 @@ and checkpoints that a restarted node resumes from, bit for bit."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,13 @@ class StepHooks:
     """`progress(step, loss, last)` (a progress.ProgressPoster) sees every step's loss."""
     clock: TrainClock = field(default_factory=TrainClock)
     """The loop's `train_s`: what `on_step` does inside `clock.paused()` is not counted."""
+    pace: Callable[[int, float], None] | None = None
+    """Called first with the number of steps done and how long that step took (`execution.churn.Churn`:
+    a slow node sleeps, a preempted one exits before the step's checkpoint)."""
 
-    def after(self, done: int, stop: int, losses: list[float]) -> None:
+    def after(self, done: int, stop: int, losses: list[float], step_s: float = 0.0) -> None:
+        if self.pace is not None:
+            self.pace(done, step_s)
         if self.log and self.log_every and (done % self.log_every == 0 or done == stop):
             recent = losses[-self.log_every :]
             self.log(f"step {done}/{stop} loss {sum(recent) / len(recent):.4f}")
@@ -94,6 +100,7 @@ def train_steps(
     model.train()
     losses = []
     for step in range(start, stop):
+        began = time.perf_counter()
         torch.manual_seed(step_seed(seed, step))
         batch = batch_at(shard, step, batch_size, seed, group_seed)
         with autocast(precision, device):
@@ -102,7 +109,7 @@ def train_steps(
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        hooks.after(step + 1, stop, losses)
+        hooks.after(step + 1, stop, losses, time.perf_counter() - began)
     return {
         "steps": stop - start,
         "samples": (stop - start) * batch_size,

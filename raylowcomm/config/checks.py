@@ -140,6 +140,7 @@ def validate(cfg: RunConfig, fp32_updating: list[str]) -> None:
     validate_dtype(cfg, fp32_updating)
     _check_numbers(cfg)
     _check_data(cfg)
+    _check_churn(cfg)
 
 
 def _check_numbers(cfg: RunConfig) -> None:
@@ -225,3 +226,23 @@ def _check_data(cfg: RunConfig) -> None:
             cfg.data.train_size,
             "with data.node_files each node trains on all its own rows: remove it",
         )
+
+
+def _check_churn(cfg: RunConfig) -> None:
+    """churn: nodes that exist, factors that slow, steps and periods that come."""
+    churn, count = cfg.churn, cfg.nodes.count
+    for kind, events in (("slow", churn.slow), ("kill", churn.kill)):
+        for i, ev in enumerate(events):
+            if not 0 <= ev.node < count:
+                raise ConfigError(f"churn.{kind}[{i}].node", ev.node, f"name one of the nodes 0..{count - 1}")
+    for i, ev in enumerate(churn.slow):
+        if not ev.factor >= 1:
+            raise ConfigError(f"churn.slow[{i}].factor", ev.factor, "must be >= 1 (1: as fast as it is)")
+    if len({ev.node for ev in churn.slow}) != len(churn.slow):
+        raise ConfigError("churn.slow", [ev.node for ev in churn.slow], "name each slow node once")
+    for i, ev in enumerate(churn.kill):
+        if ev.at_step < 1:
+            raise ConfigError(f"churn.kill[{i}].at_step", ev.at_step, "must be >= 1 (a step the node finishes)")
+    _positive("churn.kill_every_s", churn.kill_every_s)
+    if churn.seed is not None:
+        check_seed("churn.seed", churn.seed)

@@ -203,6 +203,43 @@ class NodesConfig:
 
 
 @dataclass
+class SlowNode:
+    node: int
+    """The node (lo-fi node, DDP rank, SPSA node) that runs slow."""
+    factor: float = 3.0
+    """Each of its steps takes this many times its own time: after a step it sleeps (factor - 1) times
+    what that step took, as slower hardware would."""
+
+
+@dataclass
+class KillAt:
+    node: int
+    """The node whose process is killed (SIGKILL's effect: it exits at once, nothing saved)."""
+    at_step: int
+    """Right after it finishes this step (before that step's checkpoint, as a preemption would)."""
+
+
+@dataclass
+class ChurnConfig:
+    """Slow and preempted nodes, injected for benchmarks and tests (lo-fi, DDP, SPSA), every event
+    booked in the record (`churn` in results.json). Empty: no churn."""
+
+    slow: list[SlowNode] = field(default_factory=list)
+    """Nodes that run slow, [{node, factor}]."""
+    kill: list[KillAt] = field(default_factory=list)
+    """Preemptions at a node's step, [{node, at_step}]."""
+    kill_every_s: float | None = None
+    """A preemption every this many seconds of the strategy's run: the i-th at i × kill_every_s, its
+    victim drawn from `seed` (the same victims and times on every replay)."""
+    seed: int | None = None
+    """Seed of the victims of kill_every_s; None: the run's seed."""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.slow or self.kill or self.kill_every_s)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The pretrained model to fine-tune."""
@@ -212,6 +249,8 @@ class RunConfig:
     """Hyper-parameters every strategy shares, so they run on identical settings."""
     nodes: NodesConfig = field(default_factory=NodesConfig)
     """The actors: how many, and the CPUs, GPUs and custom resources of each."""
+    churn: ChurnConfig = field(default_factory=ChurnConfig)
+    """Slow and preempted nodes, injected to measure what churn costs each strategy."""
     strategies: list[str] | None = None
     """The strategies to run, one after another, on identical model, data and hyper-parameters:
     lofi, ddp, spsa, interlocking. null: those the registry runs by default, lofi and ddp (the

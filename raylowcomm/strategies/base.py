@@ -18,7 +18,7 @@ from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import RunConfig
 from raylowcomm.data import PreparedData
-from raylowcomm.execution import hosts_without, node_bundle
+from raylowcomm.execution import churn, hosts_without, node_bundle
 from raylowcomm.finetune import FineTune, ModelRecipe, fine_tune_for, on_meta
 from raylowcomm.models import ModelSpec, state_dict_of
 from raylowcomm.progress import NoLiveProgress
@@ -126,6 +126,8 @@ class RunContext:
         """A new run of strategy `name` starts from nothing; a resumed one keeps what storage holds."""
         if not self.resume:
             self.storage.delete(name)
+        if self.cfg.churn.active:
+            churn.mark_start(self.storage, name)
 
 
 @dataclass
@@ -277,6 +279,8 @@ def finish_record(
     wall_s = train_s if curve_wall_s is None else curve_wall_s
     curve = [*(curve or []), {**curve_point(step, wall_s, samples, ledger.total_bytes, metrics), **(final_point or {})}]
     details = details or {}
+    if ctx.cfg.churn.active:
+        details["churn"] = churn.booked_events(ctx.storage, name)
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name
     saving = time.perf_counter()

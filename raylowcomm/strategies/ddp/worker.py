@@ -22,6 +22,7 @@ from raylowcomm.common.seeding import node_seed
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.data import TrainSource
+from raylowcomm.execution.churn import Churn
 from raylowcomm.models import ModelSpec
 from raylowcomm.progress import ProgressPoster
 from raylowcomm.storage import Storage
@@ -235,12 +236,14 @@ class _Rank:
         cfg, progress = self.loop.cfg, self.loop.progress
         if progress is not None:
             progress.worker, progress.steps = self.rank, self.steps
+        churn = Churn.for_node(cfg, self.rank, self.world, self.loop.storage, "ddp")
         hooks = StepHooks(
             on_step=self.on_step,
             log=self.node.log if self.rank == 0 else None,
             log_every=cfg.log_every,
             progress=progress,
             clock=self.clock,
+            pace=churn,
         )
         train_steps(
             wrapped,

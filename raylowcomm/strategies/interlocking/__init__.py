@@ -55,6 +55,16 @@ from raylowcomm.training import total_steps
 logger = logging.getLogger(__name__)
 
 
+def refuse_churn(cfg: RunConfig) -> None:
+    if cfg.churn.active:
+        raise ConfigError(
+            "churn",
+            "set",
+            "interlocking's stages each hold layers no other has and are not restarted: run churn "
+            "with lofi, ddp or spsa, or remove the churn section",
+        )
+
+
 class Interlocking(Strategy[InterlockingConfig]):
     name: ClassVar[str] = "interlocking"
     Config: ClassVar[type] = InterlockingConfig
@@ -71,6 +81,7 @@ class Interlocking(Strategy[InterlockingConfig]):
     @staticmethod
     def validate(cfg: RunConfig) -> None:
         o = Interlocking.opts(cfg)
+        refuse_churn(cfg)
         for name in ("stages", "micro_batches", "max_batches_ahead"):
             if getattr(o, name) < 1:
                 raise ConfigError(f"interlocking.{name}", getattr(o, name), "must be >= 1")

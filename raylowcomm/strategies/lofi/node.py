@@ -13,6 +13,7 @@ from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import RunConfig
 from raylowcomm.core.averaging import measure_bn_statistics
 from raylowcomm.data import TrainSource
+from raylowcomm.execution.churn import Churn
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import merging_for
@@ -58,6 +59,7 @@ class LofiNode(Node):
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
+        self.churn = Churn.for_node(cfg, node, cfg.nodes.count, storage, "lofi")
         self.merging = merging_for(spec)  # how a round's average lands in what trains
         self.peer = NodeRounds(self, rounds, cfg.seed, start, self.merging) if rounds is not None else None
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
@@ -140,7 +142,12 @@ class LofiNode(Node):
                     self.storage.save_tensors(self._snapshot_path(step), self.weights())
 
         hooks = StepHooks(
-            on_step=on_step, log=self.log, log_every=self.cfg.log_every, progress=self.progress, clock=clock
+            on_step=on_step,
+            log=self.log,
+            log_every=self.cfg.log_every,
+            progress=self.progress,
+            clock=clock,
+            pace=self.churn,
         )
         stats = train_steps(
             self.model,

@@ -14,8 +14,9 @@ from raylowcomm.common.seeding import node_seed
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo.estimators import measured_loss
 from raylowcomm.data import TrainSource
+from raylowcomm.execution.churn import Churn
 from raylowcomm.storage import Storage
-from raylowcomm.strategies.spsa.config import SpsaConfig
+from raylowcomm.strategies.spsa.config import NAME, SpsaConfig
 from raylowcomm.training import autocast, load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class SpsaNode(Node):
         self.seed, self.losses = node_seed(cfg.seed, node), []
         self.replica = o.make_replica(self.model, node, cfg.seed, cfg.optim, step=until or 0)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
+        self.churn = Churn.for_node(cfg, node, slots, storage, NAME)
         if until is not None:  # a joiner, or a resumed run: the checkpoint, then the replay log, from storage
             t0 = time.perf_counter()
             start = load_checkpoint(storage, CHECKPOINT, self.model, None)["step"]
@@ -69,6 +71,8 @@ class SpsaNode(Node):
             batch = batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed, group_seed(self.cfg))
             payload, pairs = self.replica.compute(self.task.loss, batch)
         self.losses.append(measured_loss(self.replica.estimator, pairs))
+        if self.churn is not None:
+            self.churn(step + 1, time.perf_counter() - t0)
         self.times["compute_s"] += time.perf_counter() - t0
         every = self.cfg.log_every
         if (step + 1) % every == 0:
