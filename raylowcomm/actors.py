@@ -258,6 +258,10 @@ class NodeGroup:
         args, kwargs = self._started[key]
         return self.actor_class.options(**self.options, **self.gang.options(key)).remote(*args, **kwargs)
 
+    def restart(self, key: int, err: Exception) -> None:
+        """Start dead actor `key` again (see `_restart`), for a caller that issues its own calls."""
+        self._restart(key, err)
+
     def _restart(self, key: int, err: Exception) -> None:
         """Start a dead actor again, or re-raise `err` when its restarts are spent."""
         done = self.restarted.get(key, 0)

@@ -95,6 +95,7 @@ def summarize_run(records: list[dict], metric: str, fraction: float = TARGET_FRA
                 "total_bytes": r.get("comm", {}).get("total_bytes"),
                 "train_s": r.get("train_s"),
                 "wall_s": r.get("wall_s"),
+                "goodput": (r.get("goodput") or {}).get("goodput"),
                 "curve_points": len(curve),
                 "curve_note": (r.get("details") or {}).get("curve_note"),
             }
@@ -245,6 +246,7 @@ def _result_row(row: dict, has_target: bool, shift: str | None) -> list[str]:
             bytes_to_target if has_target else "-",
             _num(row["train_s"], ".1f"),
             _num(row["wall_s"], ".1f"),
+            f"{row['goodput']:.1%}" if row.get("goodput") is not None else "-",
         ]
     )
 
@@ -274,7 +276,16 @@ def run_section(run: dict, summary: dict | None, fraction: float) -> list[str]:
     header = (
         ["strategy", f"final {metric}"]
         + ([shift] if has_shift else [])
-        + ["time to target", "speed-up vs DDP", "bytes sent", "bytes / DDP", "bytes to target", "train s", "wall s"]
+        + [
+            "time to target",
+            "speed-up vs DDP",
+            "bytes sent",
+            "bytes / DDP",
+            "bytes to target",
+            "train s",
+            "wall s",
+            "goodput",
+        ]
     )
     rows, notes, failed = [], [], []
     for row in summary["rows"]:

@@ -11,7 +11,8 @@ def _mb(n: int | None) -> str:
 
 def format_results_table(records: list[dict]) -> str:
     """One row per strategy (and per node, and the strategy's own rows): the scores, the bytes by
-    phase, time, throughput, memory; a failed strategy's row names its error."""
+    phase, time, throughput, goodput (useful over reserved node-seconds, where the record has it),
+    memory; a failed strategy's row names its error."""
     cols = [
         "strategy",
         "id",
@@ -22,6 +23,7 @@ def format_results_table(records: list[dict]) -> str:
         "total MB",
         "wall s",
         "samples/s",
+        "goodput",
         "peak RSS MB",
     ]
     rows = []
@@ -42,6 +44,7 @@ def format_results_table(records: list[dict]) -> str:
                 _mb(r["comm"]["total_bytes"]),
                 f"{r['wall_s']:.1f}",
                 f"{r['samples_per_s']:.1f}" if r["samples_per_s"] else "-",
+                f"{r['goodput']['goodput']:.1%}" if r.get("goodput") else "-",
                 _mb(r["peak_rss_bytes"]),
             ]
         )
@@ -53,6 +56,7 @@ def format_results_table(records: list[dict]) -> str:
                         f"  node {node['node']}",
                         f"{nm[f'id_{key}']:.4f}",
                         f"{nm[f'shift_{key}']:.4f}" if f"shift_{key}" in nm else "-",
+                        "",
                         "",
                         "",
                         "",

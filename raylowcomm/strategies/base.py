@@ -146,6 +146,8 @@ class RunRecord:
     weights_path: str | None = None
     curve: list[dict] = field(default_factory=list)
     """Learning-curve points (see `curve_point`), the final evaluation last."""
+    goodput: dict | None = None
+    """Useful node-seconds over reserved ones, per node and overall (`common.goodput`)."""
 
     def to_dict(self) -> dict:
         return {
@@ -161,6 +163,7 @@ class RunRecord:
             "details": self.details,
             "weights": self.weights_path,
             "curve": self.curve,
+            **({"goodput": self.goodput} if self.goodput is not None else {}),
         }
 
 
@@ -269,6 +272,7 @@ def finish_record(
     details: dict | None = None,
     curve_wall_s: float | None = None,
     final_point: dict | None = None,
+    goodput: dict | None = None,
 ) -> RunRecord:
     """The end every strategy shares, once everything it needed has come back: the curve's last
     point is the final metrics with every byte sent (collecting the result included) at the
@@ -302,4 +306,5 @@ def finish_record(
         details,
         weights_path,
         curve,
+        goodput,
     )

@@ -16,9 +16,11 @@ in `node_rounds`). The loop below trains to each boundary and asks the exchange 
 from __future__ import annotations
 
 import logging
+import time
 from typing import ClassVar
 
 from raylowcomm.actors import NodeGroup
+from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
@@ -34,16 +36,34 @@ from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.plan import Plan, plan_rounds
 from raylowcomm.strategies.lofi.probe import shared_head
+from raylowcomm.strategies.lofi.quorum import QuorumExchange
 from raylowcomm.strategies.lofi.star import StarExchange
 from raylowcomm.tasks import make_task, mean_metrics
 
 logger = logging.getLogger(__name__)
 
 
+def lockstep_accounts(group: NodeGroup, calls: list[list[dict]]) -> list[NodeAccount]:
+    """Each node's goodput account in lockstep rounds: its training is useful (every round merges it), and
+    in each call it waits for the slowest node; what a node lost before a restart is not timed."""
+    return [
+        NodeAccount(
+            key,
+            useful_s=sum(call[k]["train_s"] for call in calls),
+            idle_at_barriers_s=sum(max(s["train_s"] for s in call) - call[k]["train_s"] for call in calls),
+            lost_s=None,
+            restarts=group.restarted.get(key, 0),
+        )
+        for k, key in enumerate(group.keys())
+    ]
+
+
 def exchange_for(opts: LofiConfig) -> type[Exchange]:
     """The run's topology, chosen here only: peer rounds where `exchange: peers`, or `auto` with a
-    codec; else the driver's star."""
+    codec, landing on a quorum where `quorum` is set; else the driver's star."""
     peers = opts.exchange == "peers" or (opts.exchange == "auto" and opts.compress != "none")
+    if peers and opts.quorum is not None:
+        return QuorumExchange
     return PeerExchange if peers else StarExchange
 
 
@@ -218,7 +238,10 @@ class Lofi(Strategy[LofiConfig]):
             if first:
                 logger.info("[lofi] resuming after averaging round %d (exchange: %s)", first, exchange.name)
             with watch("train"):
-                trained = self._train(ctx, group, plan, exchange, start, first)
+                if exchange.paced:
+                    trained = exchange.train(ctx, group, plan)
+                else:
+                    trained = self._train(ctx, group, plan, exchange, start, first)
             return self._finish(ctx, group, plan, exchange, trained, clock, watch)
 
     def _train(
@@ -229,7 +252,7 @@ class Lofi(Strategy[LofiConfig]):
         node per round) plus the averaging rounds; Ray call overhead is left out of both."""
         n, ledger = len(group), group.ledger
         # snapshots: (step, train_s at step, bytes sent by then)
-        train_s, trained, snapshots = 0.0, [], []
+        train_s, trained, snapshots, began = 0.0, [], [], time.perf_counter()
         for i, until in enumerate(plan.boundaries[first:], first):
             last = i == len(plan.boundaries) - 1
             landing = exchange.landing(plan, i)  # the round in flight lands in this call
@@ -268,7 +291,14 @@ class Lofi(Strategy[LofiConfig]):
                 round_clock = TrainClock()
                 exchange.round(group, plan, i + 1, until)
                 train_s += round_clock.elapsed()
-        return {"rounds": trained, "train_s": train_s, "snapshots": snapshots}
+        per_node = [list(calls) for calls in zip(*trained)]
+        wall_s = time.perf_counter() - began
+        return {
+            "nodes": per_node,
+            "train_s": train_s,
+            "snapshots": snapshots,
+            "goodput": goodput(lockstep_accounts(group, trained), wall_s),
+        }
 
     def _finish(
         self,
@@ -333,10 +363,9 @@ class Lofi(Strategy[LofiConfig]):
         final_phase.warn_if_worse(metric, metrics, node_metrics, details)
         infos = group.call("info", phase="final", what="node_info")  # last: peaks include node 0's save
         nodes = [
-            {**info, "metrics": m, "train": [r[k] for r in trained["rounds"]]}
-            for k, (info, m) in enumerate(zip(infos, node_metrics))
+            {**info, "metrics": m, "train": calls} for info, m, calls in zip(infos, node_metrics, trained["nodes"])
         ]
-        samples = sum(s["samples"] for r in trained["rounds"] for s in r)
+        samples = sum(s["samples"] for calls in trained["nodes"] for s in calls)
         return finish_record(
             self.name,
             ctx,
@@ -352,4 +381,5 @@ class Lofi(Strategy[LofiConfig]):
             nodes=nodes,
             details=details,
             curve_wall_s=trained["train_s"] + collect_s,
+            goodput=trained["goodput"],
         )

@@ -82,6 +82,16 @@ class LofiConfig:
     mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
     (0 with model.lora)."""
+    quorum: int | float | None = None
+    """Peer rounds that never wait for every node: a round lands once this many nodes' payloads are in
+    (a whole number), or this fraction of the live nodes' (a float in (0, 1]), and either every live
+    node's payload arrived or `grace_s` passed. A payload that missed its round is merged into a later
+    one (see `staleness`). None: every round waits for every node (lockstep)."""
+    grace_s: float = 0.0
+    """Quorum rounds: seconds a round waits, once its quorum is in, for the other live nodes."""
+    staleness: float = 0.5
+    """Quorum rounds: a payload that missed τ rounds counts with weight w·(1 + τ)^-staleness in the
+    round that merges it (w: its node's weight, `weighting`); 0: as much as a fresh one."""
 
 
 def fixed_period(o: LofiConfig) -> bool:

@@ -7,9 +7,10 @@ lives. The strategy's loop only trains to each boundary and asks its exchange fo
 - `PeerExchange` (`lofi.exchange: peers`, or `auto` with `lofi.compress`): the nodes exchange
   compressed outer gradients among themselves and every node lands the same global model,
   hash-checked; the driver only passes references on.
+- `QuorumExchange` (`lofi.quorum`): peer rounds that land on a quorum of nodes, each node training at
+  its own pace (`quorum`).
 
-An exchange that lands a round on a quorum of nodes plugs in here: it is one more class with these
-methods, and `exchange_for` (in the strategy's module) the one place that picks it.
+`exchange_for` (in the strategy's module) is the one place that picks one.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class Exchange(Protocol):
     """The record's `details.exchange`."""
     nodes_keep_rounds: ClassVar[bool]
     """Whether every node keeps a global model of its own between rounds (`node_rounds.NodeRounds`)."""
+    paced: ClassVar[bool]
+    """Whether the exchange runs the training loop itself (`train`, quorum rounds) instead of the strategy
+    stepping every node to each boundary in lockstep."""
 
     def __init__(self, ctx: RunContext, opts: LofiConfig, start: dict | None):
         """`start`: the pretrained weights, where the driver holds them (None: the nodes load them)."""
@@ -71,6 +75,9 @@ class Exchange(Protocol):
 
     def round(self, group: NodeGroup, plan: Plan, round_: int, until: int) -> None:
         """Averaging round `round_`, at step `until` of every node."""
+
+    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> dict:
+        """Where `paced`: the whole training loop, {nodes: each node's train stats per call, train_s, snapshots}."""
 
     def finish(
         self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]

@@ -229,6 +229,21 @@ class LofiNode(Node):
     ) -> None:
         self.peer.apply_round(round_, refs, weights, fragment, final)
 
+    @ray.method(num_returns=2)
+    def segment(self, rounds: list, until: int) -> tuple[dict, object]:
+        """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until`, and
+        return what it did and its payload, Δ from the global model it started from. The payload is this
+        call's second return value: the driver owns it, so it outlives this process, and nobody fetches
+        it but the nodes that land it."""
+        landed = self.peer.catch_up(rounds)
+        stats = self.train(until, [])
+        payload = self.peer.encode_delta()
+        meta = {"base_round": self.rounds, "base_hash": self.peer.global_hash(), "nbytes": payload.nbytes}
+        return {**stats, **meta, "landed": landed}, payload
+
+    def catch_up(self, rounds: list) -> int:
+        return self.peer.catch_up(rounds)
+
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
         self.peer.begin_round(round_, refs, weights, fragment)
 

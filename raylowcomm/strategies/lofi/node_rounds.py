@@ -137,6 +137,35 @@ class NodeRounds:
             mean = self._average(round_, refs, weights, self.payload, final)
             self._land(round_, fragment, mean, 0.0, self.node.step)
 
+    def catch_up(self, rounds: list[tuple[int, list[list], list[float]]]) -> int:
+        """Quorum rounds: land the rounds this node has not, in order, each (round, [[ref]] of its payloads
+        in the round's order, their weights), exactly as every other node lands them; then its model
+        becomes the latest global model (what it trained since its last payload is in that payload).
+        Returns how many rounds it landed."""
+        landed, latest = 0, None
+        for round_, refs, weights in rounds:
+            if round_ <= self.node.rounds:
+                continue
+            payloads = [ray.get(ref[0]) for ref in refs]
+            self._step_global(self.codec.average(payloads, weights))
+            landed += 1
+            self.node.rounds = latest = round_
+        if latest is not None:
+            self.payload = None
+            self._save_round(latest, streaming.ALL, 0.0)
+            self._merge(streaming.ALL, 0.0, latest)
+            self.node.save_state(self.node.step)
+        return landed
+
+    def _step_global(self, mean: dict) -> None:
+        """The outer step on the global tensors: plain, θ_global − Δ̄, or `OuterNesterov`."""
+        if self.outer is not None:
+            self.global_state = self.outer.step_delta(mean)
+            return
+        for k, d in mean.items():
+            g = self.global_state[k]
+            self.global_state[k] = (g.to(torch.float64) - d).to(g.dtype)
+
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = streaming.ALL) -> None:
         """`apply_round` overlapped (lofi.overlap): fetch and average in a thread and return at once;
         `train` lands it at the step the driver names."""
@@ -179,12 +208,7 @@ class NodeRounds:
         where rounds merge, `_land_merged`."""
         if self.merging.merges_rounds:
             return self._land_merged(round_, fragment, *mean, step)
-        if self.outer is not None:
-            self.global_state = self.outer.step_delta(mean)
-        else:
-            for k, d in mean.items():
-                g = self.global_state[k]
-                self.global_state[k] = (g.to(torch.float64) - d).to(g.dtype)
+        self._step_global(mean)
         self.payload = None
         self._save_round(round_, fragment, mix)
         self._merge(fragment, mix, round_)

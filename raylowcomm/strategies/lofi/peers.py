@@ -47,6 +47,7 @@ def nodes_hold_result(opts, adapters: bool) -> bool:
 class PeerExchange:
     name: ClassVar[str] = "peers"
     nodes_keep_rounds: ClassVar[bool] = True
+    paced: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         """`start` is unused: every node starts from the weights it was given and keeps its own global model."""

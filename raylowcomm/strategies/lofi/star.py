@@ -27,6 +27,7 @@ def curve_needs_driver_weights(cfg: RunConfig) -> str | None:
 class StarExchange:
     name: ClassVar[str] = "driver"
     nodes_keep_rounds: ClassVar[bool] = False
+    paced: ClassVar[bool] = False
 
     def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         """`start`: the pretrained weights on the driver, where it holds them (an outer step moves them)."""

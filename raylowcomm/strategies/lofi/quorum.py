@@ -1,0 +1,321 @@
+"""Quorum rounds (`lofi.quorum`): peer rounds that never wait for every node.
+
+Every node trains its segments (to its next round boundary) at its own pace, in calls the driver
+issues one node at a time (`LofiNode.segment`). A segment's payload is that call's second return
+value, owned by the driver: it outlives the node that made it, and only the nodes that land it fetch
+it. A round lands once a quorum of nodes' payloads is in, and either no live node is still training or
+`grace_s` has passed since the quorum was reached. It holds every payload that arrived since the last
+round, in node order, each weighted by its node's weight times (1 + τ)^-staleness, τ the rounds that
+landed after the global model its Δ started from: a payload that missed its round is merged late, not
+lost. The log of landed rounds is the membership record: a node lands the rounds it has not, in
+order, at the start of its next segment (`NodeRounds.catch_up`), so every node that lands round r
+lands the same payloads with the same weights in the same order, and holds the same bits (the
+driver checks the global hash each node reports with the round it started from).
+
+A node whose payload waits for its round does not train on (its next Δ would count what it sent
+again): it starts its next segment from the round that merged it. A node that dies leaves the quorum
+at once; it is restarted (`nodes.max_restarts`) from its checkpoint and round file, joins again at its
+next segment by landing the rounds it missed, and what it trained since its checkpoint is lost. A
+node whose restarts are spent leaves the run.
+
+The run's length is a budget of node-steps, the run's steps times the nodes: a slow node contributes
+the steps it managed, and the fast ones take the rest (their shards' epochs repeat, in their own
+order, `batch_at`). With every node on time and `quorum` = all nodes, every round holds every node's
+payload at the same boundaries as lockstep rounds: the same model, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import ray
+
+from raylowcomm.actors import NodeGroup, ReplicaMismatch
+from raylowcomm.common.goodput import NodeAccount, goodput
+from raylowcomm.common.ledger import payload_nbytes
+from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.lofi.config import LofiConfig
+from raylowcomm.strategies.lofi.exchange import FinalModel
+from raylowcomm.strategies.lofi.payload import final_is_own
+from raylowcomm.strategies.lofi.peers import PeerExchange, check_global
+from raylowcomm.strategies.lofi.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Arrival:
+    """A payload in the driver's hands, waiting for its round."""
+
+    node: int
+    ref: ray.ObjectRef
+    base: int
+    """The round its Δ started from."""
+    nbytes: int
+    train_s: float
+    arrived_at: float
+
+
+@dataclass
+class LandedRound:
+    number: int
+    payloads: list[Arrival]
+    weights: list[float]
+
+    def args(self) -> tuple[int, list[list], list[float]]:
+        """What a node lands it from: its number, the refs (each in a list, so that nobody resolves it
+        on the way) and the weights."""
+        return self.number, [[a.ref] for a in self.payloads], self.weights
+
+
+@dataclass
+class NodeLog:
+    """The driver's account of one node: what it has done and what it holds."""
+
+    step: int = 0
+    rounds: int = 0
+    """The rounds it has landed."""
+    useful_s: float = 0.0
+    """Training whose payload landed in a round."""
+    lost_s: float = 0.0
+    """Segments lost with the node (a death), as the driver timed them."""
+    waiting_s: float = 0.0
+    """Time between its payload's arrival and its next segment: the round it waited for."""
+    restarts: int = 0
+    segments: list[dict] = field(default_factory=list)
+
+
+def boundary_after(plan: Plan, step: int) -> int:
+    """The next round boundary after `step` on a node's own schedule: the plan's boundaries, then on
+    past the run's steps with the plan's last gap (a fast node taking a slow one's share)."""
+    for b in plan.boundaries:
+        if b > step:
+            return b
+    bounds = plan.boundaries
+    gap = bounds[-1] - bounds[-2] if len(bounds) > 1 else bounds[-1]
+    return step + gap
+
+
+def book_catch_up(ledger, phase: str, k: int, rounds: list[LandedRound]) -> None:
+    """What node k is sent to land `rounds` (their numbers, refs and weights) and fetches for them: every
+    payload in them but its own."""
+    for r in rounds:
+        refs = sum(len(a.ref.binary()) for a in r.payloads)
+        ledger.record(phase, "round_args", payload_nbytes(r.number) + refs + payload_nbytes(r.weights))
+        ledger.record(phase, "outer_gradients", sum(a.nbytes for a in r.payloads if a.node != k))
+
+
+def quorum_of(quorum: int | float, live: int) -> int:
+    """Payloads a round needs: a count, or a fraction of the live nodes (rounded up), at most `live`."""
+    need = quorum if isinstance(quorum, int) else math.ceil(quorum * live)
+    return max(1, min(need, live))
+
+
+def staleness_weight(weight: float, missed: int, exponent: float) -> float:
+    """A payload's weight in the round that merges it, `missed` rounds after the one its Δ started from
+    (FedBuff's polynomial discount; exactly `weight` for a fresh one)."""
+    return weight if missed == 0 else weight * (1 + missed) ** -exponent
+
+
+class QuorumExchange(PeerExchange):
+    name: ClassVar[str] = "quorum"
+    paced: ClassVar[bool] = True
+    """The exchange runs the training loop itself (`train`): nodes are not stepped in lockstep."""
+
+    def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
+        super().__init__(ctx, o, start)
+        self.log: list[LandedRound] = []
+        self.pending: dict[int, Arrival] = {}
+        self.nodes: dict[int, NodeLog] = {}
+        self.late: list[int] = []
+        """The staleness τ of every payload merged late."""
+        self.departed: list[int] = []
+
+    @staticmethod
+    def validate(cfg: RunConfig, o: LofiConfig) -> None:
+        PeerExchange.validate(cfg, o)
+        q, n = o.quorum, cfg.nodes.count
+        whole = isinstance(q, int) and not isinstance(q, bool)
+        if not ((whole and 1 <= q <= n) or (isinstance(q, float) and 0 < q <= 1)):
+            raise ConfigError(
+                "lofi.quorum", q, f"a node count in 1..{n} (nodes.count), a fraction in (0, 1], or null for lockstep"
+            )
+        if o.grace_s < 0:
+            raise ConfigError("lofi.grace_s", o.grace_s, "must be >= 0 seconds")
+        if o.staleness < 0:
+            raise ConfigError("lofi.staleness", o.staleness, "must be >= 0 (0: a late payload counts fully)")
+        refused = {
+            "lofi.average_every": (o.average_every is None, "quorum rounds need rounds: set lofi.average_every"),
+            "model.lora": (cfg.model.lora is not None, "not offered with quorum rounds yet: remove lofi.quorum"),
+            "lofi.fragments": (o.fragments > 1, "quorum rounds sync the whole model: set lofi.fragments: 1"),
+            "lofi.overlap": (o.overlap > 0, "a quorum round lands between segments: set lofi.overlap: 0"),
+            "lofi.final_round": (
+                final_is_own(o),
+                "a quorum round may merge a late payload with the last ones, so every payload is encoded "
+                "alike: set lofi.final_round: compressed and lofi.final_residual: true",
+            ),
+            "eval_every": (cfg.eval_every > 0, "a curve from snapshots needs lockstep nodes: set eval_every: 0"),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                value = {"model.lora": "set", "eval_every": cfg.eval_every}.get(name, getattr(o, name[5:], None))
+                raise ConfigError(name, value, fix)
+
+    def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:
+        raise RuntimeError(
+            "--resume of a lo-fi run with quorum rounds is not offered yet: the round log lives on the "
+            "driver; start the run afresh"
+        )
+
+    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> dict:
+        """Segments until the budget of node-steps is spent, landing rounds as their quorums come in.
+        The last payloads stay pending: `finish` lands them as the final round."""
+        self.nodes = {k: NodeLog() for k in group.keys()}
+        self.weights = dict(zip(group.keys(), plan.weights))
+        self.budget, self.assigned, self.hashes = plan.steps * len(group), 0, {}
+        self.flights: dict[ray.ObjectRef, tuple] = {}
+        self.joining: dict[ray.ObjectRef, int] = {}
+        began, quorum_at = time.perf_counter(), None
+        for k in group.keys():
+            self._assign(group, plan, k)
+        while self.flights or self.joining:
+            wait_s = None if quorum_at is None else max(0.0, quorum_at + self.opts.grace_s - time.perf_counter())
+            ready, _ = ray.wait([*self.flights, *self.joining], num_returns=1, timeout=wait_s)
+            for ref in ready:
+                self._arrived(group, plan, ref)
+            due, quorum_at = self._due(len(group), quorum_at)
+            if due:
+                quorum_at = None
+                for k in self._land("train"):
+                    self._assign(group, plan, k)
+                steps = sum(n.step for n in self.nodes.values())
+                ctx.report({"step": steps // len(self.nodes), "steps": plan.steps, "bytes": group.ledger.total_bytes})
+        train_s = time.perf_counter() - began
+        last = {k: a.train_s for k, a in self.pending.items()}  # `finish` lands every pending payload
+        late = self.late + [len(self.log) - a.base for a in self.pending.values() if len(self.log) > a.base]
+        accounts = [
+            NodeAccount(k, n.useful_s + last.get(k, 0.0), n.waiting_s, n.lost_s, n.restarts)
+            for k, n in sorted(self.nodes.items())
+        ]
+        return {
+            "nodes": [self.nodes[k].segments for k in sorted(self.nodes)],
+            "train_s": train_s,
+            "snapshots": [],
+            "goodput": goodput(accounts, train_s, late_payloads=len(late), late_staleness=late),
+        }
+
+    def _due(self, live: int, quorum_at: float | None) -> tuple[bool, float | None]:
+        """Whether the pending payloads land now, and since when the quorum has been in. With no live node
+        training every payload is in; the last ones, once the budget is spent, are `finish`'s."""
+        if not self.pending:
+            return False, None
+        if not self.flights:
+            return self.assigned < self.budget, None
+        if len(self.pending) < quorum_of(self.opts.quorum, live):
+            return False, None
+        quorum_at = quorum_at or time.perf_counter()
+        return time.perf_counter() >= quorum_at + self.opts.grace_s, quorum_at
+
+    def _assign(self, group: NodeGroup, plan: Plan, k: int) -> None:
+        """Node k's next segment, to its next boundary within the budget, with the rounds it has not landed."""
+        node = self.nodes[k]
+        until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
+        if until <= node.step:
+            return
+        missed = [r for r in self.log if r.number > node.rounds]
+        group.ledger.send("train", "control", until)
+        book_catch_up(group.ledger, "train", k, missed)
+        meta, payload = group[k].segment.remote([r.args() for r in missed], until)
+        self.flights[meta] = (k, payload, node.step, until, time.perf_counter())
+        self.assigned += until - node.step
+
+    def _arrived(self, group: NodeGroup, plan: Plan, ref: ray.ObjectRef) -> None:
+        if ref in self.joining:
+            k = self.joining.pop(ref)
+            self.nodes[k].rounds, self.nodes[k].step = ray.get(ref)
+            self._assign(group, plan, k)
+            return
+        k, payload, start, until, sent_at = self.flights.pop(ref)
+        node = self.nodes[k]
+        try:
+            meta = ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            self.assigned -= until - start
+            node.lost_s += time.perf_counter() - sent_at
+            self._rejoin(group, k, err)
+            return
+        group.ledger.send("train", "round_replies", meta)
+        node.step, node.rounds = until, meta["base_round"]
+        node.segments.append({**meta, "node": k})
+        self._check(k, meta)
+        self.pending[k] = Arrival(k, payload, meta["base_round"], meta["nbytes"], meta["train_s"], time.perf_counter())
+
+    def _check(self, k: int, meta: dict) -> None:
+        """Every node that started from round r holds the same global model."""
+        seen = self.hashes.setdefault(meta["base_round"], {})
+        seen[k] = meta["base_hash"]
+        if len(set(seen.values())) > 1:
+            raise ReplicaMismatch(f"lo-fi nodes hold different global models after round {meta['base_round']}: {seen}")
+
+    def _rejoin(self, group: NodeGroup, k: int, err: Exception) -> None:
+        """A node that died leaves the quorum at once; restarted, it joins again at its next segment."""
+        try:
+            group.restart(k, err)
+        except Exception as final:
+            logger.warning("[lofi] node %d died and its restarts are spent (%s): it leaves the run", k, final)
+            group.remove(k, kill=False)
+            self.departed.append(k)
+            return
+        self.nodes[k].restarts += 1
+        self.joining[group[k].round_of.remote()] = k
+
+    def _land(self, phase: str) -> list[int]:
+        """The pending payloads as the next round, in node order; returns the nodes now free to train."""
+        number = len(self.log) + 1
+        payloads = [self.pending[k] for k in sorted(self.pending)]
+        weights = []
+        now = time.perf_counter()
+        for a in payloads:
+            missed = number - 1 - a.base
+            if missed:
+                self.late.append(missed)
+            weights.append(staleness_weight(self.weights[a.node], missed, self.opts.staleness))
+            node = self.nodes[a.node]
+            node.useful_s += a.train_s
+            node.waiting_s += now - a.arrived_at
+        self.log.append(LandedRound(number, payloads, weights))
+        self.pending = {}
+        return [a.node for a in payloads]
+
+    def finish(
+        self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
+    ) -> FinalModel:
+        """The last payloads land as the final round; every node lands what it has not of the log, and
+        the driver checks that they all hold one global model: the average."""
+        if self.pending:
+            self._land("final")
+        ledger, calls = group.ledger, {}
+        for k in group.keys():
+            missed = [r for r in self.log if r.number > self.nodes[k].rounds]
+            book_catch_up(ledger, "final", k, missed)
+            calls[k] = group[k].catch_up.remote([r.args() for r in missed])
+        ray.get(list(calls.values()))
+        for k in group.keys():
+            self.nodes[k].rounds = len(self.log)
+        check_global(group, plan.steps, ledger, "final")
+        return FinalModel(group.keys(), on_nodes=True)
+
+    def details(self) -> dict:
+        return {
+            "rounds": len(self.log),
+            "round_sizes": [len(r.payloads) for r in self.log],
+            "late_payloads": len(self.late),
+            "late_staleness": self.late,
+            "departed": self.departed,
+            "restarts": {k: n.restarts for k, n in self.nodes.items() if n.restarts},
+        }

@@ -1,0 +1,91 @@
+"""Quorum rounds (`lofi.quorum`): on time and with every node in the quorum they are lockstep rounds,
+bit for bit; a slow node's payload lands late and every node still ends with the same model; a
+preempted node leaves the quorum, restarts and ends identical to the others."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylowcomm.config import ConfigError
+from raylowcomm.config.schema import ChurnConfig, KillAt, SlowNode
+from raylowcomm.strategies.lofi.plan import Plan
+from raylowcomm.strategies.lofi.quorum import boundary_after, quorum_of, staleness_weight
+from tests.strategies.test_lofi import run_lofi, tiny_config
+
+
+def rounds_config(**lofi):
+    return tiny_config(average_every=8, compress="int8", bn_recalibrate=False, **lofi)
+
+
+def test_quorum_counts_and_weights():
+    assert [quorum_of(q, 4) for q in (1, 3, 4, 0.5, 0.6, 1.0)] == [1, 3, 4, 2, 3, 4]
+    assert quorum_of(3, 2) == 2  # never more than the live nodes
+    assert staleness_weight(250.0, 0, 0.5) == 250.0  # a fresh payload keeps its node's weight exactly
+    assert staleness_weight(1.0, 3, 0.5) == 0.5 and staleness_weight(2.0, 1, 0.0) == 2.0
+
+
+def test_a_node_goes_on_past_the_run_with_the_last_gap():
+    plan = Plan(30, [8, 16, 24, 30], True, [1.0, 1.0], [], None, [None] * 4)
+    assert [boundary_after(plan, s) for s in (0, 7, 8, 29, 30, 36)] == [8, 8, 16, 30, 36, 42]
+
+
+@pytest.mark.parametrize(
+    "lofi, field",
+    [
+        ({"quorum": 3}, "lofi.quorum"),
+        ({"quorum": 0}, "lofi.quorum"),
+        ({"quorum": 1.5}, "lofi.quorum"),
+        ({"quorum": 1, "grace_s": -1}, "lofi.grace_s"),
+        ({"quorum": 1, "fragments": 2}, "lofi.fragments"),
+        ({"quorum": 1, "final_round": "exact"}, "lofi.final_round"),
+    ],
+)
+def test_bad_quorum_options_are_refused(lofi, field):
+    with pytest.raises(ConfigError) as err:
+        rounds_config(**lofi)
+    assert err.value.field_name == field
+
+
+def test_quorum_needs_rounds():
+    with pytest.raises(ConfigError) as err:
+        tiny_config(compress="int8", quorum=1)
+    assert err.value.field_name == "lofi.average_every"
+
+
+def test_quorum_of_every_node_on_time_is_lockstep_bit_for_bit(ray_session, tmp_path):
+    _, lockstep = run_lofi(rounds_config(), tmp_path / "lockstep")
+    _, quorum = run_lofi(rounds_config(quorum=2), tmp_path / "quorum")
+    assert quorum["details"]["exchange"] == "quorum"
+    assert quorum["details"]["round_sizes"] == [2, 2, 2, 2] and quorum["details"]["late_payloads"] == 0
+    a, b = load_file(lockstep["weights"]), load_file(quorum["weights"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert quorum["metrics"] == lockstep["metrics"]
+    # the same payloads cross, once per receiving peer
+    for kind in ("train/outer_gradients", "final/outer_gradients"):
+        assert quorum["comm"]["by_kind"][kind] == lockstep["comm"]["by_kind"][kind], kind
+
+
+@pytest.mark.slow
+def test_rounds_land_without_the_slow_node_and_its_payload_lands_late(ray_session, tmp_path):
+    cfg = rounds_config(quorum=1)
+    cfg.churn = ChurnConfig(slow=[SlowNode(node=1, factor=20)])
+    _, rec = run_lofi(cfg, tmp_path)
+    details = rec["details"]
+    assert 1 in details["round_sizes"], "every round waited for the slow node"
+    assert details["late_payloads"] >= 1 and min(details["late_staleness"]) >= 1
+    fast, slow = (sum(t["steps"] for t in n["train"]) for n in rec["nodes"])
+    assert fast + slow == 2 * 32 and fast > slow  # the budget of node-steps, the fast node taking the slow one's share
+    assert rec["goodput"]["late_payloads"] == details["late_payloads"]
+    assert 0 < rec["goodput"]["goodput"] <= 1
+    # finish checked every node's global model hash after the final round: they ended identical
+
+
+@pytest.mark.slow
+def test_a_preempted_node_leaves_the_quorum_and_rejoins_identical(ray_session, tmp_path):
+    cfg = rounds_config(quorum=1)
+    cfg.churn = ChurnConfig(kill=[KillAt(node=1, at_step=11)])
+    _, rec = run_lofi(cfg, tmp_path)
+    assert [e["kind"] for e in rec["details"]["churn"]] == ["kill"]
+    assert rec["details"]["restarts"] == {1: 1} and rec["goodput"]["restarts"] == 1
+    assert rec["goodput"]["nodes"][1]["lost_s"] > 0  # the preempted segment, lost with the node
+    assert sum(t["steps"] for n in rec["nodes"] for t in n["train"]) == 2 * 32
