@@ -64,6 +64,9 @@ class StepHooks:
     """`progress(step, loss, last)` (a progress.ProgressPoster) sees every step's loss."""
     clock: TrainClock = field(default_factory=TrainClock)
     """The loop's `train_s`: what `on_step` does inside `clock.paused()` is not counted."""
+    stop_after_s: float | None = None
+    """Stop after the step at which `clock` reaches this many seconds (a segment synced by time), or at
+    `stop`, whichever comes first."""
     pace: Callable[[int, float], None] | None = None
     """Called first with the number of steps done and how long that step took (`execution.churn.Churn`:
     a slow node sleeps, a preempted one exits before the step's checkpoint)."""
@@ -94,8 +97,9 @@ def train_steps(
     device: str = "cpu",
     group_seed: int | None = None,
 ) -> dict:
-    """Steps [start, stop): per-step seeding makes dropout identical on a resumed run. `train_s`
-    is `hooks.clock`'s time. `group_seed`: batches grouped by length (see `batch_at`)."""
+    """Steps [start, stop) (fewer where `hooks.stop_after_s` comes first): per-step seeding makes
+    dropout identical on a resumed run. `train_s` is `hooks.clock`'s time. `group_seed`: batches
+    grouped by length (see `batch_at`)."""
     hooks = hooks or StepHooks()
     model.train()
     losses = []
@@ -110,9 +114,11 @@ def train_steps(
         optimizer.step()
         losses.append(loss.item())
         hooks.after(step + 1, stop, losses, time.perf_counter() - began)
+        if hooks.stop_after_s is not None and hooks.clock.elapsed() >= hooks.stop_after_s:
+            break
     return {
-        "steps": stop - start,
-        "samples": (stop - start) * batch_size,
+        "steps": len(losses),
+        "samples": len(losses) * batch_size,
         "train_s": hooks.clock.elapsed(),
         "mean_loss": sum(losses) / len(losses) if losses else None,
     }

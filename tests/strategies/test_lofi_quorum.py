@@ -89,3 +89,28 @@ def test_a_preempted_node_leaves_the_quorum_and_rejoins_identical(ray_session, t
     assert rec["details"]["restarts"] == {1: 1} and rec["goodput"]["restarts"] == 1
     assert rec["goodput"]["nodes"][1]["lost_s"] > 0  # the preempted segment, lost with the node
     assert sum(t["steps"] for n in rec["nodes"] for t in n["train"]) == 2 * 32
+
+
+@pytest.mark.slow
+def test_time_sync_merges_each_payload_by_the_examples_it_trained_on(ray_session, tmp_path):
+    cfg = tiny_config(compress="int8", bn_recalibrate=False, sync="time", sync_every_s=0.3)
+    cfg.churn = ChurnConfig(slow=[SlowNode(node=1, factor=4)])
+    _, rec = run_lofi(cfg, tmp_path)
+    log = rec["details"]["round_log"]
+    for number, payloads in enumerate(log, 1):
+        for p in payloads:
+            missed = number - 1 - p["base"]
+            assert p["weight"] == (p["samples"] * (1 + missed) ** -0.5 if missed else p["samples"])
+    segments = [[t["steps"] for t in n["train"]] for n in rec["nodes"]]
+    assert sum(map(sum, segments)) == 2 * 32  # the budget of node-steps
+    assert sum(segments[0]) > sum(segments[1])  # the fast node was never held back to the slow one's pace
+    assert {p["samples"] for payloads in log for p in payloads} != {16 * 8}  # segments end by time, not by steps
+
+
+def test_time_sync_options_are_checked():
+    with pytest.raises(ConfigError) as err:
+        tiny_config(compress="int8", sync="time")
+    assert err.value.field_name == "lofi.sync_every_s"
+    with pytest.raises(ConfigError) as err:
+        tiny_config(compress="int8", sync="time", sync_every_s=1.0, average_every=8)
+    assert err.value.field_name == "lofi.average_every"

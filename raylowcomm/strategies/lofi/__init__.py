@@ -60,9 +60,9 @@ def lockstep_accounts(group: NodeGroup, calls: list[list[dict]]) -> list[NodeAcc
 
 def exchange_for(opts: LofiConfig) -> type[Exchange]:
     """The run's topology, chosen here only: peer rounds where `exchange: peers`, or `auto` with a
-    codec, landing on a quorum where `quorum` is set; else the driver's star."""
+    codec, landing on a quorum where `quorum` is set or nodes sync by time; else the driver's star."""
     peers = opts.exchange == "peers" or (opts.exchange == "auto" and opts.compress != "none")
-    if peers and opts.quorum is not None:
+    if peers and (opts.quorum is not None or opts.sync == "time"):
         return QuorumExchange
     return PeerExchange if peers else StarExchange
 

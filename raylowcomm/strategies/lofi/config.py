@@ -82,6 +82,13 @@ class LofiConfig:
     mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
     (0 with model.lora)."""
+    sync: Literal["steps", "time"] = "steps"
+    """When a node sends its round's payload. steps: at the `average_every` boundaries; time: after
+    `sync_every_s` seconds of its own training, however many steps that is (a fast node is never held
+    back), each Δ weighted by the examples it trained on since its last round. Time sync runs on quorum
+    rounds (`quorum` null: every live node)."""
+    sync_every_s: float | None = None
+    """sync: time: the seconds of training between a node's payloads."""
     quorum: int | float | None = None
     """Peer rounds that never wait for every node: a round lands once this many nodes' payloads are in
     (a whole number), or this fraction of the live nodes' (a float in (0, 1]), and either every live

@@ -120,12 +120,15 @@ class LofiNode(Node):
     def _snapshot_path(self, step: int) -> str:
         return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
 
-    def train(self, until: int, snapshot_at: list[int], landing: list | None = None) -> dict:
+    def train(
+        self, until: int, snapshot_at: list[int], landing: list | None = None, seconds: float | None = None
+    ) -> dict:
         """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
         training time so far in this call (saving the snapshot is not training). `landing`: [round,
         step] of the peer round in flight (lofi.overlap), landed at that step (after a checkpoint of
         the weights it merges into: a restart in between merges again from there); how long training
-        waited for it is `round_wait_s` in what it returns."""
+        waited for it is `round_wait_s` in what it returns. `seconds`: stop after the step that reaches
+        that much training time, if before `until` (`lofi.sync: time`), checkpointed there."""
         clock, snaps, snapshot_s, waited = TrainClock(), set(snapshot_at), {}, {}
         if self.peer is not None:
             self.peer.expect_landing(landing)
@@ -148,6 +151,7 @@ class LofiNode(Node):
             progress=self.progress,
             clock=clock,
             pace=self.churn,
+            stop_after_s=seconds,
         )
         stats = train_steps(
             self.model,
@@ -163,10 +167,13 @@ class LofiNode(Node):
             device=self.device,
             group_seed=group_seed(self.cfg),
         )
-        self.step, restored, self.restored_from = until, self.restored_from, None
+        done = self.step + stats["steps"]
+        if done != until:  # stopped by time: the checkpoint `on_step` keeps for `until`
+            self.save_state(done)
+        self.step, restored, self.restored_from = done, self.restored_from, None
         return {
             "node": self.rank,
-            "step": until,
+            "step": done,
             "restored_from": restored,
             "snapshot_s": snapshot_s,
             **stats,
@@ -230,13 +237,13 @@ class LofiNode(Node):
         self.peer.apply_round(round_, refs, weights, fragment, final)
 
     @ray.method(num_returns=2)
-    def segment(self, rounds: list, until: int) -> tuple[dict, object]:
-        """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until`, and
-        return what it did and its payload, Δ from the global model it started from. The payload is this
-        call's second return value: the driver owns it, so it outlives this process, and nobody fetches
-        it but the nodes that land it."""
+    def segment(self, rounds: list, until: int, seconds: float | None = None) -> tuple[dict, object]:
+        """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until` (or for
+        `seconds` of training, `lofi.sync: time`), and return what it did and its payload, Δ from the
+        global model it started from. The payload is this call's second return value: the driver owns it,
+        so it outlives this process, and nobody fetches it but the nodes that land it."""
         landed = self.peer.catch_up(rounds)
-        stats = self.train(until, [])
+        stats = self.train(until, [], seconds=seconds)
         payload = self.peer.encode_delta()
         meta = {"base_round": self.rounds, "base_hash": self.peer.global_hash(), "nbytes": payload.nbytes}
         return {**stats, **meta, "landed": landed}, payload

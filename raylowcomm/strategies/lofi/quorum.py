@@ -58,6 +58,8 @@ class Arrival:
     """The round its Δ started from."""
     nbytes: int
     train_s: float
+    samples: int
+    """Examples it trained on since the global model its Δ started from."""
     arrived_at: float
 
 
@@ -66,6 +68,13 @@ class LandedRound:
     number: int
     payloads: list[Arrival]
     weights: list[float]
+
+    def record(self) -> list[dict]:
+        """What the record says of it: each payload's node, base round, examples and weight."""
+        return [
+            {"node": a.node, "base": a.base, "samples": a.samples, "weight": weight}
+            for a, weight in zip(self.payloads, self.weights)
+        ]
 
     def args(self) -> tuple[int, list[list], list[float]]:
         """What a node lands it from: its number, the refs (each in a list, so that nobody resolves it
@@ -129,6 +138,8 @@ class QuorumExchange(PeerExchange):
 
     def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         super().__init__(ctx, o, start)
+        self.quorum = o.quorum if o.quorum is not None else 1.0  # sync by time alone: every live node
+        self.seconds = o.sync_every_s if o.sync == "time" else None
         self.log: list[LandedRound] = []
         self.pending: dict[int, Arrival] = {}
         self.nodes: dict[int, NodeLog] = {}
@@ -141,7 +152,7 @@ class QuorumExchange(PeerExchange):
         PeerExchange.validate(cfg, o)
         q, n = o.quorum, cfg.nodes.count
         whole = isinstance(q, int) and not isinstance(q, bool)
-        if not ((whole and 1 <= q <= n) or (isinstance(q, float) and 0 < q <= 1)):
+        if q is not None and not ((whole and 1 <= q <= n) or (isinstance(q, float) and 0 < q <= 1)):
             raise ConfigError(
                 "lofi.quorum", q, f"a node count in 1..{n} (nodes.count), a fraction in (0, 1], or null for lockstep"
             )
@@ -149,8 +160,19 @@ class QuorumExchange(PeerExchange):
             raise ConfigError("lofi.grace_s", o.grace_s, "must be >= 0 seconds")
         if o.staleness < 0:
             raise ConfigError("lofi.staleness", o.staleness, "must be >= 0 (0: a late payload counts fully)")
+        timed = o.sync == "time"
+        if timed and not (o.sync_every_s and o.sync_every_s > 0):
+            raise ConfigError(
+                "lofi.sync_every_s", o.sync_every_s, "sync: time needs the seconds between payloads (> 0)"
+            )
         refused = {
-            "lofi.average_every": (o.average_every is None, "quorum rounds need rounds: set lofi.average_every"),
+            "lofi.average_every": (
+                (o.average_every is None) != timed,
+                "sync: time replaces average_every: set one of them"
+                if timed
+                else "quorum rounds need rounds: set lofi.average_every (or lofi.sync: time)",
+            ),
+            "lofi.warmup_steps": (timed and o.warmup_steps > 0, "a warm-up counts steps: with sync: time set it to 0"),
             "model.lora": (cfg.model.lora is not None, "not offered with quorum rounds yet: remove lofi.quorum"),
             "lofi.fragments": (o.fragments > 1, "quorum rounds sync the whole model: set lofi.fragments: 1"),
             "lofi.overlap": (o.overlap > 0, "a quorum round lands between segments: set lofi.overlap: 0"),
@@ -216,7 +238,7 @@ class QuorumExchange(PeerExchange):
             return False, None
         if not self.flights:
             return self.assigned < self.budget, None
-        if len(self.pending) < quorum_of(self.opts.quorum, live):
+        if len(self.pending) < quorum_of(self.quorum, live):
             return False, None
         quorum_at = quorum_at or time.perf_counter()
         return time.perf_counter() >= quorum_at + self.opts.grace_s, quorum_at
@@ -224,13 +246,17 @@ class QuorumExchange(PeerExchange):
     def _assign(self, group: NodeGroup, plan: Plan, k: int) -> None:
         """Node k's next segment, to its next boundary within the budget, with the rounds it has not landed."""
         node = self.nodes[k]
-        until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
+        if self.seconds is None:
+            until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
+        else:  # a cap only: the segment ends after `seconds` of training; what it leaves returns to the pool
+            idle = len(group) - sum(1 for f in self.flights.values() if f[0] != k)
+            until = node.step + math.ceil((self.budget - self.assigned) / max(1, idle))
         if until <= node.step:
             return
         missed = [r for r in self.log if r.number > node.rounds]
         group.ledger.send("train", "control", until)
         book_catch_up(group.ledger, "train", k, missed)
-        meta, payload = group[k].segment.remote([r.args() for r in missed], until)
+        meta, payload = group[k].segment.remote([r.args() for r in missed], until, self.seconds)
         self.flights[meta] = (k, payload, node.step, until, time.perf_counter())
         self.assigned += until - node.step
 
@@ -250,10 +276,13 @@ class QuorumExchange(PeerExchange):
             self._rejoin(group, k, err)
             return
         group.ledger.send("train", "round_replies", meta)
-        node.step, node.rounds = until, meta["base_round"]
+        self.assigned -= until - meta["step"]  # a segment stopped by time returns what it did not use
+        node.step, node.rounds = meta["step"], meta["base_round"]
         node.segments.append({**meta, "node": k})
         self._check(k, meta)
-        self.pending[k] = Arrival(k, payload, meta["base_round"], meta["nbytes"], meta["train_s"], time.perf_counter())
+        self.pending[k] = Arrival(
+            k, payload, meta["base_round"], meta["nbytes"], meta["train_s"], meta["samples"], time.perf_counter()
+        )
 
     def _check(self, k: int, meta: dict) -> None:
         """Every node that started from round r holds the same global model."""
@@ -284,7 +313,8 @@ class QuorumExchange(PeerExchange):
             missed = number - 1 - a.base
             if missed:
                 self.late.append(missed)
-            weights.append(staleness_weight(self.weights[a.node], missed, self.opts.staleness))
+            work = float(a.samples) if self.seconds is not None else self.weights[a.node]  # merge by work
+            weights.append(staleness_weight(work, missed, self.opts.staleness))
             node = self.nodes[a.node]
             node.useful_s += a.train_s
             node.waiting_s += now - a.arrived_at
@@ -314,6 +344,7 @@ class QuorumExchange(PeerExchange):
         return {
             "rounds": len(self.log),
             "round_sizes": [len(r.payloads) for r in self.log],
+            "round_log": [r.record() for r in self.log],
             "late_payloads": len(self.late),
             "late_staleness": self.late,
             "departed": self.departed,
