@@ -54,6 +54,9 @@ SETTINGS: dict[str, list[str]] = {
     "H16_int8": [*_PEERS, "lofi.average_every=16", "lofi.compress=int8"],
     "H16_int4": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4"],
     "H32_int4": [*_PEERS, "lofi.average_every=32", "lofi.compress=int4"],
+    # every node's optimizer state starts afresh at each landed round (no byte)
+    "H16_int4_mr": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4", "lofi.round_momentum=reset"],
+    "H8_int4_mr": [*_PEERS, "lofi.average_every=8", "lofi.compress=int4", "lofi.round_momentum=reset"],
     "H8_int4": [*_PEERS, "lofi.average_every=8", "lofi.compress=int4"],
     "H8_topk5": [*_PEERS, "lofi.average_every=8", "lofi.compress=topk", "lofi.topk_fraction=0.05"],
     "H4_topk1": [*_PEERS, "lofi.average_every=4", "lofi.compress=topk", "lofi.topk_fraction=0.01"],

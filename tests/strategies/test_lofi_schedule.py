@@ -158,3 +158,14 @@ def test_a_probe_starts_every_node_from_one_averaged_head(ray_session, tmp_path,
     assert kinds["setup/probe_heads"] == 2 * head and kinds["setup/shared_head"] == 2 * head
     assert kinds["train/verify_hash"] > 0  # every round hash-checked: the nodes' global models agreed
     assert "probe" in rec["details"]["phases_s"]
+
+
+@pytest.mark.parametrize("momentum", ["keep", "reset"])
+def test_round_momentum_reset_starts_every_node_afresh_at_each_round(ray_session, tmp_path, momentum):
+    """The checkpoint a node writes when the final round lands (what a restart resumes from) holds SGD's
+    momentum buffers under keep, none under reset; the replicas agree either way (hash-checked)."""
+    cfg = tiny_config(average_every=8, compress="int8", bn_recalibrate=False, round_momentum=momentum)
+    run_lofi(cfg, tmp_path)
+    tensors = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
+    buffers = [k for k in tensors if k.startswith("optim.") and k.endswith("momentum_buffer")]
+    assert bool(buffers) == (momentum == "keep")

@@ -124,6 +124,14 @@ class Lofi(Strategy[LofiConfig]):
                 "the driver's outer step starts from the pretrained head, not the probed one: with "
                 "lofi.outer_optimizer use peer rounds (lofi.exchange: peers), or set probe_steps to 0",
             )
+        rounds = o.average_every is not None or o.sync == "time"
+        if o.round_momentum == "reset" and (o.fragments > 1 or not rounds):
+            raise ConfigError(
+                "lofi.round_momentum",
+                o.round_momentum,
+                "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
+                "or sync: time) and lofi.fragments: 1",
+            )
         if adapters and o.soup == "greedy":
             raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
         if adapters and o.average_every is not None and cfg.eval_every:
@@ -218,6 +226,7 @@ class Lofi(Strategy[LofiConfig]):
                         ctx.storage,
                         ctx.live.poster(k),
                         rounds=opts if exchange.nodes_keep_rounds else None,
+                        round_momentum=opts.round_momentum,
                     )
                 group.ready()
             sizes = ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes")

@@ -82,6 +82,10 @@ class LofiConfig:
     mix: float = 0.0
     """With overlap, a landed fragment's weights on a node: mix·its own + (1 − mix)·the global ones
     (0 with model.lora)."""
+    round_momentum: Literal["keep", "reset"] = "keep"
+    """What a node's optimizer state does when a round's global model lands. keep: its own momentum (and
+    Adam's moments) go on from its own steps; reset: they start afresh from the global model, as the
+    other nodes' do: no node keeps pulling toward where its own steps went. Costs no byte."""
     sync: Literal["steps", "time"] = "steps"
     """When a node sends its round's payload. steps: at the `average_every` boundaries; time: after
     `sync_every_s` seconds of its own training, however many steps that is (a fast node is never held

@@ -40,6 +40,7 @@ class LofiNode(Node):
         storage: Storage,
         progress=None,
         rounds: LofiConfig | None = None,
+        round_momentum: str = "keep",
     ):
         # weights: the initial state dict, or the recipe this node loads them by; a checkpoint may hold
         # what trains only: the rest comes from them. rounds: the run's lo-fi options, where its exchange
@@ -52,6 +53,7 @@ class LofiNode(Node):
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
+        self.round_momentum = round_momentum  # lofi.round_momentum
         # peer rounds: what every node sends, as it starts (a copy: restoring a checkpoint overwrites it)
         start = {k: v.clone() for k, v in self.weights().items()} if rounds is not None else None
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
@@ -194,9 +196,12 @@ class LofiNode(Node):
 
     def load_global(self, state: dict, rounds: int) -> None:
         """A global model: its weights, or under LoRA the merged average as the new frozen base with
-        fresh adapters (seeded by the round, the same on every node) and a fresh optimizer."""
+        fresh adapters (seeded by the round, the same on every node) and a fresh optimizer; with
+        lofi.round_momentum: reset, a fresh optimizer state either way."""
         if self.merging.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
             self.optimizer = make_optimizer(self.cfg.optim, self.model)
+        elif self.round_momentum == "reset":
+            self.optimizer.state.clear()
 
     def bn_statistics(self, state: dict | None, max_batches: int | None) -> tuple[dict, int]:
         """BatchNorm statistics of `state` (the driver's average) on this node's shard, or with None of
