@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError
+from raylowcomm.config.schema import ChurnConfig, KillAt
 from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.storage import Storage
@@ -200,6 +201,8 @@ def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrup
     assert first["step"] >= second["resumed_from"] and second["resumed_from"] % 8 == 0
     assert killed["pid"] not in {n["pid"] for n in rec["nodes"]}  # the group was started again
     _assert_same_run(rec, uninterrupted)
+    assert rec["goodput"]["restarts"] == 2 and uninterrupted["goodput"]["restarts"] == 0  # both ranks restarted
+    assert 0 < rec["goodput"]["goodput"] < uninterrupted["goodput"]["goodput"] <= 1
     # what the failure cost is in the ledger on top: the setup again, and steps all-reduced twice
     extra = rec["comm"]["by_phase"]["train"] - uninterrupted["comm"]["by_phase"]["train"]
     setup = rec["comm"]["by_phase"]["setup"]
@@ -209,6 +212,19 @@ def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrup
         rec["comm"]["by_kind"].get("train/gradient_allreduce_redone", 0)
         == 2 * details["allreduce_redone_bytes_per_rank_at_least"]
     )
+
+
+@pytest.mark.slow
+def test_a_rank_preempted_by_churn_restarts_the_group_as_if_uninterrupted(ray_session, uninterrupted, tmp_path):
+    cfg = _restart_config(2)
+    cfg.churn = ChurnConfig(kill=[KillAt(node=1, at_step=12)])
+    rec = Ddp().run(prepare(cfg, tmp_path)).to_dict()
+    assert rec["details"]["churn"] == [
+        {"kind": "kill", "node": 1, "at_step": 12, "step": 12, "wall_t": rec["details"]["churn"][0]["wall_t"]}
+    ]
+    # the group resumes from the last checkpoint Ray Train had taken (step 8, or none yet: 0)
+    assert rec["details"]["restarts"] == 1 and rec["details"]["attempts"][1]["resumed_from"] in (0, 8)
+    _assert_same_run(rec, uninterrupted)
 
 
 @pytest.mark.slow

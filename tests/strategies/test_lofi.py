@@ -56,6 +56,9 @@ def test_lofi_end_to_end_two_actors(ray_session, tmp_path):
     )
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()
     assert "average_without_bn_recalibration" in rec["details"]
+    good = rec["goodput"]  # each node's training over the node-seconds the training phase reserved
+    assert 0 < good["goodput"] <= 1 and good["restarts"] == 0 and len(good["nodes"]) == 2
+    assert [a["useful_s"] for a in good["nodes"]] == [sum(t["train_s"] for t in n["train"]) for n in rec["nodes"]]
     steps = rec["details"]["steps_per_node"]
     assert rec["samples_seen"] == 2 * steps * 16 and steps == 2 * (256 // 16)
 

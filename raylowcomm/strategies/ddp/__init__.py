@@ -25,6 +25,7 @@ from typing import ClassVar, Literal
 
 import ray
 
+from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
@@ -90,6 +91,17 @@ def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
         "train": round(max(w["train_s"] for w in workers), 3),
         "train_run_end": round(fitted_at - rank0["final_report_at"], 3),
     }
+
+
+def _goodput(workers: list[dict], attempts: list[dict]) -> dict:
+    """Each rank's useful time is the last attempt's training loop (what earlier attempts did past the
+    checkpoint it resumed from is redone); every rank is reserved from the first attempt's start to rank
+    0's final report, restarts of the whole group included. DDP's waits for the all-reduce are inside
+    its steps: not told apart from training."""
+    reserved = workers[0]["final_report_at"] - attempts[0].get("entered_at", workers[0]["entered_at"])
+    restarts = len(attempts) - 1
+    accounts = [NodeAccount(w["rank"], w["train_s"], 0.0, None, restarts) for w in workers]
+    return goodput(accounts, reserved)
 
 
 class Ddp(Strategy[DdpConfig]):
@@ -192,7 +204,9 @@ class Ddp(Strategy[DdpConfig]):
         attempts = ctx.storage.read_json(ATTEMPTS)
         details = _attempts_ledger(ledger, attempts, len(attempts) - earlier - 1, n)
         details["phases_s"] = _phases(result.metrics["workers"], fit_at, time.time())
-        return self._finish(ctx, ledger, clock, result, backend, details)
+        record = self._finish(ctx, ledger, clock, result, backend, details)
+        record.goodput = _goodput(result.metrics["workers"], attempts[earlier:])
+        return record
 
     def _finish(
         self, ctx: RunContext, ledger: Ledger, clock: TrainClock, result, backend: str, details: dict
