@@ -99,7 +99,8 @@ class LofiConfig:
     node's payload arrived or `grace_s` passed. A payload that missed its round is merged into a later
     one (see `staleness`). None: every round waits for every node (lockstep)."""
     grace_s: float = 0.0
-    """Quorum rounds: seconds a round waits, once its quorum is in, for the other live nodes."""
+    """Quorum rounds: seconds a round waits, once its quorum is in, for the other live nodes; only for
+    those its last segment's pace says will arrive within it (a node far behind is not waited for)."""
     staleness: float = 0.5
     """Quorum rounds: a payload that missed τ rounds counts with weight w·(1 + τ)^-staleness in the
     round that merges it (w: its node's weight, `weighting`); 0: as much as a fresh one."""

@@ -4,7 +4,8 @@ Every node trains its segments (to its next round boundary) at its own pace, in 
 issues one node at a time (`LofiNode.segment`). A segment's payload is that call's second return
 value, owned by the driver: it outlives the node that made it, and only the nodes that land it fetch
 it. A round lands once a quorum of nodes' payloads is in, and either no live node is still training or
-`grace_s` has passed since the quorum was reached. It holds every payload that arrived since the last
+`grace_s` has passed since the quorum was reached (no node is waited for that its last segment's pace
+says will come later than that). It holds every payload that arrived since the last
 round, in node order, each weighted by its node's weight times (1 + τ)^-staleness, τ the rounds that
 landed after the global model its Δ started from: a payload that missed its round is merged late, not
 lost. The log of landed rounds is the membership record: a node lands the rounds it has not, in
@@ -96,6 +97,8 @@ class NodeLog:
     waiting_s: float = 0.0
     """Time between its payload's arrival and its next segment: the round it waited for."""
     restarts: int = 0
+    pace_s: float | None = None
+    """Its last segment's wall time, from the call to its arrival: when its next one should arrive."""
     segments: list[dict] = field(default_factory=list)
 
 
@@ -233,15 +236,25 @@ class QuorumExchange(PeerExchange):
 
     def _due(self, live: int, quorum_at: float | None) -> tuple[bool, float | None]:
         """Whether the pending payloads land now, and since when the quorum has been in. With no live node
-        training every payload is in; the last ones, once the budget is spent, are `finish`'s."""
+        training every payload is in; the last ones, once the budget is spent, are `finish`'s. Once the
+        quorum is in, the round waits `grace_s` only for nodes expected within it (`_expected`): a node
+        far behind is not waited for at all."""
         if not self.pending:
             return False, None
         if not self.flights:
             return self.assigned < self.budget, None
         if len(self.pending) < quorum_of(self.quorum, live):
             return False, None
-        quorum_at = quorum_at or time.perf_counter()
-        return time.perf_counter() >= quorum_at + self.opts.grace_s, quorum_at
+        now = time.perf_counter()
+        quorum_at = quorum_at or now
+        deadline = quorum_at + self.opts.grace_s
+        return now >= deadline or not any(self._expected(f) <= deadline for f in self.flights.values()), quorum_at
+
+    def _expected(self, flight: tuple) -> float:
+        """When a segment in flight should arrive: its start plus its node's last segment's wall time (at
+        once, for a node with none yet: it is waited for)."""
+        k, _, _, _, sent_at = flight
+        return sent_at + self.nodes[k].pace_s if self.nodes[k].pace_s is not None else sent_at
 
     def _assign(self, group: NodeGroup, plan: Plan, k: int) -> None:
         """Node k's next segment, to its next boundary within the budget, with the rounds it has not landed."""
@@ -277,7 +290,7 @@ class QuorumExchange(PeerExchange):
             return
         group.ledger.send("train", "round_replies", meta)
         self.assigned -= until - meta["step"]  # a segment stopped by time returns what it did not use
-        node.step, node.rounds = meta["step"], meta["base_round"]
+        node.step, node.rounds, node.pace_s = meta["step"], meta["base_round"], time.perf_counter() - sent_at
         node.segments.append({**meta, "node": k})
         self._check(k, meta)
         self.pending[k] = Arrival(
