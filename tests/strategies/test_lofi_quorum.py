@@ -46,6 +46,15 @@ def test_bad_quorum_options_are_refused(lofi, field):
     assert err.value.field_name == field
 
 
+def test_quorum_rounds_are_peer_rounds():
+    with pytest.raises(ConfigError) as err:
+        tiny_config(average_every=8, quorum=1)  # no codec: the driver's star
+    assert err.value.field_name == "lofi.quorum"
+    with pytest.raises(ConfigError) as err:
+        tiny_config(exchange="driver", sync="time", sync_every_s=1.0)
+    assert err.value.field_name == "lofi.sync"
+
+
 def test_quorum_needs_rounds():
     with pytest.raises(ConfigError) as err:
         tiny_config(compress="int8", quorum=1)

@@ -187,6 +187,9 @@ class Lofi(Strategy[LofiConfig]):
             raise ConfigError("lofi.compress_block", o.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
         if o.compress == "none":
             Lofi._warn_unused_codec(o)
+        if (o.quorum is not None or o.sync == "time") and not exchange_for(o).nodes_keep_rounds:
+            field, value = ("lofi.quorum", o.quorum) if o.quorum is not None else ("lofi.sync", o.sync)
+            raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
         exchange_for(o).validate(cfg, o)
 
     @staticmethod

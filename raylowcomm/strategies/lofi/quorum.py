@@ -144,6 +144,9 @@ class QuorumExchange(PeerExchange):
         self.quorum = o.quorum if o.quorum is not None else 1.0  # sync by time alone: every live node
         self.seconds = o.sync_every_s if o.sync == "time" else None
         self.log: list[LandedRound] = []
+        """The landed rounds some node has still to land: their payloads stay in the object store."""
+        self.landed: list[list[dict]] = []
+        """Every landed round as the record tells it (`LandedRound.record`)."""
         self.pending: dict[int, Arrival] = {}
         self.nodes: dict[int, NodeLog] = {}
         self.late: list[int] = []
@@ -222,13 +225,14 @@ class QuorumExchange(PeerExchange):
                 ctx.report({"step": steps // len(self.nodes), "steps": plan.steps, "bytes": group.ledger.total_bytes})
         train_s = time.perf_counter() - began
         last = {k: a.train_s for k, a in self.pending.items()}  # `finish` lands every pending payload
-        late = self.late + [len(self.log) - a.base for a in self.pending.values() if len(self.log) > a.base]
+        rounds = len(self.landed)
+        late = self.late + [rounds - a.base for a in self.pending.values() if rounds > a.base]
         accounts = [
             NodeAccount(k, n.useful_s + last.get(k, 0.0), n.waiting_s, n.lost_s, n.restarts)
             for k, n in sorted(self.nodes.items())
         ]
         return {
-            "nodes": [self.nodes[k].segments for k in sorted(self.nodes)],
+            "nodes": [self.nodes[k].segments for k in group.keys()],  # the nodes still in the run
             "train_s": train_s,
             "snapshots": [],
             "goodput": goodput(accounts, train_s, late_payloads=len(late), late_staleness=late),
@@ -291,11 +295,19 @@ class QuorumExchange(PeerExchange):
         group.ledger.send("train", "round_replies", meta)
         self.assigned -= until - meta["step"]  # a segment stopped by time returns what it did not use
         node.step, node.rounds, node.pace_s = meta["step"], meta["base_round"], time.perf_counter() - sent_at
+        self._forget_landed()
         node.segments.append({**meta, "node": k})
         self._check(k, meta)
         self.pending[k] = Arrival(
             k, payload, meta["base_round"], meta["nbytes"], meta["train_s"], meta["samples"], time.perf_counter()
         )
+
+    def _forget_landed(self) -> None:
+        """Drop the rounds every node of the run has landed: nobody will fetch their payloads again, so
+        the object store frees them. A node restarting catches up from its round file, which holds a
+        round it had landed, so the rounds after it are kept for it."""
+        everyone = min(self.nodes[k].rounds for k in self.nodes if k not in self.departed)
+        self.log = [r for r in self.log if r.number > everyone]
 
     def _check(self, k: int, meta: dict) -> None:
         """Every node that started from round r holds the same global model."""
@@ -318,7 +330,7 @@ class QuorumExchange(PeerExchange):
 
     def _land(self, phase: str) -> list[int]:
         """The pending payloads as the next round, in node order; returns the nodes now free to train."""
-        number = len(self.log) + 1
+        number = len(self.landed) + 1
         payloads = [self.pending[k] for k in sorted(self.pending)]
         weights = []
         now = time.perf_counter()
@@ -332,6 +344,7 @@ class QuorumExchange(PeerExchange):
             node.useful_s += a.train_s
             node.waiting_s += now - a.arrived_at
         self.log.append(LandedRound(number, payloads, weights))
+        self.landed.append(self.log[-1].record())
         self.pending = {}
         return [a.node for a in payloads]
 
@@ -346,18 +359,31 @@ class QuorumExchange(PeerExchange):
         for k in group.keys():
             missed = [r for r in self.log if r.number > self.nodes[k].rounds]
             book_catch_up(ledger, "final", k, missed)
-            calls[k] = group[k].catch_up.remote([r.args() for r in missed])
-        ray.get(list(calls.values()))
+            calls[k] = [r.args() for r in missed]
+        self._land_everywhere(group, calls)
         for k in group.keys():
-            self.nodes[k].rounds = len(self.log)
+            self.nodes[k].rounds = len(self.landed)
         check_global(group, plan.steps, ledger, "final")
         return FinalModel(group.keys(), on_nodes=True)
 
+    @staticmethod
+    def _land_everywhere(group: NodeGroup, missed: dict[int, list]) -> None:
+        """Every node lands what it has not; one that dies meanwhile is restarted and lands from its round file."""
+        calls = {group[k].catch_up.remote(rounds): k for k, rounds in missed.items()}
+        while calls:
+            [ready], _ = ray.wait(list(calls), num_returns=1)
+            k = calls.pop(ready)
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayActorError as err:
+                group.restart(k, err)
+                calls[group[k].catch_up.remote(missed[k])] = k
+
     def details(self) -> dict:
         return {
-            "rounds": len(self.log),
-            "round_sizes": [len(r.payloads) for r in self.log],
-            "round_log": [r.record() for r in self.log],
+            "rounds": len(self.landed),
+            "round_sizes": [len(r) for r in self.landed],
+            "round_log": self.landed,
             "late_payloads": len(self.late),
             "late_staleness": self.late,
             "departed": self.departed,
