@@ -256,6 +256,9 @@ class LofiNode(Node):
     def catch_up(self, rounds: list) -> int:
         return self.peer.catch_up(rounds)
 
+    def adopt_round(self, path: str) -> int:
+        return self.peer.adopt(path)
+
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
         self.peer.begin_round(round_, refs, weights, fragment)
 

@@ -157,6 +157,19 @@ class NodeRounds:
             self.node.save_state(self.node.step)
         return landed
 
+    def adopt(self, path: str) -> int:
+        """A resumed quorum run: the global model of the round file at `path` (the node that had landed
+        the most rounds) becomes this node's global model and its model; what it trained since its last
+        payload was sent is dropped (that payload died with the driver). Its error feedback stays its own."""
+        state, momentum, _, round_ = read_round(self.node.storage, path)
+        self._set_global(state, momentum)
+        self.node.rounds = round_
+        self.payload = None
+        self._save_round(round_, streaming.ALL, 0.0)
+        self._merge(streaming.ALL, 0.0, round_)
+        self.node.save_state(self.node.step)
+        return round_
+
     def _step_global(self, mean: dict) -> None:
         """The outer step on the global tensors: plain, θ_global − Δ̄, or `OuterNesterov`."""
         if self.outer is not None:

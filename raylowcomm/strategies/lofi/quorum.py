@@ -45,8 +45,12 @@ from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.payload import final_is_own
 from raylowcomm.strategies.lofi.peers import PeerExchange, check_global
 from raylowcomm.strategies.lofi.plan import Plan
+from raylowcomm.strategies.lofi.round_file import round_path
 
 logger = logging.getLogger(__name__)
+
+ROUNDS = "lofi/quorum_rounds.json"
+"""In storage: every landed round's payloads (node, base round, examples, weight), rewritten as each lands."""
 
 
 @dataclass
@@ -142,6 +146,9 @@ class QuorumExchange(PeerExchange):
     def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         super().__init__(ctx, o, start)
         self.quorum = o.quorum if o.quorum is not None else 1.0  # sync by time alone: every live node
+        self.storage, self.batch_size = ctx.storage, ctx.cfg.optim.batch_size
+        self.resumed: dict[int, NodeLog] | None = None
+        self.resumed_at = 0
         self.seconds = o.sync_every_s if o.sync == "time" else None
         self.log: list[LandedRound] = []
         """The landed rounds some node has still to land: their payloads stay in the object store."""
@@ -195,17 +202,29 @@ class QuorumExchange(PeerExchange):
                 raise ConfigError(name, value, fix)
 
     def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:
-        raise RuntimeError(
-            "--resume of a lo-fi run with quorum rounds is not offered yet: the round log lives on the "
-            "driver; start the run afresh"
-        )
+        """After the driver died: the payloads it owned died with it, so every node adopts the global
+        model of the node that had landed the most rounds (from that node's round file in storage) and
+        drops what it trained since; the budget goes on from what the landed rounds merged
+        (`ROUNDS`, written as each round landed)."""
+        keys = group.keys()
+        held = dict(zip(keys, group.call("round_of", phase="train")))
+        ahead = max(keys, key=lambda k: held[k][0])
+        latest = held[ahead][0]
+        if latest:  # else every node still holds the start as its global model, and its Δ what it trained
+            group.call("adopt_round", round_path(ahead), phase="train")
+        landed = ctx.storage.read_json(ROUNDS) if ctx.storage.exists(ROUNDS) else []
+        self.landed = landed[:latest] + [[] for _ in range(latest - len(landed))]
+        self.resumed, self.resumed_at = {k: NodeLog(step=held[k][1], rounds=latest) for k in keys}, latest
+        logger.info("[lofi] quorum rounds resume from round %d (node %d's global model)", latest, ahead)
+        return latest
 
     def train(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> dict:
         """Segments until the budget of node-steps is spent, landing rounds as their quorums come in.
         The last payloads stay pending: `finish` lands them as the final round."""
-        self.nodes = {k: NodeLog() for k in group.keys()}
+        self.nodes = self.resumed or {k: NodeLog() for k in group.keys()}
         self.weights = dict(zip(group.keys(), plan.weights))
-        self.budget, self.assigned, self.hashes = plan.steps * len(group), 0, {}
+        merged = sum(p["samples"] for r in self.landed for p in r) // self.batch_size
+        self.budget, self.assigned, self.hashes = plan.steps * len(group) - merged, 0, {}
         self.flights: dict[ray.ObjectRef, tuple] = {}
         self.joining: dict[ray.ObjectRef, int] = {}
         began, quorum_at = time.perf_counter(), None
@@ -345,6 +364,7 @@ class QuorumExchange(PeerExchange):
             node.waiting_s += now - a.arrived_at
         self.log.append(LandedRound(number, payloads, weights))
         self.landed.append(self.log[-1].record())
+        self.storage.write_json(ROUNDS, self.landed)  # what a resumed run's budget goes on from
         self.pending = {}
         return [a.node for a in payloads]
 
@@ -387,5 +407,6 @@ class QuorumExchange(PeerExchange):
             "late_payloads": len(self.late),
             "late_staleness": self.late,
             "departed": self.departed,
+            **({"resumed_after_round": self.resumed_at} if self.resumed else {}),
             "restarts": {k: n.restarts for k, n in self.nodes.items() if n.restarts},
         }
