@@ -6,7 +6,7 @@ preemptions, against the same runs without churn.
 The workload is examples/lofi_vs_ddp_mnist.yaml on 4 nodes of half a CPU each (2 × 2 on this
 machine's cores), 1,000 images a node, 62 steps. Churn: node 3 runs 3× slower, and a node drawn from
 the seed is preempted at steps 16, 31 and 47 (each quarter of the run; DDP's Ray Train restarts its
-group, lo-fi restarts the node). Every (setting, seed) is one `raylowcomm run` into
+group, lo-fi restarts the node; `nodes.max_restarts` 3, so that DDP's group survives all three). Every (setting, seed) is one `raylowcomm run` into
 OUT_DIR/churn/<setting>/seed_<s>; a run already there is read, not repeated. Prints a table (mean and
 95% Student-t interval over the seeds: ID and shift accuracy, goodput, training wall time, late
 payloads, restarts) and writes the JSON and a plot of final ID accuracy against training wall time.
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "examples" / "lofi_vs_ddp_mnist.yaml"
 logger = logging.getLogger(__name__)
 
-BASE = ["nodes.count=4", "nodes.cpus=0.5", "data.train_size=4000", "checkpoint_every=8"]
+BASE = ["nodes.count=4", "nodes.cpus=0.5", "nodes.max_restarts=3", "data.train_size=4000", "checkpoint_every=8"]
 _ROUNDS = ["strategies=[lofi]", "lofi.exchange=peers", "lofi.compress=int4"]
 SETTINGS: dict[str, tuple[list[str], bool]] = {
     # name: (overrides, with churn)
