@@ -44,7 +44,7 @@ def format_results_table(records: list[dict]) -> str:
                 _mb(r["comm"]["total_bytes"]),
                 f"{r['wall_s']:.1f}",
                 f"{r['samples_per_s']:.1f}" if r["samples_per_s"] else "-",
-                f"{r['goodput']['goodput']:.1%}" if r.get("goodput") else "-",
+                f"{r['goodput']['goodput']:.1%}" if (r.get("goodput") or {}).get("goodput") is not None else "-",
                 _mb(r["peak_rss_bytes"]),
             ]
         )

@@ -2,7 +2,8 @@
 tests. Each node process holds a `Churn` and calls it after every training step; it sleeps where its
 node is slow, and where a preemption is due it books the event in storage and exits at once, as a
 SIGKILL'd process would (nothing flushed, no checkpoint of that step). A restarted process reads the
-booked events and does not fire them again. The victims and times of `kill_every_s` are drawn from
+booked events and does not fire them again, and a timed one that came due while it was not running
+(restarting, or a driver resuming) is skipped, not fired late. The victims and times of `kill_every_s` are drawn from
 `churn.seed` (`preemptions`): every replay of a config kills the same nodes at the same times.
 
 What was injected reaches the record from storage (`booked_events`), whoever died in between."""
@@ -79,6 +80,9 @@ class Churn:
         self.at_step = {p.at_step: p for p in mine if p.at_step is not None}
         self.timed = sorted((p for p in mine if p.at_s is not None), key=lambda p: p.at_s)
         self.start = storage.read_json(f"{prefix}/{START}")["t"] if self.timed else None
+        if self.timed:  # what came due while this process did not run (a restart, a resume) is not fired late
+            now = time.time() - self.start
+            self.timed = [p for p in self.timed if p.at_s > now]
         self.slept_s = 0.0
         if self.factor > 1 and not storage.exists(self._path("slow")):
             self._book("slow", {"kind": "slow", "node": node, "factor": self.factor})

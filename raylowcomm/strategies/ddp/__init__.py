@@ -94,13 +94,15 @@ def _phases(workers: list[dict], fit_at: float, fitted_at: float) -> dict:
 
 
 def _goodput(workers: list[dict], attempts: list[dict]) -> dict:
-    """Each rank's useful time is the last attempt's training loop (what earlier attempts did past the
-    checkpoint it resumed from is redone); every rank is reserved from the first attempt's start to rank
-    0's final report, restarts of the whole group included. DDP's waits for the all-reduce are inside
-    its steps: not told apart from training."""
-    reserved = workers[0]["final_report_at"] - attempts[0].get("entered_at", workers[0]["entered_at"])
-    restarts = len(attempts) - 1
-    accounts = [NodeAccount(w["rank"], w["train_s"], 0.0, None, restarts) for w in workers]
+    """`attempts`: this fit's. A rank's useful time is its training loop's, as its checkpoints carry it
+    (what an attempt did past the checkpoint the next resumed from is not in it), less what an earlier
+    run had done before this fit; every rank is reserved from this fit's first attempt to rank 0's final
+    report, restarts of the whole group included, and restarts with the group. DDP's waits for the
+    all-reduce are inside its steps: not told apart from training."""
+    first = attempts[0]
+    reserved = workers[0]["final_report_at"] - first.get("entered_at", workers[0]["entered_at"])
+    before, restarts = first.get("train_s_at_start", 0.0), len(attempts) - 1
+    accounts = [NodeAccount(w["rank"], max(0.0, w["train_s"] - before), 0.0, None, restarts) for w in workers]
     return goodput(accounts, reserved)
 
 

@@ -149,7 +149,8 @@ def _note_attempt(storage: Storage, start: int, counts: dict, step: int, new: bo
     attempts = storage.read_json(ATTEMPTS) if storage.exists(ATTEMPTS) else []
     entry = {"resumed_from": start, "step": step, "allreduce_bytes": counts["allreduce_bytes"]}
     if new:
-        attempts.append({**entry, "bytes_at_start": entry["allreduce_bytes"], "entered_at": time.time()})
+        started = {"bytes_at_start": entry["allreduce_bytes"], "train_s_at_start": counts["train_s"]}
+        attempts.append({**entry, **started, "entered_at": time.time()})
     else:
         attempts[-1].update(entry)
     storage.write_json(ATTEMPTS, attempts)

@@ -103,7 +103,8 @@ class LofiConfig:
     those its last segment's pace says will arrive within it (a node far behind is not waited for)."""
     staleness: float = 0.5
     """Quorum rounds: a payload that missed τ rounds counts with weight w·(1 + τ)^-staleness in the
-    round that merges it (w: its node's weight, `weighting`); 0: as much as a fresh one."""
+    round that merges it (w: its node's weight, `weighting`; with sync: time, the examples it trained
+    on); 0: as much as a fresh one."""
 
 
 def fixed_period(o: LofiConfig) -> bool:

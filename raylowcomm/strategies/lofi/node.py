@@ -242,19 +242,22 @@ class LofiNode(Node):
         self.peer.apply_round(round_, refs, weights, fragment, final)
 
     @ray.method(num_returns=2)
-    def segment(self, rounds: list, until: int, seconds: float | None = None) -> tuple[dict, object]:
+    def segment(
+        self, rounds: list, until: int, seconds: float | None = None, reset: bool = False
+    ) -> tuple[dict, object]:
         """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until` (or for
         `seconds` of training, `lofi.sync: time`), and return what it did and its payload, Δ from the
-        global model it started from. The payload is this call's second return value: the driver owns it,
-        so it outlives this process, and nobody fetches it but the nodes that land it."""
-        landed = self.peer.catch_up(rounds)
+        global model it started from (`reset`: a restarted node starts from it again). The payload is this
+        call's second return value: the driver owns it, so it outlives this process, and nobody fetches it
+        but the nodes that land it."""
+        landed = self.peer.catch_up(rounds, reset)
         stats = self.train(until, [], seconds=seconds)
         payload = self.peer.encode_delta()
         meta = {"base_round": self.rounds, "base_hash": self.peer.global_hash(), "nbytes": payload.nbytes}
         return {**stats, **meta, "landed": landed}, payload
 
-    def catch_up(self, rounds: list) -> int:
-        return self.peer.catch_up(rounds)
+    def catch_up(self, rounds: list, reset: bool = False) -> int:
+        return self.peer.catch_up(rounds, reset)
 
     def adopt_round(self, path: str) -> int:
         return self.peer.adopt(path)

@@ -137,11 +137,13 @@ class NodeRounds:
             mean = self._average(round_, refs, weights, self.payload, final)
             self._land(round_, fragment, mean, 0.0, self.node.step)
 
-    def catch_up(self, rounds: list[tuple[int, list[list], list[float]]]) -> int:
+    def catch_up(self, rounds: list[tuple[int, list[list], list[float]]], reset: bool = False) -> int:
         """Quorum rounds: land the rounds this node has not, in order, each (round, [[ref]] of its payloads
         in the round's order, their weights), exactly as every other node lands them; then its model
         becomes the latest global model (what it trained since its last payload is in that payload).
-        Returns how many rounds it landed."""
+        `reset`: the model becomes the global model even where no round lands (a restarted node drops
+        what it trained since its last round: that segment's payload was lost with it). Returns how
+        many rounds it landed."""
         landed, latest = 0, None
         for round_, refs, weights in rounds:
             if round_ <= self.node.rounds:
@@ -153,7 +155,8 @@ class NodeRounds:
         if latest is not None:
             self.payload = None
             self._save_round(latest, streaming.ALL, 0.0)
-            self._merge(streaming.ALL, 0.0, latest)
+        if latest is not None or reset:
+            self._merge(streaming.ALL, 0.0, self.node.rounds)
             self.node.save_state(self.node.step)
         return landed
 

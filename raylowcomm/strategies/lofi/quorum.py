@@ -16,8 +16,8 @@ driver checks the global hash each node reports with the round it started from).
 A node whose payload waits for its round does not train on (its next Δ would count what it sent
 again): it starts its next segment from the round that merged it. A node that dies leaves the quorum
 at once; it is restarted (`nodes.max_restarts`) from its checkpoint and round file, joins again at its
-next segment by landing the rounds it missed, and what it trained since its checkpoint is lost. A
-node whose restarts are spent leaves the run.
+next segment by landing the rounds it missed and starting from the latest global model: what it
+trained since its last round is lost. A node whose restarts are spent leaves the run.
 
 The run's length is a budget of node-steps, the run's steps times the nodes: a slow node contributes
 the steps it managed, and the fast ones take the rest (their shards' epochs repeat, in their own
@@ -46,6 +46,7 @@ from raylowcomm.strategies.lofi.payload import final_is_own
 from raylowcomm.strategies.lofi.peers import PeerExchange, check_global
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.round_file import round_path
+from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Arrival:
     nbytes: int
     train_s: float
     samples: int
-    """Examples it trained on since the global model its Δ started from."""
+    """Examples its segment trained on: all its Δ holds, as the node started the segment from its global model."""
     arrived_at: float
 
 
@@ -101,6 +102,8 @@ class NodeLog:
     waiting_s: float = 0.0
     """Time between its payload's arrival and its next segment: the round it waited for."""
     restarts: int = 0
+    reset: bool = False
+    """Restarted: its next segment starts from its global model (what it trained since is lost)."""
     pace_s: float | None = None
     """Its last segment's wall time, from the call to its arrival: when its next one should arrive."""
     segments: list[dict] = field(default_factory=list)
@@ -201,6 +204,12 @@ class QuorumExchange(PeerExchange):
                 value = {"model.lora": "set", "eval_every": cfg.eval_every}.get(name, getattr(o, name[5:], None))
                 raise ConfigError(name, value, fix)
 
+    @staticmethod
+    def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:
+        """The final round lands on the nodes, which hold the average: the driver needs the weights for a
+        curve at most."""
+        return curve_needs_driver_weights(cfg)
+
     def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:
         """After the driver died: the payloads it owned died with it, so every node adopts the global
         model of the node that had landed the most rounds (from that node's round file in storage) and
@@ -210,8 +219,10 @@ class QuorumExchange(PeerExchange):
         held = dict(zip(keys, group.call("round_of", phase="train")))
         ahead = max(keys, key=lambda k: held[k][0])
         latest = held[ahead][0]
-        if latest:  # else every node still holds the start as its global model, and its Δ what it trained
+        if latest:
             group.call("adopt_round", round_path(ahead), phase="train")
+        else:  # every node still holds the start as its global model: it starts from there again
+            group.call("catch_up", [], True, phase="train")
         landed = ctx.storage.read_json(ROUNDS) if ctx.storage.exists(ROUNDS) else []
         self.landed = landed[:latest] + [[] for _ in range(latest - len(landed))]
         self.resumed, self.resumed_at = {k: NodeLog(step=held[k][1], rounds=latest) for k in keys}, latest
@@ -242,6 +253,7 @@ class QuorumExchange(PeerExchange):
                     self._assign(group, plan, k)
                 steps = sum(n.step for n in self.nodes.values())
                 ctx.report({"step": steps // len(self.nodes), "steps": plan.steps, "bytes": group.ledger.total_bytes})
+            self._give_back(group, plan)
         train_s = time.perf_counter() - began
         last = {k: a.train_s for k, a in self.pending.items()}  # `finish` lands every pending payload
         rounds = len(self.landed)
@@ -256,6 +268,13 @@ class QuorumExchange(PeerExchange):
             "snapshots": [],
             "goodput": goodput(accounts, train_s, late_payloads=len(late), late_staleness=late),
         }
+
+    def _give_back(self, group: NodeGroup, plan: Plan) -> None:
+        """Budget a lost segment gave back goes to the nodes that stood idle for want of it."""
+        busy = {f[0] for f in self.flights.values()} | set(self.pending) | set(self.joining.values())
+        for k in group.keys():
+            if k not in busy and self.assigned < self.budget:
+                self._assign(group, plan, k)
 
     def _due(self, live: int, quorum_at: float | None) -> tuple[bool, float | None]:
         """Whether the pending payloads land now, and since when the quorum has been in. With no live node
@@ -292,14 +311,20 @@ class QuorumExchange(PeerExchange):
         missed = [r for r in self.log if r.number > node.rounds]
         group.ledger.send("train", "control", until)
         book_catch_up(group.ledger, "train", k, missed)
-        meta, payload = group[k].segment.remote([r.args() for r in missed], until, self.seconds)
+        meta, payload = group[k].segment.remote([r.args() for r in missed], until, self.seconds, node.reset)
+        node.reset = False
         self.flights[meta] = (k, payload, node.step, until, time.perf_counter())
         self.assigned += until - node.step
 
     def _arrived(self, group: NodeGroup, plan: Plan, ref: ray.ObjectRef) -> None:
         if ref in self.joining:
             k = self.joining.pop(ref)
-            self.nodes[k].rounds, self.nodes[k].step = ray.get(ref)
+            try:
+                self.nodes[k].rounds, self.nodes[k].step = ray.get(ref)
+            except ray.exceptions.RayActorError as err:  # died again while starting
+                self._rejoin(group, k, err)
+                return
+            self.nodes[k].reset = True
             self._assign(group, plan, k)
             return
         k, payload, start, until, sent_at = self.flights.pop(ref)
