@@ -42,6 +42,7 @@ SETTINGS: dict[str, tuple[list[str], bool]] = {
     "ddp": (["strategies=[ddp]"], True),
     "sync": ([*_ROUNDS, "lofi.average_every=8"], True),
     "quorum": ([*_ROUNDS, "lofi.average_every=8", "lofi.quorum=3", "lofi.grace_s=2.0"], True),
+    "quorum_half": ([*_ROUNDS, "lofi.average_every=8", "lofi.quorum=0.5", "lofi.grace_s=2.0"], True),
     "time": ([*_ROUNDS, "lofi.sync=time", "lofi.sync_every_s=2.0"], True),
 }
 SLOW_NODE, SLOW_FACTOR, KILL_STEPS = 3, 3, (16, 31, 47)

@@ -246,7 +246,7 @@ class QuorumExchange(PeerExchange):
             ready, _ = ray.wait([*self.flights, *self.joining], num_returns=1, timeout=wait_s)
             for ref in ready:
                 self._arrived(group, plan, ref)
-            due, quorum_at = self._due(len(group), quorum_at)
+            due, quorum_at = self._due(len(group) - len(self.joining), quorum_at)  # a restarting node is out
             if due:
                 quorum_at = None
                 for k in self._land("train"):
