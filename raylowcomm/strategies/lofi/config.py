@@ -95,9 +95,10 @@ class LofiConfig:
     """sync: time: the seconds of training between a node's payloads."""
     quorum: int | float | None = None
     """Peer rounds that never wait for every node: a round lands once this many nodes' payloads are in
-    (a whole number), or this fraction of the live nodes' (a float in (0, 1]), and either every live
-    node's payload arrived or `grace_s` passed. A payload that missed its round is merged into a later
-    one (see `staleness`). None: every round waits for every node (lockstep)."""
+    (a whole number, at most the live nodes), or this fraction of the live nodes' (a float in (0, 1];
+    a node restarting is not live until it rejoins), and either every live node's payload arrived or
+    `grace_s` passed. A payload that missed its round is merged into a later one (see `staleness`).
+    None: every round waits for every node (lockstep)."""
     grace_s: float = 0.0
     """Quorum rounds: seconds a round waits, once its quorum is in, for the other live nodes; only for
     those its last segment's pace says will arrive within it (a node far behind is not waited for)."""
