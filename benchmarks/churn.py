@@ -148,7 +148,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.scatter(*zip(*pts), label=setting)
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("final ID accuracy")
-    ax.set_title("4 nodes, node 3 at 1/3 speed, a preemption each quarter")
+    ax.set_title("4 nodes: node 3 at 1/3 speed, a preemption each quarter (not *_clean)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
