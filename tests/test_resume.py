@@ -162,13 +162,14 @@ def test_a_killed_driver_of_quorum_rounds_resumes_and_finishes(tmp_path):
     had landed the most rounds and the run finishes, every node ending with the same model (hash-checked)."""
     config = tmp_path / "cfg.yaml"
     lofi = {"bn_recalibrate": False, "average_every": 8, "compress": "int8", "quorum": 2}
-    config.write_text(yaml.safe_dump({**CONFIG, "strategies": ["lofi"], "lofi": lofi}))
+    optim = {**CONFIG["optim"], "epochs": 2}  # 32 steps a node, 4 rounds
+    config.write_text(yaml.safe_dump({**CONFIG, "optim": optim, "strategies": ["lofi"], "lofi": lofi}))
     out = tmp_path / "run"
     first = _cli(str(config), "--out", str(out))
     rounds = out / "state" / "lofi" / "quorum_rounds.json"
-    _kill_when(first, lambda: rounds.exists() and len(json.loads(rounds.read_text())) >= 3)
+    _kill_when(first, lambda: rounds.exists() and len(json.loads(rounds.read_text())) >= 2)
     log = _finish(_cli(str(config), "--resume", str(out)))
     assert "quorum rounds resume from round" in log
     [rec] = json.loads((out / "results.json").read_text())
-    assert "error" not in rec and rec["details"]["resumed_after_round"] >= 3
+    assert "error" not in rec and rec["details"]["resumed_after_round"] >= 2
     assert rec["details"]["rounds"] > rec["details"]["resumed_after_round"]

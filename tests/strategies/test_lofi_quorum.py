@@ -14,7 +14,10 @@ from tests.strategies.test_lofi import run_lofi, tiny_config
 
 
 def rounds_config(**lofi):
-    return tiny_config(average_every=8, compress="int8", bn_recalibrate=False, **lofi)
+    """16 steps a node (one epoch), a round every 8."""
+    cfg = tiny_config(average_every=8, compress="int8", bn_recalibrate=False, **lofi)
+    cfg.optim.epochs = 1
+    return cfg
 
 
 def test_quorum_counts_and_weights():
@@ -65,7 +68,7 @@ def test_quorum_of_every_node_on_time_is_lockstep_bit_for_bit(ray_session, tmp_p
     _, lockstep = run_lofi(rounds_config(), tmp_path / "lockstep")
     _, quorum = run_lofi(rounds_config(quorum=2), tmp_path / "quorum")
     assert quorum["details"]["exchange"] == "quorum"
-    assert quorum["details"]["round_sizes"] == [2, 2, 2, 2] and quorum["details"]["late_payloads"] == 0
+    assert quorum["details"]["round_sizes"] == [2, 2] and quorum["details"]["late_payloads"] == 0
     a, b = load_file(lockstep["weights"]), load_file(quorum["weights"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert quorum["metrics"] == lockstep["metrics"]
@@ -83,7 +86,7 @@ def test_rounds_land_without_the_slow_node_and_its_payload_lands_late(ray_sessio
     assert 1 in details["round_sizes"], "every round waited for the slow node"
     assert details["late_payloads"] >= 1 and min(details["late_staleness"]) >= 1
     fast, slow = (sum(t["steps"] for t in n["train"]) for n in rec["nodes"])
-    assert fast + slow == 2 * 32 and fast > slow  # the budget of node-steps, the fast node taking the slow one's share
+    assert fast + slow == 2 * 16 and fast > slow  # the budget of node-steps, the fast node taking the slow one's share
     assert rec["goodput"]["late_payloads"] == details["late_payloads"]
     assert 0 < rec["goodput"]["goodput"] <= 1
     # finish checked every node's global model hash after the final round: they ended identical
@@ -97,7 +100,7 @@ def test_a_preempted_node_leaves_the_quorum_and_rejoins_identical(ray_session, t
     assert [e["kind"] for e in rec["details"]["churn"]] == ["kill"]
     assert rec["details"]["restarts"] == {1: 1} and rec["goodput"]["restarts"] == 1
     assert rec["goodput"]["nodes"][1]["lost_s"] > 0  # the preempted segment, lost with the node
-    assert sum(t["steps"] for n in rec["nodes"] for t in n["train"]) == 2 * 32
+    assert sum(t["steps"] for n in rec["nodes"] for t in n["train"]) == 2 * 16
 
 
 @pytest.mark.slow
