@@ -171,5 +171,6 @@ def test_a_killed_driver_of_quorum_rounds_resumes_and_finishes(tmp_path):
     log = _finish(_cli(str(config), "--resume", str(out)))
     assert "quorum rounds resume from round" in log
     [rec] = json.loads((out / "results.json").read_text())
-    assert "error" not in rec and rec["details"]["resumed_after_round"] >= 2
+    # two rounds had landed on the driver; a node lands a round at its next segment, so the nodes hold round 1 at least
+    assert "error" not in rec and rec["details"]["resumed_after_round"] >= 1
     assert rec["details"]["rounds"] > rec["details"]["resumed_after_round"]
