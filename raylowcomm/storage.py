@@ -137,6 +137,10 @@ class Storage:
 
         return self.fs.get_file_info(self.path(rel)).type != fs.FileType.NotFound
 
+    def size(self, rel: str) -> int:
+        """The bytes of `rel`: what a reader of it fetches."""
+        return self.fs.get_file_info(self.path(rel)).size
+
     def write_bytes(self, rel: str, data: bytes) -> int:
         """Atomic where the filesystem allows it: a local or NFS file is written beside and
         renamed, so a reader (a restarted node) never sees half a checkpoint; an object store's

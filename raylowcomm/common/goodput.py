@@ -18,16 +18,17 @@ class NodeAccount:
     """Training lost with the node (a death), where the strategy can time it."""
     restarts: int = 0
     joins: int = 0
+    reserved_s: float | None = None
+    """Seconds the node was in the run (from its join to its leave); None: the whole training phase."""
 
 
 def goodput(accounts: list[NodeAccount], reserved_s: float, **extra) -> dict:
-    """Each node was reserved for `reserved_s` (the training phase's wall time): its goodput is its
-    useful seconds over that, and the run's is useful node-seconds over reserved node-seconds."""
-    nodes = [
-        {**asdict(a), "reserved_s": reserved_s, "goodput": a.useful_s / reserved_s if reserved_s else None}
-        for a in accounts
-    ]
-    useful, reserved = sum(a.useful_s for a in accounts), reserved_s * len(accounts)
+    """Each node was reserved for `reserved_s` (the training phase's wall time), or for its own time in the
+    run where it joined or left: its goodput is its useful seconds over that, and the run's is useful
+    node-seconds over reserved node-seconds."""
+    held = [a.reserved_s if a.reserved_s is not None else reserved_s for a in accounts]
+    nodes = [{**asdict(a), "reserved_s": r, "goodput": a.useful_s / r if r else None} for a, r in zip(accounts, held)]
+    useful, reserved = sum(a.useful_s for a in accounts), sum(held)
     return {
         "goodput": useful / reserved if reserved else None,
         "useful_node_s": useful,

@@ -119,6 +119,51 @@ def test_time_sync_merges_each_payload_by_the_examples_it_trained_on(ray_session
     assert {p["samples"] for payloads in log for p in payloads} != {16 * 8}  # segments end by time, not by steps
 
 
+@pytest.mark.slow
+def test_a_node_joins_and_another_leaves_mid_run_and_the_remaining_end_identical(ray_session, tmp_path):
+    cfg = tiny_config(
+        average_every=4, compress="int8", bn_recalibrate=False, join=[{"step": 5}], leave=[{"node": 0, "step": 8}]
+    )
+    # 3 shards of 170 rows: 10 steps an epoch, 20 a node, a budget of 2 x 20 node-steps; node 1 runs slow, so
+    # that the joiner's start (a new process loading the model) comes before the budget is spent
+    cfg.churn = ChurnConfig(slow=[SlowNode(node=1, factor=20)])
+    ctx, rec = run_lofi(cfg, tmp_path)
+    details = rec["details"]
+    assert details["exchange"] == "quorum" and details["steps_per_node"] == 20
+    assert [j["node"] for j in details["joined"]] == [2] and details["left"] == [{"node": 0, "step": 8}]
+    assert [n["node"] for n in rec["nodes"]] == [1, 2]  # the nodes in the run at its end
+    joiner = rec["nodes"][1]["train"]
+    assert joiner[0]["base_round"] >= 1  # it joined from a landed round's global model, not the start
+    assert sum(p["node"] == 0 for r in details["round_log"] for p in r) == 2  # the leaver's payloads all merged
+    assert rec["samples_seen"] == 2 * 20 * cfg.optim.batch_size  # the budget: steps x nodes.count, the leaver's too
+    assert rec["goodput"]["joins"] == 1
+    stay = [rec["goodput"]["nodes"][k]["reserved_s"] for k in range(3)]
+    assert stay[0] < stay[1] and stay[2] < stay[1]  # the leaver and the joiner were in the run for less of it
+    # the nodes that remain hold one global model, bit for bit, at the last round
+    files = [ctx.storage.load_tensors(f"lofi/checkpoints/node{k}_round.safetensors") for k in (1, 2)]
+    (a, meta_a), (b, meta_b) = files
+    assert meta_a["round"] == meta_b["round"] == len(details["round_log"])
+    globals_ = [{k: v for k, v in t.items() if k.startswith("global.")} for t in (a, b)]
+    assert globals_[0].keys() == globals_[1].keys() and all(
+        torch.equal(globals_[0][k], globals_[1][k]) for k in a if k.startswith("global.")
+    )
+
+
+def test_membership_schedules_are_checked():
+    for lofi, field in [
+        ({"leave": [{"node": 5, "step": 3}]}, "lofi.leave[0].node"),
+        ({"leave": [{"node": 0, "step": 3, "how": "kill"}]}, "lofi.leave[0].how"),
+        ({"join": [{"step": 0}]}, "lofi.join[0].step"),
+        ({"leave": [{"node": 0, "step": 3}, {"node": 1, "step": 3}]}, "lofi.leave[1]"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            rounds_config(**lofi)
+        assert err.value.field_name == field
+    with pytest.raises(ConfigError) as err:
+        tiny_config(average_every=8, join=[{"step": 2}])  # no codec: the driver's star
+    assert err.value.field_name == "lofi.join"
+
+
 def test_time_sync_options_are_checked():
     with pytest.raises(ConfigError) as err:
         tiny_config(compress="int8", sync="time")

@@ -26,17 +26,18 @@ from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.averaging import batchnorm_layers
 from raylowcomm.core.compression import CODECS
+from raylowcomm.execution.placement import node_bundle
 from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, finish_record
 from raylowcomm.strategies.lofi import final as final_phase
 from raylowcomm.strategies.lofi import streaming
-from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig
+from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig, node_slots, on_quorum
 from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node import LofiNode
 from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.plan import Plan, plan_rounds
 from raylowcomm.strategies.lofi.probe import shared_head
-from raylowcomm.strategies.lofi.quorum import QuorumExchange
+from raylowcomm.strategies.lofi.quorum import QuorumExchange, check_membership
 from raylowcomm.strategies.lofi.star import StarExchange
 from raylowcomm.tasks import make_task, mean_metrics
 
@@ -60,9 +61,10 @@ def lockstep_accounts(group: NodeGroup, calls: list[list[dict]]) -> list[NodeAcc
 
 def exchange_for(opts: LofiConfig) -> type[Exchange]:
     """The run's topology, chosen here only: peer rounds where `exchange: peers`, or `auto` with a
-    codec, landing on a quorum where `quorum` is set or nodes sync by time; else the driver's star."""
+    codec, landing on a quorum where `quorum` is set, nodes sync by time or join and leave (`on_quorum`);
+    else the driver's star."""
     peers = opts.exchange == "peers" or (opts.exchange == "auto" and opts.compress != "none")
-    if peers and (opts.quorum is not None or opts.sync == "time"):
+    if peers and on_quorum(opts):
         return QuorumExchange
     return PeerExchange if peers else StarExchange
 
@@ -80,6 +82,11 @@ class Lofi(Strategy[LofiConfig]):
             return []
         shift = f"{bn[f'shift_{metric}']:.4f}" if f"shift_{metric}" in bn else "-"
         return [["  avg w/o BN recal", f"{bn[f'id_{metric}']:.4f}", shift]]
+
+    @staticmethod
+    def bundles(cfg: RunConfig) -> list[dict[str, float]]:
+        """Joiners (lofi.join) may be alive beside the first nodes: a slot for each."""
+        return [node_bundle(cfg)] * node_slots(cfg, Lofi.opts(cfg))
 
     @staticmethod
     def driver_weights(cfg: RunConfig) -> str | None:
@@ -144,12 +151,14 @@ class Lofi(Strategy[LofiConfig]):
     @staticmethod
     def check(ctx: RunContext) -> None:
         from raylowcomm.strategies.lofi.config import check_schedule
+        from raylowcomm.training import total_steps
 
         o = Lofi.opts(ctx.cfg)
         streaming.check(o, ctx.architecture, ctx.fine_tune, merging_for(ctx.spec).sync_unit)
-        sizes = ctx.data.train.sizes(ctx.cfg.nodes.count)  # None with data.node_files: only the nodes know theirs
+        sizes = ctx.data.train.sizes(node_slots(ctx.cfg, o))  # None with data.node_files: only the nodes know theirs
         if sizes:
             check_schedule(ctx.cfg, o, min(sizes))
+            check_membership(ctx.cfg, o, total_steps(ctx.cfg.optim, min(sizes)))
 
     @staticmethod
     def _validate_schedule(o: LofiConfig) -> None:
@@ -187,8 +196,12 @@ class Lofi(Strategy[LofiConfig]):
             raise ConfigError("lofi.compress_block", o.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
         if o.compress == "none":
             Lofi._warn_unused_codec(o)
-        if (o.quorum is not None or o.sync == "time") and not exchange_for(o).nodes_keep_rounds:
-            field, value = ("lofi.quorum", o.quorum) if o.quorum is not None else ("lofi.sync", o.sync)
+        if on_quorum(o) and not exchange_for(o).nodes_keep_rounds:
+            field, value = next(
+                (f"lofi.{name}", getattr(o, name))
+                for name in ("quorum", "sync", "join", "leave")
+                if getattr(o, name) not in (None, "steps", [])
+            )
             raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
         exchange_for(o).validate(cfg, o)
 
@@ -206,7 +219,7 @@ class Lofi(Strategy[LofiConfig]):
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, self.opts(ctx.cfg), ctx.cfg.nodes.count
-        clock, ledger = TrainClock(), Ledger()
+        clock, ledger, slots = TrainClock(), Ledger(), node_slots(cfg, opts)
         ctx.fresh_state(self.name)
         (what, start), watch = ctx.initial_model(), Stopwatch()
         initial = start if what == "initial_weights" else None  # None: the nodes load the weights, not the driver
@@ -217,7 +230,12 @@ class Lofi(Strategy[LofiConfig]):
                 group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
                 # how to read the data, not the data
                 recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
-                for k in range(n):
+
+                def launch(k: int) -> None:
+                    """Node k's actor; a joiner's fetch of the start and the recipe is booked as it starts."""
+                    if k >= n:
+                        ledger.send("train", what, start)
+                        ledger.send("train", "data_recipe", ctx.data.train)
                     group.start(
                         k,
                         k,
@@ -230,9 +248,13 @@ class Lofi(Strategy[LofiConfig]):
                         ctx.live.poster(k),
                         rounds=opts if exchange.nodes_keep_rounds else None,
                         round_momentum=opts.round_momentum,
+                        slots=slots,
                     )
+
+                for k in range(n):
+                    launch(k)
                 group.ready()
-            sizes = ctx.data.train.sizes(n) or group.call("examples", phase="setup", what="shard_sizes")
+            sizes = ctx.data.train.sizes(slots) or group.call("examples", phase="setup", what="shard_sizes")
             plan = plan_rounds(
                 cfg, opts, sizes, merging_for(ctx.spec).node_average(initial, ctx.architecture, opts.lora_average)
             )
@@ -251,7 +273,7 @@ class Lofi(Strategy[LofiConfig]):
                 logger.info("[lofi] resuming after averaging round %d (exchange: %s)", first, exchange.name)
             with watch("train"):
                 if exchange.paced:
-                    trained = exchange.train(ctx, group, plan)
+                    trained = exchange.train(ctx, group, plan, launch)
                 else:
                     trained = self._train(ctx, group, plan, exchange, start, first)
             return self._finish(ctx, group, plan, exchange, trained, clock, watch)
@@ -377,7 +399,7 @@ class Lofi(Strategy[LofiConfig]):
         nodes = [
             {**info, "metrics": m, "train": calls} for info, m, calls in zip(infos, node_metrics, trained["nodes"])
         ]
-        samples = sum(s["samples"] for calls in trained["nodes"] for s in calls)
+        samples = trained.get("samples", sum(s["samples"] for calls in trained["nodes"] for s in calls))
         return finish_record(
             self.name,
             ctx,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.core.membership import JoinEvent, LeaveEvent
 
 MAX_COMPRESS_BLOCK = 65536
 """lofi.compress_block's upper bound: every node pads each tensor to whole blocks."""
@@ -106,6 +107,25 @@ class LofiConfig:
     """Quorum rounds: a payload that missed τ rounds counts with weight w·(1 + τ)^-staleness in the
     round that merges it (w: its node's weight, `weighting`; with sync: time, the examples it trained
     on); 0: as much as a fresh one."""
+    join: list[JoinEvent] = field(default_factory=list)
+    """Nodes that join quorum rounds, [{step}]: the i-th, node nodes.count + i, starts once the run has
+    trained `step` steps (its node-steps over nodes.count), from the latest global model a node holds
+    (its round file in `storage`), and lands the rounds after it at its first segment. The training set
+    has one shard per node slot (nodes.count + len(join)): a joiner trains its own shard from then on."""
+    leave: list[LeaveEvent] = field(default_factory=list)
+    """Nodes that leave quorum rounds, [{node, step}]: node k trains to its own step `step`, its last
+    payload merges into the next round, and its actor ends; its shard is not trained after that. how:
+    remove only (a crash is `churn.kill` with nodes.max_restarts: 0)."""
+
+
+def node_slots(cfg: RunConfig, o: LofiConfig) -> int:
+    """Node slots, one training shard each: the first nodes and the joiners."""
+    return cfg.nodes.count + len(o.join)
+
+
+def on_quorum(o: LofiConfig) -> bool:
+    """Whether the rounds land on a quorum (`quorum`, sync by time, or a membership that changes)."""
+    return o.quorum is not None or o.sync == "time" or bool(o.join or o.leave)
 
 
 def fixed_period(o: LofiConfig) -> bool:

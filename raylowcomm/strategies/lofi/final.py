@@ -25,17 +25,17 @@ point's bytes include one such collection."""
 
 
 def save_on_node(ctx: RunContext, group: NodeGroup, plan: Plan, final: FinalModel, name: str) -> None:
-    """Where the driver holds no model of the result, node 0 saves it: the average it holds (after
-    peer rounds), or the nodes' adapters it is sent, merged on its base."""
+    """Where the driver holds no model of the result, the first node in the run (node 0, unless it left)
+    saves it: the average it holds (after peer rounds), or the nodes' adapters it is sent, merged on its base."""
     if final.weights is not None:
         return  # saved with the record
     rel = f"{name}/model.safetensors"
     if final.on_nodes:
-        group.call("save_plain", None, ctx.storage, rel, phase="final", keys=[0])
+        group.call("save_plain", None, ctx.storage, rel, phase="final", keys=group.keys()[:1])
         return
     ledger = group.ledger
     ledger.record("final", "adapters_to_save", plan.average.sent(final.to_score)[1])  # as scoring books them
-    group.call("save_plain", ray.put(final.to_score), ctx.storage, rel, phase="final", keys=[0])
+    group.call("save_plain", ray.put(final.to_score), ctx.storage, rel, phase="final", keys=group.keys()[:1])
 
 
 def score_average(group: NodeGroup, plan: Plan, state, on_nodes: bool, on_all: bool) -> list[dict]:

@@ -41,14 +41,17 @@ class LofiNode(Node):
         progress=None,
         rounds: LofiConfig | None = None,
         round_momentum: str = "keep",
+        slots: int | None = None,
     ):
         # weights: the initial state dict, or the recipe this node loads them by; a checkpoint may hold
         # what trains only: the rest comes from them. rounds: the run's lo-fi options, where its exchange
-        # keeps rounds on the nodes (None: the driver's star)
+        # keeps rounds on the nodes (None: the driver's star). slots: the training set's shards, one per
+        # node slot (joiners' too; None: nodes.count)
         super().__init__(node, cfg, spec, task, weights)
         self.progress = progress  # a progress.ProgressPoster where the driver watches live
-        self.shard = data.load(node, cfg.nodes.count)  # read here, on the node's host: no training row crosses
-        self.hold_out(data, cfg.nodes.count)
+        slots = slots or cfg.nodes.count
+        self.shard = data.load(node, slots)  # read here, on the node's host: no training row crosses
+        self.hold_out(data, slots)
         self.seed, self.storage = node_seed(cfg.seed, node), storage
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
@@ -267,6 +270,14 @@ class LofiNode(Node):
 
     def global_hash(self) -> str:
         return self.peer.global_hash()
+
+    def join(self, path: str | None) -> tuple[int, int]:
+        """A node joining quorum rounds (`lofi.join`): the global model of the round file at `path` (the
+        member that had landed the most rounds; None before the first round: it holds the start) becomes
+        its own; returns `round_of`."""
+        if path is not None:
+            self.peer.adopt(path)
+        return self.round_of()
 
     def round_of(self) -> tuple[int, int]:
         """The rounds this node has landed and the step it has trained to."""

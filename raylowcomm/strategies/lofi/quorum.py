@@ -39,6 +39,7 @@ from raylowcomm.actors import NodeGroup, ReplicaMismatch
 from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.core.membership import ScheduleError, check_schedule
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
@@ -102,6 +103,10 @@ class NodeLog:
     waiting_s: float = 0.0
     """Time between its payload's arrival and its next segment: the round it waited for."""
     restarts: int = 0
+    joined_at: float | None = None
+    """When it joined (lofi.join), on the driver's clock; None: a first node."""
+    left_at: float | None = None
+    """When it left the run (lofi.leave, or its restarts spent)."""
     reset: bool = False
     """Restarted: its next segment starts from its global model (what it trained since is lost)."""
     pace_s: float | None = None
@@ -141,6 +146,28 @@ def staleness_weight(weight: float, missed: int, exponent: float) -> float:
     return weight if missed == 0 else weight * (1 + missed) ** -exponent
 
 
+def check_membership(cfg: RunConfig, o: LofiConfig, steps: int | None) -> None:
+    """lofi.join and lofi.leave against the first nodes and, once known, the run's steps per node."""
+    for i, ev in enumerate(o.leave):
+        if ev.how != "remove":
+            raise ConfigError(
+                f"lofi.leave[{i}].how",
+                ev.how,
+                "a node leaves quorum rounds by `remove`; a crash is churn.kill (with nodes.max_restarts: 0 it "
+                "does not come back): set how: remove",
+            )
+    if o.join and cfg.data.node_files is not None:
+        raise ConfigError(
+            "lofi.join",
+            [ev.step for ev in o.join],
+            "a joiner's shard is cut from one shared training set: not offered with data.node_files; remove lofi.join",
+        )
+    try:
+        check_schedule(cfg.nodes.count, o.leave, o.join, steps)
+    except ScheduleError as err:
+        raise ConfigError(f"lofi.{err.field}", err.value, err.allowed) from None
+
+
 class QuorumExchange(PeerExchange):
     name: ClassVar[str] = "quorum"
     paced: ClassVar[bool] = True
@@ -162,6 +189,9 @@ class QuorumExchange(PeerExchange):
         self.late: list[int] = []
         """The staleness τ of every payload merged late."""
         self.departed: list[int] = []
+        """Nodes out of the run: left (lofi.leave) or died with their restarts spent."""
+        self.joined: list[dict] = []
+        self.left: list[dict] = []
 
     @staticmethod
     def validate(cfg: RunConfig, o: LofiConfig) -> None:
@@ -176,6 +206,7 @@ class QuorumExchange(PeerExchange):
             raise ConfigError("lofi.grace_s", o.grace_s, "must be >= 0 seconds")
         if o.staleness < 0:
             raise ConfigError("lofi.staleness", o.staleness, "must be >= 0 (0: a late payload counts fully)")
+        check_membership(cfg, o, None)
         timed = o.sync == "time"
         if timed and not (o.sync_every_s and o.sync_every_s > 0):
             raise ConfigError(
@@ -229,45 +260,106 @@ class QuorumExchange(PeerExchange):
         logger.info("[lofi] quorum rounds resume from round %d (node %d's global model)", latest, ahead)
         return latest
 
-    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> dict:
-        """Segments until the budget of node-steps is spent, landing rounds as their quorums come in.
-        The last payloads stay pending: `finish` lands them as the final round."""
+    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan, launch=None) -> dict:
+        """Segments until the budget of node-steps is spent, landing rounds as their quorums come in, nodes
+        joining (`launch(k)` starts node k's actor) and leaving on their schedules. The last payloads stay
+        pending: `finish` lands them as the final round."""
+        self.count = len(group)
         self.nodes = self.resumed or {k: NodeLog() for k in group.keys()}
-        self.weights = dict(zip(group.keys(), plan.weights))
+        self.weights = dict(enumerate(plan.weights))  # one per node slot, joiners' too
         merged = sum(p["samples"] for r in self.landed for p in r) // self.batch_size
-        self.budget, self.assigned, self.hashes = plan.steps * len(group) - merged, 0, {}
+        self.budget, self.assigned, self.hashes = plan.steps * self.count - merged, 0, {}
         self.flights: dict[ray.ObjectRef, tuple] = {}
         self.joining: dict[ray.ObjectRef, int] = {}
+        self.launch, self.unjoined = launch, set()
+        self.joins = list(range(self.count, self.count + len(self.opts.join)))
+        self.leaves = {ev.node: ev.step for ev in self.opts.leave}
         began, quorum_at = time.perf_counter(), None
         for k in group.keys():
-            self._assign(group, plan, k)
+            if not self._leave_if_due(group, k):
+                self._assign(group, plan, k)
+        self._join_due(group)
         while self.flights or self.joining:
             wait_s = None if quorum_at is None else max(0.0, quorum_at + self.opts.grace_s - time.perf_counter())
             ready, _ = ray.wait([*self.flights, *self.joining], num_returns=1, timeout=wait_s)
             for ref in ready:
                 self._arrived(group, plan, ref)
+            self._join_due(group)
             due, quorum_at = self._due(len(group) - len(self.joining), quorum_at)  # a restarting node is out
             if due:
                 quorum_at = None
                 for k in self._land("train"):
                     self._assign(group, plan, k)
-                steps = sum(n.step for n in self.nodes.values())
-                ctx.report({"step": steps // len(self.nodes), "steps": plan.steps, "bytes": group.ledger.total_bytes})
+                ctx.report({"step": self._progress(), "steps": plan.steps, "bytes": group.ledger.total_bytes})
             self._give_back(group, plan)
         train_s = time.perf_counter() - began
         last = {k: a.train_s for k, a in self.pending.items()}  # `finish` lands every pending payload
         rounds = len(self.landed)
         late = self.late + [rounds - a.base for a in self.pending.values() if rounds > a.base]
+        end = time.perf_counter()
         accounts = [
-            NodeAccount(k, n.useful_s + last.get(k, 0.0), n.waiting_s, n.lost_s, n.restarts)
+            NodeAccount(
+                k,
+                n.useful_s + last.get(k, 0.0),
+                n.waiting_s,
+                n.lost_s,
+                n.restarts,
+                joins=int(n.joined_at is not None),
+                reserved_s=None
+                if n.joined_at is None and n.left_at is None
+                else (n.left_at or end) - (n.joined_at or began),
+            )
             for k, n in sorted(self.nodes.items())
         ]
         return {
             "nodes": [self.nodes[k].segments for k in group.keys()],  # the nodes still in the run
+            "samples": sum(s["samples"] for n in self.nodes.values() for s in n.segments),  # those that left too
             "train_s": train_s,
             "snapshots": [],
             "goodput": goodput(accounts, train_s, late_payloads=len(late), late_staleness=late),
         }
+
+    def _progress(self) -> int:
+        """The run's step: the node-steps its nodes trained (those that left too) over nodes.count."""
+        return sum(n.step for n in self.nodes.values()) // self.count
+
+    def _join_due(self, group: NodeGroup) -> None:
+        """Start the joiners whose step the run has reached (while budget is left for them): each adopts
+        the latest global model a node holds, from that node's round file."""
+        while self.joins and self.opts.join[self.joins[0] - self.count].step <= self._progress():
+            k = self.joins.pop(0)
+            if self.assigned >= self.budget:
+                logger.info("[lofi] node %d does not join: the run's budget of steps is spent", k)
+                continue
+            self.launch(k)
+            self.nodes[k] = NodeLog(joined_at=time.perf_counter())  # its rounds (0) keep the log until it joins
+            self.unjoined.add(k)
+            self.joined.append({"node": k, "step": self._progress()})
+            self.joining[self._join_call(group, k)] = k
+            logger.info("[lofi] node %d joins at step %d", k, self._progress())
+
+    def _join_call(self, group: NodeGroup, k: int) -> ray.ObjectRef:
+        """Node k's call that makes it a member: the latest global model's round file (none before the
+        first round: it holds the start), booked as what it reads."""
+        members = [j for j in group.keys() if j not in self.unjoined]
+        ahead = max(members, key=lambda j: self.nodes[j].rounds)
+        path = round_path(ahead) if self.nodes[ahead].rounds else None
+        if path is not None:
+            group.ledger.record("train", "join_round_file", self.storage.size(path))
+        return group[k].join.remote(path)
+
+    def _leave_if_due(self, group: NodeGroup, k: int) -> bool:
+        """Node k leaves once it has trained to its `lofi.leave` step: its last payload (pending) still
+        merges; its actor ends."""
+        at = self.leaves.get(k)
+        if at is None or self.nodes[k].step < at:
+            return False
+        group.remove(k)
+        self.departed.append(k)
+        self.nodes[k].left_at = time.perf_counter()
+        self.left.append({"node": k, "step": self.nodes[k].step})
+        logger.info("[lofi] node %d leaves at its step %d", k, self.nodes[k].step)
+        return True
 
     def _give_back(self, group: NodeGroup, plan: Plan) -> None:
         """Budget a lost segment gave back goes to the nodes that stood idle for want of it."""
@@ -306,6 +398,7 @@ class QuorumExchange(PeerExchange):
         else:  # a cap only: the segment ends after `seconds` of training; what it leaves returns to the pool
             idle = len(group) - sum(1 for f in self.flights.values() if f[0] != k)
             until = node.step + math.ceil((self.budget - self.assigned) / max(1, idle))
+        until = min(until, self.leaves.get(k, until))
         if until <= node.step:
             return
         missed = [r for r in self.log if r.number > node.rounds]
@@ -324,6 +417,7 @@ class QuorumExchange(PeerExchange):
             except ray.exceptions.RayActorError as err:  # died again while starting
                 self._rejoin(group, k, err)
                 return
+            self.unjoined.discard(k)
             self.nodes[k].reset = True
             self._assign(group, plan, k)
             return
@@ -345,6 +439,7 @@ class QuorumExchange(PeerExchange):
         self.pending[k] = Arrival(
             k, payload, meta["base_round"], meta["nbytes"], meta["train_s"], meta["samples"], time.perf_counter()
         )
+        self._leave_if_due(group, k)
 
     def _forget_landed(self) -> None:
         """Drop the rounds every node of the run has landed: nobody will fetch their payloads again, so
@@ -368,9 +463,11 @@ class QuorumExchange(PeerExchange):
             logger.warning("[lofi] node %d died and its restarts are spent (%s): it leaves the run", k, final)
             group.remove(k, kill=False)
             self.departed.append(k)
+            self.nodes[k].left_at = time.perf_counter()
             return
         self.nodes[k].restarts += 1
-        self.joining[group[k].round_of.remote()] = k
+        # a joiner that died before it joined joins again: the rounds before its global model may be gone
+        self.joining[self._join_call(group, k) if k in self.unjoined else group[k].round_of.remote()] = k
 
     def _land(self, phase: str) -> list[int]:
         """The pending payloads as the next round, in node order; returns the nodes now free to train."""
@@ -391,7 +488,7 @@ class QuorumExchange(PeerExchange):
         self.landed.append(self.log[-1].record())
         self.storage.write_json(ROUNDS, self.landed)  # what a resumed run's budget goes on from
         self.pending = {}
-        return [a.node for a in payloads]
+        return [a.node for a in payloads if a.node not in self.departed]
 
     def finish(
         self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
@@ -432,6 +529,8 @@ class QuorumExchange(PeerExchange):
             "late_payloads": len(self.late),
             "late_staleness": self.late,
             "departed": self.departed,
+            "joined": self.joined,
+            "left": self.left,
             **({"resumed_after_round": self.resumed_at} if self.resumed else {}),
             "restarts": {k: n.restarts for k, n in self.nodes.items() if n.restarts},
         }
