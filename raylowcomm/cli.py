@@ -1,4 +1,4 @@
-"""raylowcomm run | tune | bench | report | assets.
+"""raylowcomm run | tune | bench | report | plan | assets.
 
 Bad input of any kind — a command line argparse rejects, a config or sweep file, a field, an
 output folder — ends the command with exit code 2 and one line on stderr, `error: ...`, naming
@@ -9,6 +9,7 @@ line is parsed, after the Hugging Face loaders are defaulted to offline (raylowc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -111,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.95,
         help="target = this fraction of DDP's final accuracy (for a loss: DDP's final / it)",
     )
+    plan_p = sub.add_parser(
+        "plan", help="predict each strategy's wall time for N nodes on a link, from a run folder or a short run"
+    )
+    plan_p.add_argument("source", help="a run folder (results.json) or a config, run briefly here to calibrate")
+    plan_p.add_argument("--nodes", default="2,4,8,16,32,64", help="node counts, comma-separated (default 2..64)")
+    plan_p.add_argument("--link", action="append", default=[], metavar="RATE", help="e.g. 100mbit (repeatable)")
+    plan_p.add_argument("--latency", type=float, default=0.0, metavar="MS", help="one-way latency in ms")
+    size = plan_p.add_mutually_exclusive_group()
+    size.add_argument("--params", type=float, help="another model's parameters, e.g. 8e9")
+    size.add_argument("--model", help="a known decoder's size instead: " + ", ".join(_plan_models()))
+    plan_p.add_argument("--lora-rank", type=int, help="with --params/--model: LoRA adapters cross, not the weights")
+    plan_p.add_argument("--device-flops", type=float, help="effective FLOP/s of one node's device, e.g. 4e14")
+    plan_p.add_argument("--tokens-per-step", type=float, help="tokens (or samples) per node and step")
+    plan_p.add_argument("--calibrate-steps", type=int, default=8, help="steps of the short run (a config)")
+    plan_p.add_argument("--out", help="folder for plan.json and plan.png (default: none written)")
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
     assets_p.add_argument("action", choices=["list", "fetch"])
     assets_p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
@@ -125,7 +141,71 @@ def main(argv: list[str] | None = None) -> int:
     from raylowcomm.env import set_hub_defaults
 
     set_hub_defaults()  # before anything loads a model or dataset
-    return {"run": _run, "tune": _tune, "bench": _bench, "report": _report, "assets": _assets}[args.command](args)
+    commands = {"run": _run, "tune": _tune, "bench": _bench, "report": _report, "plan": _plan, "assets": _assets}
+    return commands[args.command](args)
+
+
+def _plan_models() -> list[str]:
+    from raylowcomm.planner import MODELS
+
+    return list(MODELS)
+
+
+def _plan(args) -> int:
+    from raylowcomm.bench import rate_bits
+    from raylowcomm.config import ConfigError
+    from raylowcomm.planner import MODELS, Target, as_json, load_source, plan, plot, table
+
+    try:
+        nodes = [int(x) for x in args.nodes.split(",")]
+    except ValueError:
+        return _fail(f"--nodes = {args.nodes!r}: give node counts, comma-separated, e.g. 2,4,8")
+    if not nodes or min(nodes) < 1:
+        return _fail(f"--nodes = {args.nodes!r}: every count must be >= 1")
+    try:
+        links = [(rate, rate_bits(rate)) for rate in args.link or ["100mbit"]]
+    except ConfigError as err:
+        return _fail(err)
+    if (
+        args.device_flops is not None
+        and not (args.params or args.model)
+        or args.tokens_per_step is None
+        and args.device_flops
+    ):
+        return _fail("--device-flops needs the model's size (--params or --model) and --tokens-per-step")
+    shape = MODELS.get(args.model) if args.model else None
+    if args.model and shape is None:
+        return _fail(f"--model = {args.model!r}: choose one of {', '.join(MODELS)}, or give --params")
+    if args.lora_rank is not None and shape is None:
+        return _fail("--lora-rank counts adapters of a known decoder: give --model")
+    params = shape.params if shape else args.params
+    target = Target(
+        params,
+        shape.lora_params(args.lora_rank) if shape and args.lora_rank else None,
+        args.device_flops,
+        args.tokens_per_step,
+    )
+    source = Path(args.source)
+    try:
+        if source.is_dir():
+            costs = load_source(source)
+        else:
+            from raylowcomm.planner.short_run import calibrate_config
+
+            costs = calibrate_config(source, args.calibrate_steps)
+    except (ConfigError, FileNotFoundError, KeyError) as err:
+        return _fail(f"cannot calibrate from {args.source}: {err}")
+    if not costs:
+        return _fail(f"{args.source}: no finished strategy to calibrate from")
+    rows = plan(costs, nodes, links, args.latency, target)
+    print(table(rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(as_json(rows), indent=2))
+        plot(rows, out / "plan.png")
+        print(f"plan: {out / 'plan.json'}, {out / 'plan.png'}")
+    return 0
 
 
 def _assets(args) -> int:

@@ -1,0 +1,108 @@
+"""A strategy's `Cost` from what a real run recorded (its results.json): per-step compute, the bytes
+each step or round sends, its rounds and its curve. A run over a shaped link (`bench wan`) has the
+link's time in its step times: `link` (the rate it measured) takes the modelled link time back out."""
+
+from __future__ import annotations
+
+from raylowcomm.core.interlock.schedule import Link, StageCost
+from raylowcomm.planner.costs import Cost, predict
+
+
+def _params(rec: dict) -> float:
+    """Parameters of the model: its saved weights' float32 bytes over 4 (the record's node info)."""
+    kinds = rec["comm"]["by_kind"]
+    saved = kinds.get("final/model_checkpoint") or kinds.get("setup/ddp_initial_broadcast")
+    return saved / 4 if saved else 0.0
+
+
+def ddp_cost(rec: dict) -> Cost:
+    steps = rec["details"]["steps_per_worker"]
+    grad = rec["nodes"][0]["allreduce_bytes"] / steps  # what each rank reduces a step
+    params = _params(rec) or grad / 4
+    return Cost("ddp", "allreduce", steps, rec["train_s"] / steps, step_bytes=grad, params=params, trainable=grad / 4)
+
+
+def lofi_cost(rec: dict) -> Cost:
+    d, kinds, n = rec["details"], rec["comm"]["by_kind"], len(rec["nodes"])
+    steps, rounds = d["steps_per_node"], len(d.get("averaging_steps", [d["steps_per_node"]]))
+    compute = max(sum(call["train_s"] for call in node["train"]) for node in rec["nodes"]) / steps
+    if d.get("exchange") in ("peers", "quorum"):
+        sent = kinds.get("train/outer_gradients", 0) + kinds.get("final/outer_gradients", 0)
+        payload = sent / (rounds * n * (n - 1))  # every node fetches each peer's payload each round
+        topology = "peers"
+    else:
+        payload = kinds.get("final/node_weights", 0) / n  # one node's weights (or adapters and head)
+        topology = "star"
+    params = _params(rec) or payload / 4
+    return Cost("lofi", topology, steps, compute, rounds=rounds, round_bytes=payload, params=params, trainable=params)
+
+
+def spsa_cost(rec: dict) -> Cost:
+    d, n = rec["details"], len(rec["nodes"])
+    steps = d["steps"]
+    wire = d["wire_bytes_per_step"] / max(1, n)
+    params = _params(rec)
+    return Cost(
+        "spsa",
+        "spsa",
+        steps,
+        d["mean_step_s"],
+        step_bytes=wire,
+        params=params,
+        trainable=params,
+        forwards=d.get("forwards_per_node_step") or 0.0,
+    )
+
+
+def interlocking_cost(rec: dict) -> Cost:
+    from raylowcomm.core.interlock.routing import message_plan  # torch: only where a pipeline is planned
+
+    d, kinds = rec["details"], rec["comm"]["by_kind"]
+    K, micro = d["stages"], d["batches"] * d["micro_batches"]
+    plan = message_plan(K, d["n"], d["rule"])
+    heads = sum(len(h) for stage in plan for h in stage)
+    act = (kinds.get("train/activations", 0) + kinds.get("train/targets", 0)) // (micro * (K - 1))
+    grad = kinds.get("train/gradients", 0) // (micro * heads) if heads else 0
+    stages = [
+        StageCost(
+            node["median_call_s"]["forward"],
+            node["median_call_s"]["backward"] or 0.0,
+            node["median_call_s"]["step"] or 0.0,
+            act if k < K - 1 else 0,
+            grad if k else 0,
+        )
+        for k, node in enumerate(rec["nodes"])
+    ]
+    params = _params(rec)
+    return Cost(
+        "interlocking",
+        "pipeline",
+        d["batches"],
+        0.0,
+        stages=stages,
+        plan=plan,
+        micro_batches=d["micro_batches"],
+        params=params,
+        trainable=params,
+    )
+
+
+CALIBRATORS = {"ddp": ddp_cost, "lofi": lofi_cost, "spsa": spsa_cost, "interlocking": interlocking_cost}
+
+
+def costs_of(records: list[dict], link: Link | None = None) -> list[Cost]:
+    """Every strategy a results.json holds (those that finished), with its curve of ID accuracy (or loss);
+    `link`: the link the run met, whose modelled time comes out of the measured step times."""
+    out = []
+    for rec in records:
+        make = CALIBRATORS.get(rec.get("strategy"))
+        if make is None or "error" in rec:
+            continue
+        cost = make(rec)
+        metric = "id_accuracy" if "id_accuracy" in rec["metrics"] else "id_loss"
+        cost.curve = [(p["step"], p[metric]) for p in rec.get("curve", []) if metric in p and p.get("step")]
+        n = len(rec["nodes"])
+        if link is not None and cost.topology in ("allreduce", "spsa"):  # step times include the link's
+            cost.compute_s = max(0.0, cost.compute_s - predict(cost, n, link).link_s / cost.steps)
+        out.append(cost)
+    return out

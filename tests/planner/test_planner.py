@@ -1,0 +1,116 @@
+"""The planner's time model reproduces hand-computed times (numbers chosen so that every operation is
+exact in binary floating point), calibrates from what a record says, and runs as `raylowcomm plan`."""
+
+import json
+
+import pytest
+
+from raylowcomm.cli import main
+from raylowcomm.core.interlock.schedule import Link, StageCost
+from raylowcomm.planner import MODELS, Target, plan
+from raylowcomm.planner.calibrate import costs_of
+from raylowcomm.planner.costs import Cost, all_gather_s, predict, ring_allreduce_s, star_s
+
+LINK = Link(latency_s=0.5, bytes_per_s=1e6)
+
+
+def test_ring_allreduce_by_hand():
+    # 4 nodes, 8 MB each: 2 x 3 steps, each moving a 2 MB chunk (2 s) after 0.5 s of latency
+    assert ring_allreduce_s(8e6, 4, LINK) == 15.0
+    assert ring_allreduce_s(8e6, 1, LINK) == 0.0
+    ddp = Cost("ddp", "allreduce", steps=10, compute_s=1.0, step_bytes=8e6)
+    p = predict(ddp, 4, LINK)
+    assert (p.compute_s, p.link_s, p.total_s, p.step_s) == (10.0, 150.0, 160.0, 16.0)
+    assert p.bound == "link 15.0x"
+
+
+def test_all_gather_with_overlap_by_hand():
+    # 3 nodes: each fetches 2 peers' 3 MB payloads, 6 s + 0.5 s latency; 2 steps of 1 s compute hide 2 s
+    assert all_gather_s(3e6, 3, LINK) == 6.5
+    peers = Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=5, round_bytes=3e6, overlap_steps=2)
+    p = predict(peers, 3, LINK)
+    assert (p.compute_s, p.link_s) == (10.0, 5 * 4.5)
+    hidden = predict(
+        Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=5, round_bytes=3e6, overlap_steps=7), 3, LINK
+    )
+    assert hidden.link_s == 0.0 and hidden.bound == "compute"
+    # fragments: twice the syncs, each of half the payload (3 s + 0.5 s), none hidden
+    halves = Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=5, round_bytes=3e6, fragments=2)
+    assert predict(halves, 3, LINK).link_s == 10 * 3.5
+    # the star: 2 of 3 nodes' 1 MB to the driver's host and back: 2 x (0.5 + 2)
+    assert star_s(1e6, 3, LINK) == 5.0
+
+
+def test_a_pipeline_by_hand():
+    plan = [[frozenset()], [frozenset()]]  # two stages, local losses: only activations cross
+    stages = [StageCost(1.0, 0.0, 0.0, activation_bytes=1_000_000), StageCost(1.0)]
+    cost = Cost("interlocking", "pipeline", steps=20, compute_s=0.0, stages=stages, plan=plan)
+    fast = predict(cost, 2, Link(bytes_per_s=1e6))  # 1 s of wire per activation: hidden behind 1 s of work
+    assert (fast.step_s, fast.compute_s, fast.link_s) == (1.0, 20.0, 0.0)
+    slow = predict(cost, 2, Link(bytes_per_s=0.25e6))  # 4 s of wire per batch: the link sets the pace
+    assert (slow.step_s, slow.link_s) == (4.0, 60.0) and slow.bound == "link 3.0x"
+
+
+def ddp_record(steps=8, grad=4_000_000, train_s=4.0):
+    return {
+        "strategy": "ddp",
+        "metrics": {"id_accuracy": 0.8},
+        "comm": {"by_kind": {"final/model_checkpoint": grad}},
+        "train_s": train_s,
+        "details": {"steps_per_worker": steps},
+        "nodes": [{"allreduce_bytes": grad * steps}, {"allreduce_bytes": grad * steps}],
+        "curve": [{"step": 4, "id_accuracy": 0.5}, {"step": 8, "id_accuracy": 0.8}],
+    }
+
+
+def lofi_record():
+    return {
+        "strategy": "lofi",
+        "metrics": {"id_accuracy": 0.79},
+        "comm": {"by_kind": {"train/outer_gradients": 3 * 2 * 1000, "final/outer_gradients": 2 * 1000}},
+        "train_s": 3.0,
+        "details": {"steps_per_node": 8, "averaging_steps": [2, 4, 6, 8], "exchange": "peers"},
+        "nodes": [{"train": [{"train_s": 1.0}, {"train_s": 1.0}]}, {"train": [{"train_s": 1.5}, {"train_s": 0.5}]}],
+        "curve": [{"step": 8, "id_accuracy": 0.79}],
+    }
+
+
+def test_costs_are_calibrated_from_what_the_record_says():
+    ddp, lofi = costs_of([ddp_record(), lofi_record(), {"strategy": "spsa", "error": "boom"}])
+    assert (ddp.steps, ddp.compute_s, ddp.step_bytes, ddp.params) == (8, 0.5, 4e6, 1e6)
+    assert (lofi.topology, lofi.rounds, lofi.round_bytes, lofi.compute_s) == ("peers", 4, 1000, 0.25)
+    # a run over a measured link: its modelled all-reduce comes out of the step time
+    shaped = costs_of([ddp_record(train_s=4.0 + 8 * 4.0)], Link(bytes_per_s=1e6))[0]
+    assert shaped.compute_s == 0.5
+    rows = plan([ddp, lofi], [2], [("8mbit", 8e6)], 0.0, Target())
+    by = {r["prediction"].strategy: r for r in rows}
+    # DDP: 8 x (0.5 + 4 s); target 95% of DDP's 0.8, which lo-fi reaches at its step 8 and DDP at its step 8
+    assert by["ddp"]["prediction"].total_s == 36.0 and by["ddp"]["to_target_s"] == 36.0
+    assert by["lofi"]["to_target_s"] == by["lofi"]["prediction"].total_s == 2.0 + 4 * 0.001
+
+
+def test_another_model_scales_bytes_with_what_crosses_and_compute_with_the_flops():
+    ddp = costs_of([ddp_record()])[0]
+    shape = MODELS["llama-3-8b"]
+    full = Target(shape.params, None, device_flops=1e15, tokens_per_step=1000)
+    lora = Target(shape.params, shape.lora_params(16), device_flops=1e15, tokens_per_step=1000)
+    a, b = (ddp.scaled(t.params, t.trainable, t.compute_s(ddp)) for t in (full, lora))
+    assert a.step_bytes == 4e6 * shape.params / 1e6 and a.compute_s == 3 * 2 * shape.params * 1000 / 1e15
+    assert b.step_bytes == pytest.approx(4e6 * shape.lora_params(16) / 1e6, rel=1e-15)
+    assert b.compute_s == 2 * 2 * shape.params * 1000 / 1e15  # no weight gradients for the frozen base
+    assert 40e6 < shape.lora_params(16) < 43e6  # Llama-3-8B, r = 16 on every linear layer: about 42M
+
+
+def test_plan_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps([ddp_record(), lofi_record()]))
+    assert main(["plan", str(run), "--nodes", "2,4", "--link", "100mbit", "--out", str(tmp_path / "plan")]) == 0
+    shown = capsys.readouterr().out
+    assert "| ddp | 4 | 100mbit |" in shown and "| lofi | 2 | 100mbit |" in shown
+    saved = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert len(saved) == 4 and (tmp_path / "plan" / "plan.png").exists()
+    assert main(["plan", str(run), "--nodes", "two"]) == 2
+    assert main(["plan", str(run), "--link", "fast"]) == 2
+    assert main(["plan", str(tmp_path), "--nodes", "2"]) == 2  # no results.json there
+    assert "error:" in capsys.readouterr().err
