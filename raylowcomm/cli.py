@@ -115,7 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan_p = sub.add_parser(
         "plan", help="predict each strategy's wall time for N nodes on a link, from a run folder or a short run"
     )
-    plan_p.add_argument("source", help="a run folder (results.json) or a config, run briefly here to calibrate")
+    plan_p.add_argument(
+        "sources",
+        nargs="+",
+        metavar="CONFIG_OR_RUN_DIR",
+        help="run folders (results.json) or a config, run briefly here",
+    )
     plan_p.add_argument("--nodes", default="2,4,8,16,32,64", help="node counts, comma-separated (default 2..64)")
     plan_p.add_argument("--link", action="append", default=[], metavar="RATE", help="e.g. 100mbit (repeatable)")
     plan_p.add_argument("--latency", type=float, default=0.0, metavar="MS", help="one-way latency in ms")
@@ -125,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_p.add_argument("--lora-rank", type=int, help="with --params/--model: LoRA adapters cross, not the weights")
     plan_p.add_argument("--device-flops", type=float, help="effective FLOP/s of one node's device, e.g. 4e14")
     plan_p.add_argument("--tokens-per-step", type=float, help="tokens (or samples) per node and step")
+    plan_p.add_argument("--steps", type=int, help="the run's steps per node (default: the calibrating run's)")
     plan_p.add_argument("--calibrate-steps", type=int, default=8, help="steps of the short run (a config)")
     plan_p.add_argument("--out", help="folder for plan.json and plan.png (default: none written)")
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
@@ -185,19 +191,27 @@ def _plan(args) -> int:
         args.device_flops,
         args.tokens_per_step,
     )
-    source = Path(args.source)
-    try:
-        if source.is_dir():
-            costs = load_source(source)
-        else:
-            from raylowcomm.planner.short_run import calibrate_config
+    if args.steps is not None and args.steps < 1:
+        return _fail(f"--steps = {args.steps}: must be >= 1")
+    costs = []
+    for name in args.sources:
+        source = Path(name)
+        try:
+            if source.is_dir():
+                found = load_source(source)
+            else:
+                from raylowcomm.planner.short_run import calibrate_config
 
-            costs = calibrate_config(source, args.calibrate_steps)
-    except (ConfigError, FileNotFoundError, KeyError) as err:
-        return _fail(f"cannot calibrate from {args.source}: {err}")
-    if not costs:
-        return _fail(f"{args.source}: no finished strategy to calibrate from")
-    rows = plan(costs, nodes, links, args.latency, target)
+                found = calibrate_config(source, args.calibrate_steps)
+        except (ConfigError, FileNotFoundError, KeyError) as err:
+            return _fail(f"cannot calibrate from {name}: {err}")
+        if not found:
+            return _fail(f"{name}: no finished strategy to calibrate from")
+        costs += [c.for_steps(args.steps) for c in found]
+    try:
+        rows = plan(costs, nodes, links, args.latency, target)
+    except ValueError as err:
+        return _fail(err)
     print(table(rows))
     if args.out:
         out = Path(args.out)

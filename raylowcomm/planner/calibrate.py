@@ -9,9 +9,19 @@ from raylowcomm.planner.costs import Cost, predict
 
 
 def _params(rec: dict) -> float:
-    """Parameters of the model: its saved weights' float32 bytes over 4 (the record's node info)."""
+    """The model's parameters: as the record says (`details.model_params`), or from full weights it sent
+    (float32: 4 bytes each); 0 where neither tells (an older run of peer rounds)."""
+    if rec["details"].get("model_params"):
+        return float(rec["details"]["model_params"])
     kinds = rec["comm"]["by_kind"]
-    saved = kinds.get("final/model_checkpoint") or kinds.get("setup/ddp_initial_broadcast")
+    saved = next(
+        (
+            kinds[k]
+            for k in ("final/model_checkpoint", "setup/ddp_initial_broadcast", "final/model_weights")
+            if k in kinds
+        ),
+        0,
+    )
     return saved / 4 if saved else 0.0
 
 
@@ -33,8 +43,11 @@ def lofi_cost(rec: dict) -> Cost:
     else:
         payload = kinds.get("final/node_weights", 0) / n  # one node's weights (or adapters and head)
         topology = "star"
-    params = _params(rec) or payload / 4
-    return Cost("lofi", topology, steps, compute, rounds=rounds, round_bytes=payload, params=params, trainable=params)
+    params = _params(rec) or (payload / 4 if topology == "star" else 0.0)  # the star sends whole weights
+    trainable = rec["details"].get("trainable_params") or params
+    return Cost(
+        "lofi", topology, steps, compute, rounds=rounds, round_bytes=payload, params=params, trainable=trainable
+    )
 
 
 def spsa_cost(rec: dict) -> Cost:

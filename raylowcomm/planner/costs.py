@@ -74,11 +74,29 @@ class Cost:
     curve: list[tuple[int, float]] = field(default_factory=list)
     """(step, ID metric) of the calibrating run: where the target is reached."""
 
+    @property
+    def label(self) -> str:
+        """The strategy, and for lo-fi how its rounds travel."""
+        if self.topology == "peers":
+            return f"lofi, {self.rounds} peer rounds"
+        if self.topology == "star":
+            return "lofi, one average" if self.rounds == 1 else f"lofi, {self.rounds} averages (star)"
+        return self.strategy
+
+    def for_steps(self, steps: int | None) -> Cost:
+        """The same run made `steps` long: rounds in proportion (the final one kept), no curve."""
+        if steps is None or steps == self.steps:
+            return self
+        rounds = 1 + math.ceil((self.rounds - 1) * steps / self.steps) if self.rounds else 0
+        return replace(self, steps=steps, rounds=rounds, curve=[])
+
     def scaled(self, params: float | None, trainable: float | None, compute_s: float | None) -> Cost:
         """The same run for another model: bytes scale with the parameters that cross, compute as given
         (or with the parameters)."""
         if params is None:
             return self
+        if not (self.trainable or self.params):
+            raise ValueError(f"{self.strategy}'s record does not say its model's size: rerun it to plan another size")
         share = (trainable or params) / (self.trainable or self.params)
         ratio = params / self.params
         return replace(
@@ -132,7 +150,7 @@ def predict(cost: Cost, n: int, link: Link) -> Prediction:
         comm = cost.steps * (2 * link.latency_s + (n - 1) * cost.step_bytes / link.bytes_per_s) if n > 1 else 0.0
     else:
         return _pipeline(cost, link)
-    return Prediction(cost.strategy, n, compute, comm, (compute + comm) / cost.steps)
+    return Prediction(cost.label, n, compute, comm, (compute + comm) / cost.steps)
 
 
 def _pipeline(cost: Cost, link: Link, batches: int = 12) -> Prediction:
@@ -147,7 +165,7 @@ def _pipeline(cost: Cost, link: Link, batches: int = 12) -> Prediction:
     )
     step = max(timeline.step_time_s, wire / link.bytes_per_s)
     compute = cost.steps * max(ideal.busy_s) / batches
-    return Prediction(cost.strategy, len(cost.stages), compute, max(0.0, cost.steps * step - compute), step)
+    return Prediction(cost.label, len(cost.stages), compute, max(0.0, cost.steps * step - compute), step)
 
 
 def time_to_target(cost: Cost, pred: Prediction, target: float, higher_is_better: bool = True) -> float | None:

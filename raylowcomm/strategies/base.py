@@ -287,6 +287,9 @@ def finish_record(
         details["churn"] = churn.booked_events(ctx.storage, name)
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name
+    params = list(ctx.architecture.parameters())  # what `raylowcomm plan` scales bytes and compute by
+    details["model_params"] = sum(p.numel() for p in params)
+    details["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
     saving = time.perf_counter()
     rel = f"{name}/model.safetensors"
     if weights is not None:  # None: a node saved them there, where the base they need is

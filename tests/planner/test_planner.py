@@ -86,7 +86,11 @@ def test_costs_are_calibrated_from_what_the_record_says():
     by = {r["prediction"].strategy: r for r in rows}
     # DDP: 8 x (0.5 + 4 s); target 95% of DDP's 0.8, which lo-fi reaches at its step 8 and DDP at its step 8
     assert by["ddp"]["prediction"].total_s == 36.0 and by["ddp"]["to_target_s"] == 36.0
-    assert by["lofi"]["to_target_s"] == by["lofi"]["prediction"].total_s == 2.0 + 4 * 0.001
+    lofi_row = by["lofi, 4 peer rounds"]
+    assert lofi_row["to_target_s"] == lofi_row["prediction"].total_s == 2.0 + 4 * 0.001
+    # made 80 steps long: 1 + 3 x 10 rounds, the same per-step costs, no curve to reach a target on
+    longer = lofi.for_steps(80)
+    assert (longer.steps, longer.rounds, longer.curve, longer.compute_s) == (80, 31, [], 0.25)
 
 
 def test_another_model_scales_bytes_with_what_crosses_and_compute_with_the_flops():
@@ -107,7 +111,7 @@ def test_plan_command(tmp_path, capsys):
     (run / "results.json").write_text(json.dumps([ddp_record(), lofi_record()]))
     assert main(["plan", str(run), "--nodes", "2,4", "--link", "100mbit", "--out", str(tmp_path / "plan")]) == 0
     shown = capsys.readouterr().out
-    assert "| ddp | 4 | 100mbit |" in shown and "| lofi | 2 | 100mbit |" in shown
+    assert "| ddp | 4 | 100mbit |" in shown and "| lofi, 4 peer rounds | 2 | 100mbit |" in shown
     saved = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert len(saved) == 4 and (tmp_path / "plan" / "plan.png").exists()
     assert main(["plan", str(run), "--nodes", "two"]) == 2
