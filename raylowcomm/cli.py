@@ -158,41 +158,59 @@ def _plan_models() -> list[str]:
 
 
 def _plan(args) -> int:
+    from raylowcomm.config import ConfigError
+    from raylowcomm.planner import as_json, plan, plot, table
+
+    try:
+        nodes, links, target = _plan_inputs(args)
+        costs = _plan_costs(args)
+        rows = plan(costs, nodes, links, args.latency, target)
+    except (ConfigError, ValueError) as err:
+        return _fail(err)
+    print(table(rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(as_json(rows), indent=2))
+        plot(rows, out / "plan.png")
+        print(f"plan: {out / 'plan.json'}, {out / 'plan.png'}")
+    return 0
+
+
+def _plan_inputs(args):
+    """The node counts, links and target model of `raylowcomm plan`, or a ConfigError naming the flag."""
     from raylowcomm.bench import rate_bits
     from raylowcomm.config import ConfigError
-    from raylowcomm.planner import MODELS, Target, as_json, load_source, plan, plot, table
+    from raylowcomm.planner import MODELS, Target
 
     try:
         nodes = [int(x) for x in args.nodes.split(",")]
     except ValueError:
-        return _fail(f"--nodes = {args.nodes!r}: give node counts, comma-separated, e.g. 2,4,8")
-    if not nodes or min(nodes) < 1:
-        return _fail(f"--nodes = {args.nodes!r}: every count must be >= 1")
-    try:
-        links = [(rate, rate_bits(rate)) for rate in args.link or ["100mbit"]]
-    except ConfigError as err:
-        return _fail(err)
-    if (
-        args.device_flops is not None
-        and not (args.params or args.model)
-        or args.tokens_per_step is None
-        and args.device_flops
-    ):
-        return _fail("--device-flops needs the model's size (--params or --model) and --tokens-per-step")
+        raise ConfigError("--nodes", args.nodes, "give node counts, comma-separated, e.g. 2,4,8") from None
+    if min(nodes) < 1:
+        raise ConfigError("--nodes", args.nodes, "every count must be >= 1")
+    links = [(rate, rate_bits(rate)) for rate in args.link or ["100mbit"]]
+    if args.device_flops is not None and (not (args.params or args.model) or args.tokens_per_step is None):
+        raise ConfigError(
+            "--device-flops", args.device_flops, "needs the model's size (--params or --model) and --tokens-per-step"
+        )
     shape = MODELS.get(args.model) if args.model else None
     if args.model and shape is None:
-        return _fail(f"--model = {args.model!r}: choose one of {', '.join(MODELS)}, or give --params")
+        raise ConfigError("--model", args.model, f"choose one of {', '.join(MODELS)}, or give --params")
     if args.lora_rank is not None and shape is None:
-        return _fail("--lora-rank counts adapters of a known decoder: give --model")
-    params = shape.params if shape else args.params
-    target = Target(
-        params,
-        shape.lora_params(args.lora_rank) if shape and args.lora_rank else None,
-        args.device_flops,
-        args.tokens_per_step,
-    )
+        raise ConfigError("--lora-rank", args.lora_rank, "counts the adapters of a known decoder: give --model")
     if args.steps is not None and args.steps < 1:
-        return _fail(f"--steps = {args.steps}: must be >= 1")
+        raise ConfigError("--steps", args.steps, "must be >= 1")
+    adapters = shape.lora_params(args.lora_rank) if shape and args.lora_rank else None
+    target = Target(shape.params if shape else args.params, adapters, args.device_flops, args.tokens_per_step)
+    return nodes, links, target
+
+
+def _plan_costs(args) -> list:
+    """Each source's calibrated costs: a run folder's record, or a config's short run here."""
+    from raylowcomm.config import ConfigError
+    from raylowcomm.planner import load_source
+
     costs = []
     for name in args.sources:
         source = Path(name)
@@ -203,23 +221,12 @@ def _plan(args) -> int:
                 from raylowcomm.planner.short_run import calibrate_config
 
                 found = calibrate_config(source, args.calibrate_steps)
-        except (ConfigError, FileNotFoundError, KeyError) as err:
-            return _fail(f"cannot calibrate from {name}: {err}")
+        except (FileNotFoundError, KeyError) as err:
+            raise ConfigError("CONFIG_OR_RUN_DIR", name, f"cannot calibrate from it: {err}") from None
         if not found:
-            return _fail(f"{name}: no finished strategy to calibrate from")
+            raise ConfigError("CONFIG_OR_RUN_DIR", name, "no finished strategy to calibrate from")
         costs += [c.for_steps(args.steps) for c in found]
-    try:
-        rows = plan(costs, nodes, links, args.latency, target)
-    except ValueError as err:
-        return _fail(err)
-    print(table(rows))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(as_json(rows), indent=2))
-        plot(rows, out / "plan.png")
-        print(f"plan: {out / 'plan.json'}, {out / 'plan.png'}")
-    return 0
+    return costs
 
 
 def _assets(args) -> int:
