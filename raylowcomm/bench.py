@@ -1,12 +1,14 @@
 """The comparison harness: every strategy of one config on identical model, data and
 hyper-parameters, then a report (raylowcomm/report.py).
 
-`wan`: for each rate, two hosts in network namespaces joined by a link shaped to that rate in
-both directions (tc tbf), a 2-node Ray cluster on them, the run's driver on the head host and
-one node actor (or stage) per host; torn down after each rate, also on failure or Ctrl-C.
+`wan`: for each rate, `--hosts` hosts (2 by default) in network namespaces, each host's link shaped
+to that rate in both directions (tc tbf), a Ray cluster of one node per host, the run's driver on
+the head host and one node actor, DDP worker or stage per host; torn down after each rate, also on
+failure or Ctrl-C.
 `local`: the same run on the local embedded Ray, no shaping, for anyone without root.
 
     raylowcomm bench wan examples/wan_compare.yaml --rate 100mbit --rate 1gbit --out runs/wan
+    raylowcomm bench wan examples/wan_compare.yaml --hosts 4 --set nodes.count=4 --set interlocking.stages=4
     raylowcomm bench local examples/wan_compare.yaml --out runs/wan_local
 """
 
@@ -57,21 +59,25 @@ def check_wan_prerequisites() -> None:
         )
 
 
-def wan_config(cfg: RunConfig) -> RunConfig:
-    """One actor per host: two node actors (or two stages), spread over the two hosts."""
+def wan_config(cfg: RunConfig, hosts: int = 2) -> RunConfig:
+    """One actor per host: `hosts` node actors (or stages), one on each host."""
     from raylowcomm.strategies import STRATEGIES
 
-    if cfg.nodes.count != 2:
+    if cfg.nodes.count != hosts:
         raise ConfigError(
-            "nodes.count", cfg.nodes.count, "the WAN bench runs one node actor per host on 2 hosts: set nodes.count: 2"
+            "nodes.count",
+            cfg.nodes.count,
+            f"the WAN bench runs one node actor per host on {hosts} hosts: set nodes.count: {hosts}",
         )
     for name in cfg.strategies:
         s = STRATEGIES[name]
-        if s.count(cfg) != 2:
+        if s.count(cfg) != hosts:
             raise ConfigError(
-                s.count_field, s.count(cfg), f"the WAN bench puts one {name} actor on each of 2 hosts: set 2"
+                s.count_field,
+                s.count(cfg),
+                f"the WAN bench puts one {name} actor on each of {hosts} hosts: set {hosts}",
             )
-    cfg.nodes.placement = "SPREAD"
+    cfg.nodes.placement = "STRICT_SPREAD"  # one actor per host, or none at all
     return cfg
 
 
@@ -128,7 +134,7 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
+def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2) -> dict:
     """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down."""
     from raylowcomm.cluster import NamespaceCluster
     from raylowcomm.config.checks import check_storage
@@ -138,7 +144,7 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     check_wan_prerequisites()
     for rate in rates:
         rate_bits(rate)
-    cfg = wan_config(cfg)
+    cfg = wan_config(cfg, hosts)
     describe_data(cfg)  # bad data and missing assets fail here, before any namespace or cluster exists,
     model_source(cfg.model)  # without loading model and data twice: the run on the cluster loads them
     if cfg.storage is not None:  # the default, OUT/<rate>/state, lies in `out`, checked by the CLI
@@ -146,13 +152,13 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
     _write_config(cfg, config_path)
-    meta = {"mode": "wan", "config": cfg.to_dict(), "runs": []}
+    meta = {"mode": "wan", "hosts": hosts, "config": cfg.to_dict(), "runs": []}
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
     try:
         for rate in rates:
-            print(f"=== {rate}: starting a 2-host cluster ===", flush=True)
+            print(f"=== {rate}: starting a {hosts}-host cluster ===", flush=True)
             started = time.time()
-            with NamespaceCluster(hosts=2, cpus=cfg.nodes.cpus) as cluster:
+            with NamespaceCluster(hosts=hosts, cpus=cfg.nodes.cpus) as cluster:
                 cluster.shape(rate, burst=tbf_burst(rate))
                 link = measure_link(cluster)
                 print(

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_p = sub.add_parser(
         "bench",
         help="every strategy of a config on identical inputs, curves and a report: "
-        "over a shaped 2-host link (wan, needs root) or on local Ray",
+        "over shaped links between hosts (wan, needs root) or on local Ray",
     )
     bench_p.add_argument("mode", choices=["wan", "local"])
     bench_p.add_argument("config")
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RATE",
         help="wan: link rate, e.g. 100mbit or 1gbit (repeatable; default 100mbit)",
+    )
+    bench_p.add_argument(
+        "--hosts", type=int, default=2, help="wan: hosts, one node actor, DDP worker or stage each (default 2)"
     )
     _add_overrides(bench_p, "override a config field (repeatable)")
     bench_p.add_argument("--out", help="output directory (default: the config's out_dir)")
@@ -258,6 +261,10 @@ def _bench(args) -> int:
     try:
         if args.mode == "local" and args.rates:
             raise ConfigError("--rate", args.rates, "only `bench wan` shapes a link; drop --rate for `bench local`")
+        if args.mode == "local" and args.hosts != 2:
+            raise ConfigError("--hosts", args.hosts, "only `bench wan` makes hosts; drop --hosts for `bench local`")
+        if args.hosts < 2:
+            raise ConfigError("--hosts", args.hosts, "a link needs two hosts at least: give 2 or more")
         for rate in args.rates:
             rate_bits(rate)
         cfg = load_config(args.config, args.overrides)
@@ -265,7 +272,7 @@ def _bench(args) -> int:
         check_out_dir(out, "--out" if args.out else "out_dir")
         if args.mode == "wan":
             check_wan_prerequisites()
-            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out))
+            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out), args.hosts)
         else:
             meta = bench_local(cfg, Path(out))
     except (ConfigError, assets.AssetError, PermissionError, FileNotFoundError) as err:

@@ -67,6 +67,22 @@ def test_wan_bench_on_two_hosts_at_one_rate(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root, iproute2 and tc")
+@pytest.mark.heavy
+def test_wan_bench_on_four_hosts_places_one_actor_per_host(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    tiny = {**TINY, "nodes": {"count": 4, "cpus": 0.5}, "strategies": ["ddp", "lofi"]}
+    config.write_text(yaml.safe_dump(tiny))
+    out = tmp_path / "wan"
+    assert main(["bench", "wan", str(config), "--hosts", "4", "--rate", "1gbit", "--out", str(out)]) == 0
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["hosts"] == 4 and bench["config"]["nodes"]["placement"] == "STRICT_SPREAD"
+    for record in json.loads((out / "1gbit" / "results.json").read_text()):
+        hosts = [n["host"] for n in record["nodes"]]
+        assert len(hosts) == 4 and len(set(hosts)) == 4, (record["strategy"], hosts)  # one actor on each host
+
+
+@pytest.mark.slow
 def test_local_bench_writes_the_same_report(ray_session, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({**TINY, "strategies": ["ddp", "lofi"]}))
@@ -84,7 +100,13 @@ def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
         config.write_text(yaml.safe_dump(TINY))
         assert main(["bench", "wan", str(config), "--rate", "fast", "--out", str(tmp_path / "x")]) == 2
         assert "--rate" in capsys.readouterr().err
+        assert main(["bench", "wan", str(config), "--hosts", "4", "--out", str(tmp_path / "x")]) == 2
+        assert "set nodes.count: 4" in capsys.readouterr().err  # 4 hosts, one node each
     else:
         assert main(["bench", "wan", str(config), "--out", str(tmp_path / "x")]) == 2
         assert "root" in capsys.readouterr().err
+    assert main(["bench", "wan", str(config), "--hosts", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "'--hosts' = 1" in capsys.readouterr().err
+    assert main(["bench", "local", str(config), "--hosts", "4", "--out", str(tmp_path / "x")]) == 2
+    assert "only `bench wan` makes hosts" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

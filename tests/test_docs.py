@@ -223,7 +223,7 @@ def _raylowcomm(argv: list[str]) -> None:
 
         cfg = load_config(args.config, args.overrides)
         if args.mode == "wan":
-            wan_config(cfg)
+            wan_config(cfg, args.hosts)
         for rate in args.rates:
             rate_bits(rate)
     elif args.command == "assets":

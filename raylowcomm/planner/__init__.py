@@ -93,7 +93,11 @@ def plan(costs: list[Cost], nodes: list[int], links: list[tuple[str, float]], la
     goal = 0.95 * ddp.curve[-1][1] if ddp else None
     rows = []
     for cost in costs:
-        scaled = cost.scaled(target.params, target.trainable, target.compute_s(cost))
+        try:
+            scaled = cost.scaled(target.params, target.trainable, target.compute_s(cost))
+        except ValueError as err:
+            logger.warning("plan: %s; left out", err)
+            continue
         for label, bits in links:
             link = link_of(bits, latency_ms)
             for n in [len(scaled.stages)] if scaled.topology == "pipeline" else nodes:
@@ -106,6 +110,8 @@ def plan(costs: list[Cost], nodes: list[int], links: list[tuple[str, float]], la
 def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
+    if seconds >= 360000:
+        return f"{seconds / 3600:,.0f} h"
     if seconds >= 3600:
         return f"{seconds / 3600:.3g} h"
     if seconds >= 60:
