@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="wan: link rate, e.g. 100mbit or 1gbit (repeatable; default 100mbit)",
     )
     bench_p.add_argument(
+        "--budget-s",
+        type=float,
+        help="the same training seconds for every strategy (optim.budget_s): each trains until it has spent "
+        "them, its epochs repeating, then is scored",
+    )
+    bench_p.add_argument(
         "--hosts", type=int, default=2, help="wan: hosts, one node actor, DDP worker or stage each (default 2)"
     )
     _add_overrides(bench_p, "override a config field (repeatable)")
@@ -267,7 +273,8 @@ def _bench(args) -> int:
             raise ConfigError("--hosts", args.hosts, "a link needs two hosts at least: give 2 or more")
         for rate in args.rates:
             rate_bits(rate)
-        cfg = load_config(args.config, args.overrides)
+        budget = [] if args.budget_s is None else [f"optim.budget_s={args.budget_s}"]
+        cfg = load_config(args.config, args.overrides + budget)
         out = args.out or cfg.out_dir
         check_out_dir(out, "--out" if args.out else "out_dir")
         if args.mode == "wan":

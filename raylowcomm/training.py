@@ -31,6 +31,10 @@ def make_optimizer(cfg: OptimConfig, model: nn.Module | list[nn.Parameter]) -> t
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
+BUDGET_EPOCHS = 1000
+"""With optim.budget_s, the run's steps are a cap this many times the epochs' (time stops it first)."""
+
+
 def total_steps(cfg: OptimConfig, smallest_shard: int) -> int:
     """Steps every node (and DDP worker) takes, so all strategies see the same samples."""
     per_epoch = steps_per_epoch(smallest_shard, cfg.batch_size)
@@ -40,7 +44,7 @@ def total_steps(cfg: OptimConfig, smallest_shard: int) -> int:
             cfg.batch_size,
             f"larger than a node's shard ({smallest_shard} examples): lower it or raise data.train_size",
         )
-    steps = per_epoch * cfg.epochs
+    steps = per_epoch * cfg.epochs * (BUDGET_EPOCHS if cfg.budget_s else 1)
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
@@ -65,8 +69,11 @@ class StepHooks:
     clock: TrainClock = field(default_factory=TrainClock)
     """The loop's `train_s`: what `on_step` does inside `clock.paused()` is not counted."""
     stop_after_s: float | None = None
-    """Stop after the step at which `clock` reaches this many seconds (a segment synced by time), or at
-    `stop`, whichever comes first."""
+    """Stop after the step at which `clock` reaches this many seconds (a segment synced by time, a
+    budget), or at `stop`, whichever comes first."""
+    stop: Callable[[], bool] | None = None
+    """Asked after each step (after `on_step`): True stops the loop there (DDP's ranks vote on their
+    budget, so that every rank stops at the same step)."""
     pace: Callable[[int, float], None] | None = None
     """Called first with the number of steps done and how long that step took (`execution.churn.Churn`:
     a slow node sleeps, a preempted one exits before the step's checkpoint)."""
@@ -102,7 +109,7 @@ def train_steps(
     grouped by length (see `batch_at`)."""
     hooks = hooks or StepHooks()
     model.train()
-    losses = []
+    losses, step_s = [], 0.0
     for step in range(start, stop):
         began = time.perf_counter()
         torch.manual_seed(step_seed(seed, step))
@@ -113,13 +120,17 @@ def train_steps(
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        hooks.after(step + 1, stop, losses, time.perf_counter() - began)
+        step_s = time.perf_counter() - began
+        hooks.after(step + 1, stop, losses, step_s)
         if hooks.stop_after_s is not None and hooks.clock.elapsed() >= hooks.stop_after_s:
+            break
+        if hooks.stop is not None and hooks.stop():
             break
     return {
         "steps": len(losses),
         "samples": len(losses) * batch_size,
         "train_s": hooks.clock.elapsed(),
+        "last_step_s": step_s,
         "mean_loss": sum(losses) / len(losses) if losses else None,
     }
 

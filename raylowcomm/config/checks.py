@@ -166,6 +166,7 @@ def _check_numbers(cfg: RunConfig) -> None:
     _positive("optim.batch_size", cfg.optim.batch_size)
     _positive("optim.epochs", cfg.optim.epochs)
     _positive("optim.max_steps", cfg.optim.max_steps)
+    _positive("optim.budget_s", cfg.optim.budget_s)
     _positive("optim.eval_batch_size", cfg.optim.eval_batch_size)
     _positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
     if not 0 <= cfg.optim.momentum < 1:

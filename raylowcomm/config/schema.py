@@ -155,6 +155,12 @@ class OptimConfig:
     """Passes over each node's shard (lo-fi node, DDP worker): both take the same number of steps."""
     max_steps: int | None = None
     """Stop each node after this many steps (None: `epochs` full passes over its shard)."""
+    budget_s: float | None = None
+    """Seconds of training each strategy gets, on its own training clock: it trains until the step at
+    which they are reached, its shard's epochs repeating in new orders (`epochs` then only caps the
+    run at 1,000 times its steps; `max_steps` still caps it), and is scored there; the record says
+    where it stopped (`details.budget`). For equal-time comparisons (`bench ... --budget-s`). lo-fi
+    (not with quorum rounds), DDP, SPSA and interlocking. None: `epochs` or `max_steps` decide."""
     group_by_length: bool = False
     """Text: batch rows of similar length together (data.length_grouped_batch), so a batch cut to
     its longest row carries little padding; lo-fi, DDP and SPSA. Batches stay random in content;

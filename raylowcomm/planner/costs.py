@@ -1,9 +1,10 @@
 """The time model `raylowcomm plan` predicts with: what a strategy's run costs in compute and on the
 link, for N nodes on a link of a given rate and latency. Plain Python, no Ray, no torch.
 
-Every node has its own link of `bytes_per_s` each way (full duplex, as `tc tbf` shapes the WAN bench's
-hosts), and transfers on different links run at once. Compute does not hide a transfer unless the
-strategy overlaps them (`Cost.overlap_steps`)."""
+A rate is each node's outgoing rate, as `tc tbf` shapes the WAN bench's hosts and as a cloud VM's egress
+cap works; what a node receives is limited by its senders' rates, not its own. Transfers from different
+nodes run at once. Compute does not hide a transfer unless the strategy overlaps them
+(`Cost.overlap_steps`)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
 
 
 def star_s(nbytes: float, n: int, link: Link) -> float:
-    """Every node sends `nbytes` to the driver, which sends the average back, all over the driver's own
-    link; the driver runs on node 0's host, so n − 1 copies cross it each way, one after the other."""
+    """Every node sends `nbytes` to the driver, each over its own link at once, and the average goes back:
+    Ray's object store relays it between the nodes that already hold it, so the driver's link does not
+    carry n − 1 copies (measured: a round at N = 4 takes what one at N = 2 does, docs/planning.md)."""
     if n < 2:
         return 0.0
-    return 2 * (link.latency_s + (n - 1) * nbytes / link.bytes_per_s)
+    return 2 * (link.latency_s + nbytes / link.bytes_per_s)
 
 
 @dataclass

@@ -255,6 +255,18 @@ def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, chec
         logger.warning("%s: checkpoint_every=%s does not apply: %s", strategy, cfg.checkpoint_every, checkpoints)
 
 
+def budget_details(budget_s: float, train_s: float, steps: int, last_step_s: float) -> dict:
+    """Where a run on a budget (`optim.budget_s`) stopped: at the step whose end reached the budget
+    (`train_s` >= budget_s > train_s - last_step_s), or at its cap of steps before it."""
+    return {
+        "budget_s": budget_s,
+        "train_s": train_s,
+        "steps": steps,
+        "last_step_s": last_step_s,
+        "stopped_by": "budget" if train_s >= budget_s else "steps",
+    }
+
+
 def finish_record(
     name: str,
     ctx: RunContext,

@@ -35,6 +35,7 @@ from raylowcomm.strategies.base import (
     RunContext,
     RunRecord,
     Strategy,
+    budget_details,
     curve_point,
     finish_record,
 )
@@ -228,6 +229,8 @@ class Ddp(Strategy[DdpConfig]):
         ]
         for w in workers:
             ledger.record("train", "gradient_allreduce", w["allreduce_bytes"])
+        if cfg.optim.budget_s is not None and n > 1:  # every rank's float32 vote, all-reduced after every step
+            ledger.record("train", "budget_votes", 4 * n * steps)
         ledger.record("final", "worker_stats_gather", result.metrics["gather_bytes"])
         ledger.send("final", "eval_metrics", result.metrics["final"])
         collecting = time.perf_counter()
@@ -236,6 +239,10 @@ class Ddp(Strategy[DdpConfig]):
         details["phases_s"]["collect"] = round(time.perf_counter() - collecting, 3)
         state = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         ledger.send("final", "model_checkpoint", state)  # under LoRA rank 0 checkpoints the adapters and head only
+        train_s = max(w["train_s"] for w in workers)
+        if cfg.optim.budget_s is not None:
+            last = max(workers, key=lambda w: w["train_s"])["last_step_s"]
+            details["budget"] = budget_details(cfg.optim.budget_s, train_s, steps, last)
         details = {
             "steps_per_worker": steps,
             "backend": backend,
@@ -251,7 +258,7 @@ class Ddp(Strategy[DdpConfig]):
             metrics=result.metrics["final"],
             step=steps,
             samples=sum(w["samples"] for w in workers),
-            train_s=max(w["train_s"] for w in workers),
+            train_s=train_s,
             infos=workers,
             weights=state,
             curve=curve,

@@ -230,6 +230,7 @@ class _Rank:
         self.loop, self.node, self.rank, self.world, self.optimizer = loop, node, node.rank, world, optimizer
         self.steps, (self.start, self.curve, self.tally), self.watch = steps, restored, watch
         self.points, self.clock = set(eval_points(loop.cfg, steps)), TrainClock()
+        self.done, self.last_step_s = steps, 0.0  # the step it ended at: `steps`, or where its budget ran out
         if self.rank == 0:
             _note_attempt(loop.storage, self.start, self.tally.counts, self.start, new=True)
 
@@ -245,8 +246,9 @@ class _Rank:
             progress=progress,
             clock=self.clock,
             pace=churn,
+            stop=self.over_budget if cfg.optim.budget_s is not None else None,
         )
-        train_steps(
+        stats = train_steps(
             wrapped,
             self.tally,
             self.optimizer,
@@ -260,6 +262,21 @@ class _Rank:
             device=self.node.device,
             group_seed=group_seed(cfg),
         )
+        self.done, self.last_step_s = self.start + stats["steps"], stats["last_step_s"]
+
+    def over_budget(self) -> bool:
+        """Whether the run's training time reached optim.budget_s: every rank votes after every step (one
+        float32 all-reduced to its maximum), so that all stop at the same step, the first at which any
+        rank's clock reached it."""
+        import torch
+        import torch.distributed as dist
+
+        spent = self.tally.at(self.clock)["train_s"] >= self.loop.cfg.optim.budget_s
+        if self.world == 1:
+            return spent
+        vote = torch.tensor([float(spent)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        return bool(vote.item())
 
     def on_step(self, step: int) -> None:
         """At a curve step or a checkpoint step before the last, the ranks meet (out of the training
@@ -283,7 +300,7 @@ class _Rank:
         """Score the final model, gather every rank's numbers, and report them with the last checkpoint."""
         import torch.distributed as dist
 
-        cfg, world, steps, done = self.loop.cfg, self.world, self.steps, self.tally.at(self.clock)
+        cfg, world, steps, done = self.loop.cfg, self.world, self.done, self.tally.at(self.clock)
         with self.watch("evaluate"):
             if cfg.data.eval_on_nodes:  # every rank scores the (same) model on its own held-out rows
                 per_rank = [None] * world
@@ -298,6 +315,7 @@ class _Rank:
             "buckets": done["buckets"],
             "samples": steps * cfg.optim.batch_size,
             "train_s": done["train_s"],
+            "last_step_s": self.last_step_s,
             "resumed_from": self.start,
             **process_info(),
             "mean_loss": done["loss_sum"] / steps if steps else None,

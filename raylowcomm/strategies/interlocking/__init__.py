@@ -41,6 +41,7 @@ from raylowcomm.strategies.base import (
     RunContext,
     RunRecord,
     Strategy,
+    budget_details,
     curve_point,
     eval_points,
     finish_record,
@@ -234,6 +235,16 @@ class Interlocking(Strategy[InterlockingConfig]):
             "units_per_stage": units_per_stage(modules, family),
             "batches": batches,
             "step_time_s": train_s / batches if batches else None,
+            **(
+                {  # it stops submitting at the budget; the batches in flight then finish
+                    "budget": {
+                        **budget_details(cfg.optim.budget_s, trained["stopped_at_s"], batches, trained["last_step_s"]),
+                        "train_s_with_batches_in_flight": train_s,
+                    }
+                }
+                if cfg.optim.budget_s is not None and "stopped_at_s" in trained
+                else {}
+            ),
             "steady_step_time_s": max(
                 (i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None), default=None
             ),
@@ -300,6 +311,7 @@ class Interlocking(Strategy[InterlockingConfig]):
         cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
         K, actors, ledger = opts.stages, group.handles(), group.ledger
         steps = total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
+        budget = cfg.optim.budget_s if cfg.optim.budget_s is not None else opts.time_budget_s
         logger.info(
             "[interlocking] K=%d n=%d rule=%s, %d steps x %d micro-batches%s",
             K,
@@ -307,7 +319,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             opts.rule,
             steps,
             opts.micro_batches,
-            f", budget {opts.time_budget_s}s" if opts.time_budget_s else "",
+            f", budget {budget}s" if budget else "",
         )
         stage_losses, busy, curve = [[] for _ in range(K)], [0.0] * K, []
 
@@ -346,7 +358,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             opts.micro_batches,
             steps,
             group.fetch,
-            opts.time_budget_s,
+            budget,
             opts.max_batches_ahead,
             absorb,
             frozenset(eval_points(cfg, steps)),

@@ -42,10 +42,13 @@ def train_interlocked(
     eval_at: frozenset[int] = frozenset(),
     evaluate=None,
 ) -> dict:
-    """Up to ``steps`` batches (or ``time_budget_s`` of training); ``on_reports`` sees each batch's stage reports;
-    after batch b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock."""
+    """Up to ``steps`` batches (or ``time_budget_s`` of training: no batch is submitted once the clock has
+    reached it, and the ones in flight finish); ``on_reports`` sees each batch's stage reports; after batch
+    b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock. With a budget,
+    ``stopped_at_s`` is when the clock was found past it and ``last_step_s`` the time since the check before."""
     plan = message_plan(num_stages, width, rule)
     clock, pending, reports, batches = TrainClock(), [], [], 0
+    checked, stopped = 0.0, {}
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
@@ -54,8 +57,11 @@ def train_interlocked(
                 on_reports(reports[-1])
 
     for step in range(steps):
-        if time_budget_s is not None and clock.elapsed() >= time_budget_s:
+        now = clock.elapsed()
+        if time_budget_s is not None and now >= time_budget_s:
+            stopped = {"stopped_at_s": now, "last_step_s": now - checked}
             break
+        checked = now
         drain(max_ahead)
         pending.append(submit_batch(actors, plan, step, micro_batches))
         batches += 1
@@ -64,7 +70,7 @@ def train_interlocked(
             with clock.paused():
                 evaluate(batches, clock.elapsed())
     drain(0)
-    return {"reports": reports, "batches": batches, "train_s": clock.elapsed()}
+    return {"reports": reports, "batches": batches, "train_s": clock.elapsed(), **stopped}
 
 
 def evaluate_chained(

@@ -27,7 +27,7 @@ from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.averaging import batchnorm_layers
 from raylowcomm.core.compression import CODECS
 from raylowcomm.execution.placement import node_bundle
-from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, finish_record
+from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, budget_details, finish_record
 from raylowcomm.strategies.lofi import final as final_phase
 from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig, node_slots, on_quorum
@@ -138,6 +138,13 @@ class Lofi(Strategy[LofiConfig]):
                 o.round_momentum,
                 "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
                 "or sync: time) and lofi.fragments: 1",
+            )
+        if cfg.optim.budget_s is not None and (o.overlap or o.fragments > 1):
+            raise ConfigError(
+                "optim.budget_s",
+                cfg.optim.budget_s,
+                "a budget ends lo-fi where its time does, between rounds: not with lofi.overlap or "
+                "lofi.fragments > 1; remove the budget or set overlap: 0 and fragments: 1",
             )
         if adapters and o.soup == "greedy":
             raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
@@ -284,17 +291,30 @@ class Lofi(Strategy[LofiConfig]):
         """The rounds from round `first`: train to each boundary with no communication, then the
         exchange's averaging round. Training time as DDP measures it: the nodes' own loop time (slowest
         node per round) plus the averaging rounds; Ray call overhead is left out of both."""
-        n, ledger = len(group), group.ledger
+        n, ledger, budget = len(group), group.ledger, ctx.cfg.optim.budget_s
         # snapshots: (step, train_s at step, bytes sent by then)
-        train_s, trained, snapshots, began = 0.0, [], [], time.perf_counter()
+        train_s, trained, snapshots, began, round_s = 0.0, [], [], time.perf_counter(), 0.0
         for i, until in enumerate(plan.boundaries[first:], first):
+            if budget is not None and trained and train_s >= budget:  # the last round took the rest
+                plan.stop_at(plan.boundaries[i - 1], i)  # the final round comes where that one did
+                break
+            round_s = 0.0
             last = i == len(plan.boundaries) - 1
             landing = exchange.landing(plan, i)  # the round in flight lands in this call
             ledger.send("setup" if i == 0 else "train", "control", [until, *landing] if landing else until, copies=n)
             due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
             sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
+            seconds = None if budget is None else budget - train_s  # the rest of the budget, on the nodes' clocks
             trained.append(
-                group.call("train", until, due, *landing, phase="final" if last else "train", what="train_stats")
+                group.call(
+                    "train",
+                    until,
+                    due,
+                    landing[0] if landing else None,
+                    seconds,
+                    phase="final" if last else "train",
+                    what="train_stats",
+                )
             )
             if landing:
                 exchange.landed(group, until, "final" if last else "train")
@@ -321,13 +341,22 @@ class Lofi(Strategy[LofiConfig]):
                     )
                     ledger.send("train", "recovery_refetch", initial)
                     ledger.send("train", "recovery_refetch", ctx.data.train)
+            if budget is not None and not last and train_s >= budget:  # spent: this segment's end is the run's
+                plan.stop_at(max(s["step"] for s in trained[-1]), i)
+                break
             if not last:
                 round_clock = TrainClock()
                 exchange.round(group, plan, i + 1, until)
-                train_s += round_clock.elapsed()
+                round_s = round_clock.elapsed()
+                train_s += round_s
+        reached = max((s["step"] for s in trained[-1]), default=plan.steps) if trained else plan.steps
+        if budget is not None and reached < plan.steps:  # the last segment ended by time
+            plan.stop_at(reached, len(plan.boundaries) - 1)
         per_node = [list(calls) for calls in zip(*trained)]
         wall_s = time.perf_counter() - began
+        slowest = max(trained[-1], key=lambda s: s["train_s"]) if trained else {}
         return {
+            "last_step_s": slowest.get("last_step_s", 0.0) + round_s,  # the last step (and a round after it)
             "nodes": per_node,
             "train_s": train_s,
             "snapshots": snapshots,
@@ -387,6 +416,10 @@ class Lofi(Strategy[LofiConfig]):
         if on_all:  # the test rows are the nodes': each scored the average on its own
             details["average_on_nodes"] = per_node
         details["collect_s"], details["phases_s"] = collect_s, watch.parts
+        if cfg.optim.budget_s is not None:
+            details["budget"] = budget_details(
+                cfg.optim.budget_s, trained["train_s"], plan.steps, trained.get("last_step_s", 0.0)
+            )
         details["curve_note"] = (
             f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
             f"training time at the step + {collect_s:.2f} s, the measured time to collect and "

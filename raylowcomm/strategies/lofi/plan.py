@@ -48,6 +48,14 @@ class Plan:
     landings: list[int] | None = None
     """With lofi.overlap: the step at which the round sent at each boundary (but the last) lands."""
 
+    def stop_at(self, step: int, i: int) -> None:
+        """A run on a budget (`optim.budget_s`) ended at `step` (its furthest node's) before boundary i
+        came: rounds 1..i are the ones that landed, and the final round, i + 1, is taken at `step`."""
+        self.steps = step
+        self.boundaries = self.boundaries[:i] + [step]
+        self.fragments = self.fragments[: i + 1]
+        self.snapshots = [s for s in self.snapshots if s <= step]
+
 
 def plan_rounds(cfg: RunConfig, opts: LofiConfig, shard_sizes: list[int], average: NodeAverage) -> Plan:
     steps = total_steps(cfg.optim, min(shard_sizes))

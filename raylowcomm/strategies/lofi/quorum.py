@@ -229,10 +229,16 @@ class QuorumExchange(PeerExchange):
                 "alike: set lofi.final_round: compressed and lofi.final_residual: true",
             ),
             "eval_every": (cfg.eval_every > 0, "a curve from snapshots needs lockstep nodes: set eval_every: 0"),
+            "optim.budget_s": (
+                cfg.optim.budget_s is not None,
+                "quorum rounds run a budget of node-steps: remove optim.budget_s",
+            ),
         }
         for name, (bad, fix) in refused.items():
             if bad:
-                value = {"model.lora": "set", "eval_every": cfg.eval_every}.get(name, getattr(o, name[5:], None))
+                value = {"model.lora": "set", "eval_every": cfg.eval_every, "optim.budget_s": cfg.optim.budget_s}.get(
+                    name, getattr(o, name[5:], None)
+                )
                 raise ConfigError(name, value, fix)
 
     @staticmethod

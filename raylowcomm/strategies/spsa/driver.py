@@ -17,6 +17,7 @@ from raylowcomm.runtime import wire_nbytes
 from raylowcomm.strategies.base import (
     RunContext,
     RunRecord,
+    budget_details,
     curve_point,
     eval_points,
     finish_record,
@@ -59,6 +60,8 @@ class SpsaRun:
         self.ledger, self.steps, self.codec = group.ledger, steps, self.opts.make_codec()
         self.slots = self.cfg.nodes.count + len(self.opts.join)
         self.clock, self.train_clock, self.storage, self.resumed_train_s = TrainClock(), TrainClock(), ctx.storage, 0.0
+        self.budget: dict | None = None
+        """Where a run on optim.budget_s stopped (`budget_details`)."""
         self.weights_ref, self.start = None, None
         self.records, self.infos, self.counts = {}, {}, DriverCounts()
         self.node_forwards = forwards_per_step(self.opts.estimator, self.opts.samples)
@@ -151,10 +154,15 @@ class SpsaRun:
         if start == 0:
             with self.train_clock.paused():
                 self.checkpoint(0)
-        points = set(eval_points(cfg, self.steps))
+        points, budget = set(eval_points(cfg, self.steps)), cfg.optim.budget_s
         for step in range(start, self.steps):
             self.membership(step)
+            began = self.train_clock.elapsed()
             progress = self.exchange(step)
+            spent = self.train_clock.elapsed()
+            if budget is not None and spent >= budget:  # this step ends the run: verified, scored, finished
+                self.budget = budget_details(budget, spent, step + 1, spent - began)
+                self.steps = step + 1
             if (step + 1) % self.opts.verify_every == 0 or step + 1 == self.steps:
                 self.verify(step + 1)
             if (step + 1) % cfg.checkpoint_steps == 0 and step + 1 < self.steps:
@@ -172,6 +180,8 @@ class SpsaRun:
                 )
                 progress.update(metrics)
             self.ctx.report(progress)
+            if step + 1 == self.steps:
+                break
         return self.finish(self.counts.step0)
 
     def leave(self, k: int, step: int, how: str) -> None:
@@ -275,6 +285,7 @@ class SpsaRun:
         compute, replay = (max((i[key] for i in infos), default=0.0) for key in ("compute_s", "replay_s"))
         total = {key: sum(values) for key, values in self.counts.per_step.items()}
         details = {
+            **({"budget": self.budget} if self.budget else {}),
             "step0_metrics": step0,
             "steps": steps,
             "codec": opts.codec,
