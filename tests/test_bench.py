@@ -83,12 +83,29 @@ def test_wan_bench_on_four_hosts_places_one_actor_per_host(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_bench_writes_the_same_report(ray_session, tmp_path):
+def test_local_bench_at_equal_time_writes_the_same_report_and_stops_every_strategy_at_its_budget(ray_session, tmp_path):
+    """`--budget-s`: every strategy trains until the step at which its own training clock reaches the
+    budget, its epochs repeating, and its record says where it stopped."""
+    budget_s = 2.0
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({**TINY, "strategies": ["ddp", "lofi"]}))
+    lofi = {"average_every": 4, "compress": "int8", "bn_recalibrate": False}  # rounds: the budget ends between them
+    config.write_text(yaml.safe_dump({**TINY, "lofi": lofi, "eval_every": 32}))  # a few curve points in 2 s
     out = tmp_path / "local"
-    assert main(["bench", "local", str(config), "--out", str(out)]) == 0
-    _check_bench(out, ["local"], ["ddp", "lofi"])
+    assert main(["bench", "local", str(config), "--budget-s", str(budget_s), "--out", str(out)]) == 0
+    _check_bench(out, ["local"], TINY["strategies"])
+    records = json.loads((out / "local" / "results.json").read_text())
+    epoch = 256 // 2 // 16  # steps in one pass over a node's shard (interlocking: twice as many batches)
+    for r in records:
+        budget = r["details"]["budget"]
+        assert budget["stopped_by"] == "budget", r["strategy"]
+        # the clock reached the budget in the last step (or the round after it), not before it
+        assert budget["train_s"] >= budget_s > budget["train_s"] - budget["last_step_s"], (r["strategy"], budget)
+        assert budget["steps"] > epoch, r["strategy"]  # epochs repeated: the budget, not `epochs`, ended it
+    lofi_record = next(r for r in records if r["strategy"] == "lofi")
+    assert lofi_record["details"]["averaging_steps"][-1] == lofi_record["details"]["budget"]["steps"]
+    ddp = next(r for r in records if r["strategy"] == "ddp")
+    steps = ddp["details"]["steps_per_worker"]
+    assert ddp["comm"]["by_kind"]["train/budget_votes"] == 4 * 2 * steps  # one float32 per rank and step
 
 
 def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
