@@ -176,7 +176,8 @@ class Ddp(Strategy[DdpConfig]):
         eval_sets = ctx.eval_sets(val=False)
         for split in eval_sets.values():  # rank 0 scores the curve and the final model
             ledger.send("setup", "eval_sets", split)
-        logger.info("[ddp] %d workers x %s steps, %s", n, steps or "(their shards')", backend)
+        budget = "" if cfg.optim.budget_s is None else f" at most, until {cfg.optim.budget_s:g} s of training"
+        logger.info("[ddp] %d workers x %s steps%s, %s", n, steps or "(their shards')", budget, backend)
         ctx.live.expect(n, steps)
         earlier = len(ctx.storage.read_json(ATTEMPTS)) if ctx.storage.exists(ATTEMPTS) else 0
         trainer = self._trainer(

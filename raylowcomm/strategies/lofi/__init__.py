@@ -269,11 +269,14 @@ class Lofi(Strategy[LofiConfig]):
                 with watch("probe"):
                     shared_head(group, opts.probe_steps, plan.weights)
             ctx.live.expect(n, plan.steps)
+            bounds = plan.boundaries if plan.averaging else [plan.steps]
             logger.info(
-                "[lofi] %d nodes x %d steps, averaging at steps %s",
+                "[lofi] %d nodes x %s steps, averaging at steps %s",
                 n,
-                plan.steps,
-                plan.boundaries if plan.averaging else [plan.steps],
+                plan.steps
+                if cfg.optim.budget_s is None
+                else f"{cfg.optim.budget_s:g} s of training (at most {plan.steps})",
+                bounds if len(bounds) <= 12 else f"{bounds[:6]} ... {bounds[-1]}",
             )
             first = exchange.resume(ctx, group, plan) if ctx.resume else 0
             if first:
