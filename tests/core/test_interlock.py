@@ -2,6 +2,7 @@
 gradients of one autograd graph for every n and both rules, messages stay within n - 1 hops."""
 
 import copy
+import itertools
 
 import pytest
 import timm
@@ -9,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raylowcomm.core.interlock.heads import causal_lm_loss, decoder_aux_heads, resnet_aux_heads
+from raylowcomm.core.interlock.heads import (
+    PositionSubsetHead,
+    SampledLogits,
+    causal_lm_loss,
+    decoder_aux_heads,
+    resnet_aux_heads,
+)
 from raylowcomm.core.interlock.routing import (
     InterlockStage,
     build_stages,
@@ -407,3 +414,59 @@ def test_measured_costs_time_every_unit_and_boundary_head_and_a_fixed_split_is_k
     assert len(fixed[0]) == 1 and len(fixed[1]) == units
     with pytest.raises(ValueError, match="sizes"):
         split_timm_cnn(model, 2, "blocks", sizes=[1, 1])
+
+
+# ----------------------------------------------------------------------------- aux heads on a subset of positions
+
+
+def test_the_position_subset_loss_is_the_full_loss_in_expectation():
+    """Every subset of 2 of the 4 positions, each equally likely: the weighted subset loss averages to the
+    loss over every position (the -100 label counted nowhere)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 7, (2, 5), generator=generator)
+    labels[1, -1] = -100
+    full = causal_lm_loss(logits, labels)
+    subsets = [torch.tensor(s) for s in itertools.combinations(range(4), 2)]
+    estimates = [causal_lm_loss(SampledLogits(logits[:, s], s, 4), labels) for s in subsets]
+    mean = sum(estimates) / len(estimates)
+    # float64: each estimate is a sum of 4 terms, one product and one quotient, the mean 6 more sums and
+    # a quotient, the full loss 8 terms and a quotient: fewer than 32 roundings of 2^-53 relative each
+    bound = 32 * 2**-53 * max(abs(full), *(abs(e) for e in estimates))
+    assert abs(mean - full) <= bound and any(abs(e - full) > 1e3 * bound for e in estimates)
+
+
+def test_a_subset_head_reads_its_seeded_positions_while_training_and_every_position_when_scoring():
+    head = PositionSubsetHead(torch.nn.Linear(4, 9), 0.25, seed=3)
+    h = torch.randn(2, 9, 4)
+    first, second = head(h), head(h)
+    assert isinstance(first, SampledLogits) and first.of == 8 and len(first.positions) == 2
+    assert first.logits.shape == (2, 2, 9) and not torch.equal(first.positions, second.positions)  # afresh per call
+    head.draws = 0
+    assert torch.equal(head(h).positions, first.positions)  # the draws are the seed's
+    head.eval()
+    assert torch.equal(head(h), head.head(h))
+
+
+@pytest.mark.parametrize("n,rule", [(1, "farthest"), (2, "farthest"), (2, "sum")])
+def test_subset_heads_send_the_reference_gradients_across_stages(n, rule, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    def in_its_own_dtype(self, h):  # LlamaRMSNorm computes in float32 even for a float64 model
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", in_its_own_dtype)
+    model = tiny_llama().double().train()
+    modules = split_hf_decoder(model, 3)
+    heads = [PositionSubsetHead(h.double(), 0.5, seed=k) for k, h in enumerate(decoder_aux_heads(model, 3))]
+    batch = token_batch()
+    stages = build_stages(modules, heads, n, rule, loss_fn=causal_lm_loss, optimizer_factory=no_step_optimizer)
+    trace = run_interlocked_batch(stages, [batch], step=False)
+    for head in heads:
+        head.draws = 0  # the reference reads the same positions
+    want_stages, want_heads = reference_gradients(modules, heads, batch, n, rule, causal_lm_loss)
+    for k in range(3):
+        assert_grads_equal(accumulated_grads(modules[k]), want_stages[k], f"n={n} {rule} stage {k}")
+    for j in range(2):
+        assert_grads_equal(accumulated_grads(heads[j]), want_heads[j], f"n={n} {rule} head {j}")
+    check_messages(trace, stages, n)

@@ -249,6 +249,10 @@ def test_validation_names_the_field():
     with pytest.raises(ConfigError) as err:
         tiny_cfg(micro_batches=3)
     assert err.value.field_name == "interlocking.micro_batches"
+    for positions in (0.5, 0.0):  # a subset of token positions is a decoder's; and a fraction in (0, 1]
+        with pytest.raises(ConfigError) as err:
+            tiny_cfg(aux_positions=positions)
+        assert err.value.field_name == "interlocking.aux_positions"
     with pytest.raises(ConfigError) as err:
         from_dict(
             {"model": {"name": "test_vit", "family": "timm", "pretrained": False}, "strategies": ["interlocking"]}

@@ -80,6 +80,17 @@ class Interlocking(Strategy[InterlockingConfig]):
         return [node_bundle(cfg)] * Interlocking.count(cfg)
 
     @staticmethod
+    def _validate_heads(cfg: RunConfig, o: InterlockingConfig) -> None:
+        if not 0 < o.aux_positions <= 1:
+            raise ConfigError("interlocking.aux_positions", o.aux_positions, "a fraction in (0, 1] of the positions")
+        if o.aux_positions < 1 and cfg.model.family != "hf_causal_lm":
+            raise ConfigError(
+                "interlocking.aux_positions",
+                o.aux_positions,
+                "reads a subset of a decoder's token positions: set it to 1 for this model",
+            )
+
+    @staticmethod
     def validate(cfg: RunConfig) -> None:
         o = Interlocking.opts(cfg)
         refuse_churn(cfg)
@@ -94,6 +105,7 @@ class Interlocking(Strategy[InterlockingConfig]):
                 o.micro_batches,
                 f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly",
             )
+        Interlocking._validate_heads(cfg, o)
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
         warn_unused(
@@ -209,7 +221,16 @@ class Interlocking(Strategy[InterlockingConfig]):
             x = make_task(task).inputs(batch_at(ctx.data.eval_sets["test"], 0, size, cfg.seed))
             balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus)
         modules = split_model(model, family, K, balance, opts.split)
-        heads = aux_heads(model, modules, family, ctx.spec.num_classes, opts.aux_widths, opts.aux_init_from_lm_head)
+        heads = aux_heads(
+            model,
+            modules,
+            family,
+            ctx.spec.num_classes,
+            opts.aux_widths,
+            opts.aux_init_from_lm_head,
+            opts.aux_positions,
+            cfg.seed,
+        )
         with (
             NodeGroup(StageActor, cfg, Ledger(), bundles=self.bundles(cfg)) as group,
             group.stop_on_death("interlocking stage", "each stage holds layers no other has"),

@@ -26,6 +26,11 @@ class InterlockingConfig:
     """ResNet aux heads: (3x3 conv, BN, ReLU) widths before pool + linear."""
     aux_init_from_lm_head: bool = True
     """Decoder aux heads: a copy of the final norm + lm_head (false: random)."""
+    aux_positions: float = 1.0
+    """Decoder aux heads: the fraction of token positions their loss reads while training, a seeded subset
+    drawn afresh for each micro-batch and weighted so that the loss's expectation is the loss over every
+    position (`core/interlock/heads.PositionSubsetHead`): the head, a vocabulary-wide linear, costs that
+    fraction. 1: every position. Scoring reads every position either way."""
     time_budget_s: float | None = None
     """Stop submitting batches after this many seconds of training (in-flight ones finish)."""
     max_batches_ahead: int = 2
