@@ -39,14 +39,36 @@ def model_of(tiny: bool, device: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(device).train()
 
 
-def timed(device: str, call):
+def timed(device: str, call, *args):
+    """`call(*args)` and its seconds, the device's queued work included."""
     if device == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
-    out = call()
+    out = call(*args)
     if device == "cuda":
         torch.cuda.synchronize()
     return out, time.perf_counter() - began
+
+
+def micro_batch(stages, mb_id: int, ids, device: str, calls: dict, sent: list, keep: bool) -> None:
+    """One micro-batch as `run_interlocked_batch` runs it, each stage call timed into `calls`."""
+    h, inbox = ids, [{} for _ in stages]
+    for k, stage in enumerate(stages):
+        h, forward = timed(device, stage.forward, mb_id, h, ids)
+        msg, early = timed(device, stage.backward, mb_id, {})
+        if keep:
+            calls[(k, "forward")].append(forward + early)
+        if k < len(stages) - 1:
+            sent[k] = h.nbytes
+        if msg and k:
+            inbox[k - 1].update(msg)
+    for k in reversed(range(len(stages))):
+        if stages[k].needs_from_downstream():
+            msg, back = timed(device, stages[k].backward, mb_id, inbox[k])
+            if keep:
+                calls[(k, "backward")].append(back)
+            if msg and k:
+                inbox[k - 1].update(msg)
 
 
 def measure(args, positions: float, n: int, device: str) -> list[StageCost]:
@@ -69,33 +91,15 @@ def measure(args, positions: float, n: int, device: str) -> list[StageCost]:
     vocab, size = model.config.vocab_size, args.batch // args.micro_batches
     calls = {(k, kind): [] for k in range(args.stages) for kind in ("forward", "backward", "step")}
     sent = [0] * args.stages
-    for batch in range(args.batches + 1):
+    for batch in range(args.batches + 1):  # batch 0 warms up
         for mb in range(args.micro_batches):
             ids = torch.randint(0, vocab, (size, args.length), device=device)
-            mb_id = batch * args.micro_batches + mb
-            h, inbox = ids, [{} for _ in stages]
-            for k, stage in enumerate(stages):
-                h, fwd = timed(device, lambda k=k, stage=stage, h=h: stage.forward(mb_id, h, ids))
-                msg, early = timed(device, lambda stage=stage: stage.backward(mb_id, {}))
-                if batch:
-                    calls[(k, "forward")].append(fwd + early)
-                if k < len(stages) - 1:
-                    sent[k] = h.nbytes
-                if msg and k:
-                    inbox[k - 1].update(msg)
-            for k in reversed(range(len(stages))):
-                if stages[k].needs_from_downstream():
-                    msg, back = timed(device, lambda k=k: stages[k].backward(mb_id, inbox[k]))
-                    if batch:
-                        calls[(k, "backward")].append(back)
-                    if msg and k:
-                        inbox[k - 1].update(msg)
+            micro_batch(stages, batch * args.micro_batches + mb, ids, device, calls, sent, batch > 0)
         for k, stage in enumerate(stages):
             _, step = timed(device, stage.step)
             if batch:
                 calls[(k, "step")].append(step)
-        stage_losses = [s.pop_losses() for s in stages]
-    del stage_losses
+            stage.pop_losses()
     med = {key: statistics.median(v) if v else 0.0 for key, v in calls.items()}
     return [
         StageCost(med[(k, "forward")], med[(k, "backward")], med[(k, "step")], sent[k], sent[k - 1] if k else 0)
