@@ -76,7 +76,7 @@ def measure(args, positions: float, n: int, device: str) -> list[StageCost]:
     downstream message and optimizer step, over `args.batches` batches after one warm-up."""
     model = model_of(args.tiny, device)
     modules = split_hf_decoder(model, args.stages)
-    heads = decoder_aux_heads(model, args.stages)
+    heads = [head.to(device) for head in decoder_aux_heads(model, args.stages)]
     if positions < 1:
         heads = [PositionSubsetHead(h, positions, seed=k) for k, h in enumerate(heads)]
     stages = build_stages(

@@ -5,6 +5,7 @@ measured forward + backward time (aux heads included)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from collections.abc import Sequence
@@ -209,19 +210,28 @@ class DecoderStage(nn.Module):
         self.norm, self.lm_head = norm, lm_head
 
     def forward(self, x: Tensor) -> Tensor:
-        from transformers.masking_utils import create_causal_mask  # lazy: vision users skip transformers
-
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        mask = causal_mask(self.config, h, position_ids)
         position_embeddings = self.rotary_emb(h, position_ids=position_ids)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
+
+
+def causal_mask(config, h: Tensor, position_ids: Tensor):
+    """transformers' causal mask for a pass without a cache, by the argument names the installed version
+    takes (5.17 takes `input_embeds` and `cache_position`, 5.25 `inputs_embeds` and `cache`)."""
+    from transformers.masking_utils import create_causal_mask  # lazy: vision users skip transformers
+
+    names = inspect.signature(create_causal_mask).parameters
+    kwargs = {"config": config, "attention_mask": None, "position_ids": position_ids}
+    kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
+    optional = {"cache": None, "cache_position": position_ids[0], "past_key_values": None}
+    kwargs.update({name: value for name, value in optional.items() if name in names})
+    return create_causal_mask(**kwargs)
 
 
 def split_hf_decoder(
