@@ -4,8 +4,8 @@ measured stands for the whole run (its steps, and its rounds in proportion to th
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from raylowcomm.planner.calibrate import costs_of
@@ -22,14 +22,20 @@ def calibrate_config(path: Path, steps: int) -> list[Cost]:
     from raylowcomm.strategies import load_config
     from raylowcomm.strategies.lofi import Lofi
     from raylowcomm.strategies.lofi.config import round_gaps
+    from raylowcomm.strategies.spsa import Spsa
     from raylowcomm.training import total_steps
 
     cfg = load_config(str(path), [])
     with tempfile.TemporaryDirectory(prefix="raylowcomm-plan-") as tmp:
-        sizes = prepare(cfg, Path(tmp) / "check").data.train.sizes(cfg.nodes.count)
+        train = prepare(cfg, Path(tmp) / "check").data.train
+        sizes = train.sizes(cfg.nodes.count)
         if not sizes:
             raise KeyError("data.node_files: only the nodes know their shards; calibrate from a run folder instead")
         full = total_steps(cfg.optim, min(sizes))
+        lengths = {  # the full run's steps: interlocking's batches run over the whole set, SPSA's may be its own
+            "interlocking": total_steps(cfg.optim, train.sizes(1)[0]),
+            "spsa": (Spsa.opts(cfg).steps if "spsa" in cfg.strategies else None) or full,
+        }
         short = steps
         if "lofi" in cfg.strategies:
             gaps = round_gaps(Lofi.opts(cfg), steps_per_epoch(min(sizes), cfg.optim.batch_size))
@@ -37,8 +43,4 @@ def calibrate_config(path: Path, steps: int) -> list[Cost]:
         cfg.optim.max_steps, cfg.eval_every = min(full, short), 0
         logger.info("plan: calibrating on %d of the run's %d steps", cfg.optim.max_steps, full)
         costs = costs_of(run(cfg, Path(tmp) / "run"))
-    for cost in costs:
-        if cost.topology in ("peers", "star"):
-            cost.rounds = math.ceil(cost.rounds * full / cost.steps)
-        cost.steps, cost.curve = full, []
-    return costs
+    return [replace(cost.for_steps(lengths.get(cost.strategy, full)), curve=[]) for cost in costs]
