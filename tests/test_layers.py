@@ -57,6 +57,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "raylowcomm.cluster",
             "raylowcomm.configref",
             "raylowcomm.seedstats",
+            "raylowcomm.planner",  # calibrates from records, or from a run (runner)
         ],
     ),
     ("cli", ["raylowcomm.cli", "raylowcomm"]),  # `raylowcomm` itself: the lazy API names (importlib, not imports)
