@@ -27,7 +27,7 @@ TINY = {
 }
 
 
-def _check_bench(out, labels, strategies):
+def _check_bench(out, labels, strategies, curve_points=2):
     bench = json.loads((out / "bench.json").read_text())
     assert [r["label"] for r in bench["runs"]] == labels and all(r["returncode"] == 0 for r in bench["runs"])
     for name in ("report.md", "curves_time.png", "curves_bytes.png"):
@@ -40,7 +40,7 @@ def _check_bench(out, labels, strategies):
         records = json.loads((out / label / "results.json").read_text())
         assert [r["strategy"] for r in records] == strategies and not any("error" in r for r in records)
         for r in records:
-            assert len(r["curve"]) >= 2 and r["curve"][-1]["bytes"] == r["comm"]["total_bytes"]
+            assert len(r["curve"]) >= curve_points and r["curve"][-1]["bytes"] == r["comm"]["total_bytes"]
             assert len({n["ray_node_id"] for n in r["nodes"]}) == (2 if label != "local" else 1)
         ddp = next(r for r in records if r["strategy"] == "ddp")
         steps = ddp["details"]["steps_per_worker"]
@@ -89,17 +89,18 @@ def test_local_bench_at_equal_time_writes_the_same_report_and_stops_every_strate
     budget_s = 2.0
     config = tmp_path / "tiny.yaml"
     lofi = {"average_every": 4, "compress": "int8", "bn_recalibrate": False}  # rounds: the budget ends between them
-    config.write_text(yaml.safe_dump({**TINY, "lofi": lofi, "eval_every": 32}))  # a few curve points in 2 s
+    data = {**TINY["data"], "train_size": 64}  # an epoch of 2 steps a node (4 batches for interlocking)
+    config.write_text(yaml.safe_dump({**TINY, "data": data, "lofi": lofi, "eval_every": 0}))
     out = tmp_path / "local"
     assert main(["bench", "local", str(config), "--budget-s", str(budget_s), "--out", str(out)]) == 0
-    _check_bench(out, ["local"], TINY["strategies"])
+    _check_bench(out, ["local"], TINY["strategies"], curve_points=1)  # how many steps fit in 2 s is the machine's
     records = json.loads((out / "local" / "results.json").read_text())
-    epoch = 256 // 2 // 16  # steps in one pass over a node's shard (interlocking: twice as many batches)
     for r in records:
+        epoch = 64 // 16 if r["strategy"] == "interlocking" else 64 // 2 // 16
         budget = r["details"]["budget"]
-        assert budget["stopped_by"] == "budget", r["strategy"]
-        # the clock reached the budget in the last step (or the round after it), not before it
-        assert budget["train_s"] >= budget_s > budget["train_s"] - budget["last_step_s"], (r["strategy"], budget)
+        assert budget["stopped_by"] == "budget" and budget["train_s"] >= budget_s, r["strategy"]
+        if r["strategy"] in ("spsa", "interlocking"):  # one clock, read before and after the last step: exact
+            assert budget_s > budget["train_s"] - budget["last_step_s"], (r["strategy"], budget)
         assert budget["steps"] > epoch, r["strategy"]  # epochs repeated: the budget, not `epochs`, ended it
     lofi_record = next(r for r in records if r["strategy"] == "lofi")
     assert lofi_record["details"]["averaging_steps"][-1] == lofi_record["details"]["budget"]["steps"]

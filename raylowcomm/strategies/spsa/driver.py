@@ -155,13 +155,13 @@ class SpsaRun:
             with self.train_clock.paused():
                 self.checkpoint(0)
         points, budget = set(eval_points(cfg, self.steps)), cfg.optim.budget_s
+        checked = self.train_clock.elapsed()
         for step in range(start, self.steps):
             self.membership(step)
-            began = self.train_clock.elapsed()
             progress = self.exchange(step)
-            spent = self.train_clock.elapsed()
-            if budget is not None and spent >= budget:  # this step ends the run: verified, scored, finished
-                self.budget = budget_details(budget, spent, step + 1, spent - began)
+            previous, checked = checked, self.train_clock.elapsed()
+            if budget is not None and checked >= budget:  # this step ends the run: verified, scored, finished
+                self.budget = budget_details(budget, checked, step + 1, checked - previous)
                 self.steps = step + 1
             if (step + 1) % self.opts.verify_every == 0 or step + 1 == self.steps:
                 self.verify(step + 1)
