@@ -218,6 +218,17 @@ def test_decoder_split_refuses_tied_embeddings():
 # ----------------------------------------------------------------------------- gradients
 
 
+@pytest.fixture
+def rmsnorm_in_its_own_dtype(monkeypatch):
+    """LlamaRMSNorm computes in float32 even for a float64 model: in its own dtype, for exact comparisons."""
+    from transformers.models.llama import modeling_llama
+
+    def in_its_own_dtype(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", in_its_own_dtype)
+
+
 def interlocked_vs_reference(stages_modules, heads, batch, n, rule, loss_fn, **tol):
     K = len(stages_modules)
     stages = build_stages(stages_modules, heads, n, rule, loss_fn=loss_fn, optimizer_factory=no_step_optimizer)
@@ -246,13 +257,7 @@ def test_resnet_stage_gradients_match_reference(num_stages, n, rule):
 
 
 @pytest.mark.parametrize("n,rule", [(n, r) for n in (1, 2, 3) for r in ("farthest", "sum")])
-def test_decoder_stage_gradients_match_reference(n, rule, monkeypatch):
-    from transformers.models.llama import modeling_llama
-
-    def in_its_own_dtype(self, h):  # LlamaRMSNorm computes in float32 even for a float64 model
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", in_its_own_dtype)
+def test_decoder_stage_gradients_match_reference(n, rule, rmsnorm_in_its_own_dtype):
     model = tiny_llama().double().train()
     modules = split_hf_decoder(model, 3)
     heads = [h.double() for h in decoder_aux_heads(model, 3, init_from_lm_head=(rule == "sum"))]
@@ -449,13 +454,7 @@ def test_a_subset_head_reads_its_seeded_positions_while_training_and_every_posit
 
 
 @pytest.mark.parametrize("n,rule", [(1, "farthest"), (2, "farthest"), (2, "sum")])
-def test_subset_heads_send_the_reference_gradients_across_stages(n, rule, monkeypatch):
-    from transformers.models.llama import modeling_llama
-
-    def in_its_own_dtype(self, h):  # LlamaRMSNorm computes in float32 even for a float64 model
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", in_its_own_dtype)
+def test_subset_heads_send_the_reference_gradients_across_stages(n, rule, rmsnorm_in_its_own_dtype):
     model = tiny_llama().double().train()
     modules = split_hf_decoder(model, 3)
     heads = [PositionSubsetHead(h.double(), 0.5, seed=k) for k, h in enumerate(decoder_aux_heads(model, 3))]
