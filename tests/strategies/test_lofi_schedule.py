@@ -5,14 +5,17 @@ the final round flushes what compression held back."""
 from __future__ import annotations
 
 import pytest
+import timm
 import torch
 from safetensors.torch import load_file
 
+from raylowcomm.actors import NodeGroup
 from raylowcomm.config import ConfigError
-from raylowcomm.core.compression import layout_of, make_codec
+from raylowcomm.core.compression import Payload, layout_of, make_codec
+from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.lofi.config import LofiConfig, round_boundaries, round_gaps
 from raylowcomm.strategies.lofi.merging import WeightAverage
-from raylowcomm.strategies.lofi.payload import DeltaCodec
+from raylowcomm.strategies.lofi.payload import DeltaCodec, dense_names, floats
 from raylowcomm.strategies.lofi.plan import plan_rounds
 from tests.strategies.test_lofi import run_lofi, tiny_config
 from tests.strategies.test_lofi_rounds import payload_bytes, round_files
@@ -169,3 +172,116 @@ def test_round_momentum_reset_starts_every_node_afresh_at_each_round(ray_session
     tensors = load_file(str(tmp_path / "state" / "lofi" / "checkpoints" / "node0.safetensors"))
     buffers = [k for k in tensors if k.startswith("optim.") and k.endswith("momentum_buffer")]
     assert bool(buffers) == (momentum == "keep")
+
+
+def test_dense_names_the_head_the_vectors_or_patterns_and_refuses_a_pattern_that_matches_nothing():
+    model = timm.create_model("test_efficientnet", pretrained=False, num_classes=10)
+    params = dict(model.named_parameters())
+    assert dense_names(model, "timm", ["head"]) == {"classifier.weight", "classifier.bias"}
+    assert dense_names(model, "timm", ["vectors"]) == {n for n, p in params.items() if p.dim() == 1}
+    assert dense_names(model, "timm", ["conv_stem.*", "head"]) == {
+        "conv_stem.weight",
+        "classifier.weight",
+        "classifier.bias",
+    }
+    with pytest.raises(ValueError, match="'stem.*' matches no parameter"):
+        dense_names(model, "timm", ["stem.*"])
+
+
+def test_dense_tensors_cross_whole_in_their_codec_and_the_rest_in_compress():
+    """lofi.dense: the named tensors' Δ + r is int8 over every entry (nothing left but half a step of the
+    tensor's largest |x|, bf16 scale rounded up: ×(1 + 2^-7)), the others' top-k; the payload is the two
+    codecs' sizes, and the average every node decodes is the decoded payload, part by part."""
+    torch.manual_seed(2)
+    state = {
+        "body.weight": torch.randn(64, 33),
+        "classifier.weight": torch.randn(10, 40),
+        "classifier.bias": torch.randn(10),
+    }
+    opts = LofiConfig(compress="topk", topk_fraction=0.05, dense=["head"])
+    head = {"classifier.weight", "classifier.bias"}
+    codec = DeltaCodec(opts, state, set(state), head)
+    delta = {k: torch.randn_like(v).double() for k, v in state.items()}
+    payload = codec.encode(delta)
+    body, whole = layout_of({"body.weight": state["body.weight"]}), layout_of({k: state[k] for k in head})
+    topk, int8 = make_codec("topk", topk_fraction=0.05), make_codec("int8")
+    assert payload.nbytes == topk.payload_nbytes(body) + int8.payload_nbytes(whole)
+    residual = codec.residual()
+    for k in head:
+        assert (residual[k].abs() <= delta[k].abs().max() / 254 * (1 + 2.0**-7)).all()
+    assert int((residual["body.weight"] == delta["body.weight"]).sum()) == 64 * 33 - round(0.05 * 64 * 33)
+    mean = codec.average([payload, payload], [1.0, 3.0])
+    decoded = {
+        **topk.decode(Payload({k: payload[k] for k in body}), body, dtype=torch.float64),
+        **int8.decode(Payload({k: payload[k] for k in whole}), whole, dtype=torch.float64),
+    }
+    assert all(torch.equal(mean[k], decoded[k]) for k in state)
+
+
+@pytest.mark.parametrize("lofi", [{"dense": ["head"]}, {"dense": ["head"], "exchange": "peers"}])
+def test_dense_without_compressed_peer_rounds_is_refused(lofi):
+    with pytest.raises(ConfigError) as err:
+        tiny_config(average_every=4, **lofi)
+    assert err.value.field_name == "lofi.dense"
+
+
+def test_rounds_with_a_dense_head_land_bit_identical_and_book_both_codecs(ray_session, tmp_path):
+    """Top-k rounds with the head and every 1-D parameter whole in int8: every node lands every round with
+    the same global model (a mismatch raises ReplicaMismatch; the round files agree bit for bit), and each
+    round's payloads are booked at the two codecs' packed sizes."""
+    cfg = tiny_config(
+        average_every=4, compress="topk", topk_fraction=0.05, dense=["head", "vectors"], bn_recalibrate=False
+    )
+    ctx, rec = run_lofi(cfg, tmp_path)
+    model = ctx.load_driver_weights()
+    params = dict(model.named_parameters())
+    whole = {n for n, p in params.items() if p.dim() == 1} | {"classifier.weight"}
+    state = state_dict_of(model)
+    packed = make_codec("topk", topk_fraction=0.05).payload_nbytes(
+        layout_of({k: state[k] for k in params if k not in whole})
+    )
+    packed += make_codec("int8").payload_nbytes(layout_of({k: state[k] for k in whole}))
+    packed += make_codec("none").payload_nbytes(layout_of({k: v for k, v in floats(state).items() if k not in params}))
+    n, rounds = 2, len(rec["details"]["averaging_steps"]) - 1
+    assert rec["comm"]["by_kind"]["train/outer_gradients"] == rounds * n * (n - 1) * packed
+    files = round_files(tmp_path / "state")
+    globals_ = [{k: v for k, v in f.items() if k.startswith("global.")} for f in files]
+    assert globals_[0].keys() == globals_[1].keys()
+    assert all(torch.equal(globals_[0][k], globals_[1][k]) for k in globals_[0])
+
+
+def test_unsent_progress_stays_in_each_node_and_every_node_ends_on_the_average(ray_session, tmp_path):
+    """lofi.unsent: keep: after every round but the last a node's weights are its global model minus what its
+    payload did not send (θ_global − r, float64 rounded once to the weights' dtype), read back from its
+    checkpoint and round file as the round lands; every node lands the same global model, and the result is
+    that global model itself (the final round drops what was kept)."""
+    cfg = tiny_config(average_every=4, compress="topk", topk_fraction=0.05, unsent="keep", bn_recalibrate=False)
+    state_dir, seen, call = tmp_path / "state", [], NodeGroup.call
+
+    def watched(group, method, *args, **kwargs):
+        out = call(group, method, *args, **kwargs)
+        if method == "apply_round":
+            seen.append([(load_file(str(p)), load_file(str(r))) for p, r in node_files(state_dir)])
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NodeGroup, "call", watched)
+        _, rec = run_lofi(cfg, tmp_path)
+    assert len(seen) == len(rec["details"]["averaging_steps"])  # the rounds, then the final one
+    for i, landed in enumerate(seen):
+        for node, round_file in landed:
+            kept = {k[len("residual.") :]: v for k, v in round_file.items() if k.startswith("residual.")}
+            for name, g in ((k[len("global.") :], v) for k, v in round_file.items() if k.startswith("global.")):
+                r = kept.get(name) if i < len(seen) - 1 else None
+                want = g if r is None else (g.double() - r).to(g.dtype)
+                assert torch.equal(node[f"model.{name}"], want), (i, name)
+        assert any(k.startswith("residual.") for k in landed[0][1]) == (i < len(seen) - 1)
+    files = round_files(state_dir)
+    assert all(torch.equal(files[0][k], files[1][k]) for k in files[0] if k.startswith("global."))
+    saved = load_file(rec["weights"])
+    assert all(torch.equal(saved[k[len("global.") :]], v) for k, v in files[0].items() if k.startswith("global."))
+
+
+def node_files(state_dir, n=2):
+    ckpt = state_dir / "lofi" / "checkpoints"
+    return [(ckpt / f"node{k}.safetensors", ckpt / f"node{k}_round.safetensors") for k in range(n)]

@@ -34,6 +34,7 @@ from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig, no
 from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node import LofiNode
+from raylowcomm.strategies.lofi.payload import dense_names
 from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.plan import Plan, plan_rounds
 from raylowcomm.strategies.lofi.probe import shared_head
@@ -131,14 +132,7 @@ class Lofi(Strategy[LofiConfig]):
                 "the driver's outer step starts from the pretrained head, not the probed one: with "
                 "lofi.outer_optimizer use peer rounds (lofi.exchange: peers), or set probe_steps to 0",
             )
-        rounds = o.average_every is not None or o.sync == "time"
-        if o.round_momentum == "reset" and (o.fragments > 1 or not rounds):
-            raise ConfigError(
-                "lofi.round_momentum",
-                o.round_momentum,
-                "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
-                "or sync: time) and lofi.fragments: 1",
-            )
+        Lofi._validate_landing(o, adapters)
         if cfg.optim.budget_s is not None and (o.overlap or o.fragments > 1):
             raise ConfigError(
                 "optim.budget_s",
@@ -162,10 +156,41 @@ class Lofi(Strategy[LofiConfig]):
 
         o = Lofi.opts(ctx.cfg)
         streaming.check(o, ctx.architecture, ctx.fine_tune, merging_for(ctx.spec).sync_unit)
+        try:
+            dense_names(ctx.architecture, ctx.spec.family, o.dense)
+        except ValueError as err:
+            raise ConfigError("lofi.dense", o.dense, f"{err}: name its tensors by pattern (`classifier.*`)") from None
         sizes = ctx.data.train.sizes(node_slots(ctx.cfg, o))  # None with data.node_files: only the nodes know theirs
         if sizes:
             check_schedule(ctx.cfg, o, min(sizes))
             check_membership(ctx.cfg, o, total_steps(ctx.cfg.optim, min(sizes)))
+
+    @staticmethod
+    def _validate_landing(o: LofiConfig, adapters: bool) -> None:
+        """What a node does when a round lands: its optimizer state (round_momentum), what it did not send (unsent)."""
+        rounds = o.average_every is not None or o.sync == "time"
+        if o.round_momentum == "reset" and (o.fragments > 1 or not rounds):
+            raise ConfigError(
+                "lofi.round_momentum",
+                o.round_momentum,
+                "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
+                "or sync: time) and lofi.fragments: 1",
+            )
+        if o.unsent == "keep" and (
+            o.compress == "none" or not o.error_feedback or not o.final_residual or o.fragments > 1 or o.overlap
+        ):
+            raise ConfigError(
+                "lofi.unsent",
+                o.unsent,
+                "keeps what compression did not send in each node's model: it needs compressed peer rounds "
+                "(lofi.compress) with error_feedback and final_residual true, fragments: 1 and overlap: 0",
+            )
+        if o.unsent == "keep" and (on_quorum(o) or adapters):
+            raise ConfigError(
+                "lofi.unsent",
+                o.unsent,
+                "not offered with quorum rounds or model.lora: set it to resend",
+            )
 
     @staticmethod
     def _validate_schedule(o: LofiConfig) -> None:
@@ -203,6 +228,12 @@ class Lofi(Strategy[LofiConfig]):
             raise ConfigError("lofi.compress_block", o.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
         if o.compress == "none":
             Lofi._warn_unused_codec(o)
+        if o.dense and (o.compress == "none" or o.exchange == "driver"):
+            raise ConfigError(
+                "lofi.dense",
+                o.dense,
+                "names tensors that cross whole beside compressed ones: set lofi.compress (peer rounds), or dense: []",
+            )
         if on_quorum(o) and not exchange_for(o).nodes_keep_rounds:
             field, value = next(
                 (f"lofi.{name}", getattr(o, name))

@@ -56,11 +56,23 @@ class LofiConfig:
     1 + 1/(255·topk_fraction) bytes, 2 in tensors sparser than 0.4%)."""
     topk_fraction: float = 0.01
     """compress: topk: the fraction of each tensor's entries sent."""
+    dense: list[str] = field(default_factory=list)
+    """Parameters whose Δ crosses whole every round in `dense_codec` instead of `compress`: `head` (the new
+    head), `vectors` (every 1-D parameter: biases and norm weights), or shell patterns on parameter names
+    (`classifier.*`). Top-k moves each tensor by its largest few percent a round; a new head learns most
+    early, so a short run's rounds leave it behind. Costs those tensors' dense bytes every round."""
+    dense_codec: Literal["none", "int8", "int4"] = "int8"
+    """The codec of `dense`'s tensors (with error feedback like the rest)."""
     compress_block: int = 64
     """Entries per bf16 scale for int8/int4/topk values (at most 65536)."""
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
+    unsent: Literal["resend", "keep"] = "resend"
+    """What a node does with what compression did not send (error feedback's residual r). resend: its model
+    restarts from the global model each round and r is added to its next payload; keep: its model restarts
+    from θ_global − r, holding its unsent progress, so its next steps start from there instead of learning
+    it again, and its next Δ carries r once. Costs no byte; peer rounds in lockstep with one fragment."""
     fragments: int = 1
     """Peer rounds (Streaming DiLoCo): fragment f of this many syncs alone at the steps ≡ (f+1)·H/fragments
     (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""

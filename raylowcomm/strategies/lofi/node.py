@@ -18,6 +18,7 @@ from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
+from raylowcomm.strategies.lofi.payload import dense_names
 from raylowcomm.strategies.lofi.probe import head_names
 from raylowcomm.strategies.lofi.streaming import ALL
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
@@ -66,7 +67,10 @@ class LofiNode(Node):
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
         self.churn = Churn.for_node(cfg, node, cfg.nodes.count, storage, "lofi")
         self.merging = merging_for(spec)  # how a round's average lands in what trains
-        self.peer = NodeRounds(self, rounds, cfg.seed, start, self.merging) if rounds is not None else None
+        self.peer = None
+        if rounds is not None:
+            dense = dense_names(self.model, spec.family, rounds.dense)
+            self.peer = NodeRounds(self, rounds, cfg.seed, start, self.merging, dense)
         if storage.exists(self._bn_path):  # restarted after the end's recalibration: the combined statistics
             self._load_bn(storage.load_tensors(self._bn_path)[0])
 

@@ -60,13 +60,16 @@ class NodeRounds:
     a node decodes every peer's Δ, and the round merges the nodes' exact average into the frozen base
     and restarts the adapters from the round's seed (`AdapterMerging.merge_nodes`), as the driver's rounds do."""
 
-    def __init__(self, node: RoundHost, opts: LofiConfig, seed: int, initial: dict, merging: RoundMerging):
-        """Codec, error feedback, the global model (`initial`: what this node sends, as it started),
-        its fragments and outer step (`merging`: how a round lands in what trains); then what this node's
-        round file holds, if it has one (a restart, or a resumed run)."""
+    def __init__(
+        self, node: RoundHost, opts: LofiConfig, seed: int, initial: dict, merging: RoundMerging, dense: set[str]
+    ):
+        """Codec, error feedback (`dense`: the parameters that cross whole, `lofi.dense`), the global model
+        (`initial`: what this node sends, as it started), its fragments and outer step (`merging`: how a
+        round lands in what trains); then what this node's round file holds, if it has one (a restart, or
+        a resumed run)."""
         self.node, self.opts, self.seed, self.merging = node, opts, seed, merging
         params = {k for k, _ in node.model.named_parameters()}
-        self.codec = DeltaCodec(opts, initial, params)
+        self.codec = DeltaCodec(opts, initial, params, dense)
         self.global_state = crossing(initial, opts)  # the caller's copy, kept
         sizes = self.codec.sizes()
         self.fragments = streaming.split(
@@ -116,7 +119,10 @@ class NodeRounds:
 
     def encode_delta(self, fragment: int = streaming.ALL, final: bool = False) -> Payload:
         """This node's payload: Δ plus what compression dropped before (error feedback); `final`: in the
-        final round's codec (`lofi.final_round`)."""
+        final round's codec (`lofi.final_round`). With `lofi.unsent: keep` what it dropped before is in the
+        model, so in Δ already: the residual starts empty and keeps only what this payload drops."""
+        if self.opts.unsent == "keep":
+            self.codec.forget(list(self.global_state))
         self.payload = self.codec.encode(self._delta(fragment), final)
         return self.payload
 
@@ -135,6 +141,8 @@ class NodeRounds:
         round with ActorDied naming the node: the payload died with it."""
         if round_ > self.node.rounds:
             mean = self._average(round_, refs, weights, self.payload, final)
+            if final and self.opts.unsent == "keep":  # every node ends on the average: what it kept is dropped
+                self.codec.forget(list(self.global_state))
             self._land(round_, fragment, mean, 0.0, self.node.step)
 
     def catch_up(self, rounds: list[tuple[int, list[list], list[float]]], reset: bool = False) -> int:
@@ -256,9 +264,13 @@ class NodeRounds:
             self.global_state[k] = mine[k].clone()
 
     def _merge(self, fragment: int, mix: float, round_: int) -> None:
-        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global."""
+        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global; with
+        `lofi.unsent: keep`, θ ← θ_global − r, r what its last payload did not send."""
         mine = self.node.weights()
-        if mix == 0.0:
+        if self.opts.unsent == "keep":
+            kept = self.codec.residual()
+            new = {k: self._minus(self.global_state[k], kept.get(k)) for k in self._names(fragment)}
+        elif mix == 0.0:
             new = {k: self.global_state[k] for k in self._names(fragment)}
         else:
             new = {
@@ -268,6 +280,10 @@ class NodeRounds:
                 for k in self._names(fragment)
             }
         self.node.load_global({**mine, **new}, round_)
+
+    @staticmethod
+    def _minus(g: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        return g if r is None else (g.to(torch.float64) - r.to(g.device)).to(g.dtype)
 
     def _payload_of(self, k: int, ref, round_: int, mine: Payload | None) -> Payload:
         if k == self.node.rank and mine is None:

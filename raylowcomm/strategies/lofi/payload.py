@@ -5,9 +5,13 @@ the same bits."""
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 import torch
+from torch import nn
 
 from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
+from raylowcomm.strategies.lofi.probe import head_names
 
 BN_STATISTICS = (".running_mean", ".running_var")
 FINAL_CODECS = {"compressed": None, "int8": "int8", "exact": "none"}
@@ -15,9 +19,10 @@ FINAL_CODECS = {"compressed": None, "int8": "int8", "exact": "none"}
 
 
 def final_is_own(opts) -> bool:
-    """Whether the final round is encoded unlike the others (`lofi.final_round`, `lofi.final_residual`):
-    the nodes are then told which round is the final one."""
-    return opts.final_round != "compressed" or not opts.final_residual
+    """Whether the nodes are told which round is the final one: it is encoded unlike the others
+    (`lofi.final_round`, `lofi.final_residual`), or every node ends on its average, dropping the
+    progress it kept unsent (`lofi.unsent: keep`)."""
+    return opts.final_round != "compressed" or not opts.final_residual or opts.unsent == "keep"
 
 
 def floats(state: dict) -> dict:
@@ -31,23 +36,47 @@ def crossing(state: dict, opts) -> dict:
     return {k: v for k, v in floats(state).items() if not (opts.bn_recalibrate and k.endswith(BN_STATISTICS))}
 
 
+def dense_names(model: nn.Module, family: str, patterns: list[str]) -> set[str]:
+    """The parameters `lofi.dense` names: `head` the new head (`head_names`), `vectors` every 1-D
+    parameter (biases, norm weights), anything else a shell pattern on parameter names. Raises
+    ValueError naming a pattern that matches no parameter."""
+    params = dict(model.named_parameters())
+    names: set[str] = set()
+    for pattern in patterns:
+        if pattern == "head":
+            found = set(head_names(model, family))
+        elif pattern == "vectors":
+            found = {n for n, p in params.items() if p.dim() == 1}
+        else:
+            found = {n for n in params if fnmatchcase(n, pattern)}
+        if not found:
+            raise ValueError(f"{pattern!r} matches no parameter of the model")
+        names |= found
+    return names
+
+
 class DeltaCodec:
     """How Δ crosses: the parameters with `lofi.compress`, each part with its own error feedback; the
     floating-point buffers that cross (BatchNorm statistics without recalibration) uncompressed, since
-    a quantised running variance can go below zero. One flat payload (name → bytes) holds both; every
-    node and the driver build the same parts from their own model. The final round may encode the
-    parameters with a codec of its own (`lofi.final_round`), flushing the residuals through it."""
+    a quantised running variance can go below zero. The parameters `dense` names (`lofi.dense`: the new
+    head, say, which top-k would otherwise move a few percent a round) cross whole in `lofi.dense_codec`.
+    One flat payload (name → bytes) holds every part; every node and the driver build the same parts
+    from their own model. The final round may encode the parameters with a codec of its own
+    (`lofi.final_round`), flushing the residuals through it."""
 
-    def __init__(self, opts, state: dict, params: set[str]):
+    def __init__(self, opts, state: dict, params: set[str], dense: set[str] = frozenset()):
         fl = crossing(state, opts)
         codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
-        weights = layout_of({k: v for k, v in fl.items() if k in params})
-        self.parts = [(codec, weights), (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))]
+        weights = layout_of({k: v for k, v in fl.items() if k in params and k not in dense})
+        whole = layout_of({k: v for k, v in fl.items() if k in params and k in dense})
+        buffers = (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))
+        self.parts = [(codec, weights), (make_codec(opts.dense_codec, opts.compress_block), whole), buffers]
         self.feedback = [ErrorFeedback(c) for c, _ in self.parts] if opts.error_feedback else None
         flush = FINAL_CODECS[opts.final_round]
         self.final_parts = self.parts
         if flush is not None and flush != opts.compress:
-            self.final_parts = [(make_codec(flush, opts.compress_block), weights), self.parts[1]]
+            final = make_codec(flush, opts.compress_block)
+            self.final_parts = [(final, weights), (final, whole), buffers]
         self.final_residual = opts.final_residual
 
     @property

@@ -29,7 +29,7 @@ from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.merging import merging_for
-from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, final_is_own
+from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, dense_names, final_is_own
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.round_file import GLOBAL
 from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
@@ -128,7 +128,8 @@ class PeerExchange:
             return FinalModel(everyone, on_nodes=True)
         order = [k for k, _ in ctx.architecture.named_parameters()]
         start, outer = driver_start(state_dict_of(ctx.load_driver_weights()), set(order), self.opts)
-        average = final_round(group, self.opts, start, outer, plan, order, {"bytes": 0, "tensors": 0})
+        dense = dense_names(ctx.architecture, ctx.spec.family, self.opts.dense)
+        average = final_round(group, self.opts, start, outer, plan, order, dense)
         return FinalModel(everyone, on_nodes=True, weights=average)
 
     def details(self) -> dict:
@@ -181,19 +182,20 @@ def check_global(group, step: int, ledger: Ledger, phase: str = "train") -> str:
 
 
 def final_round(
-    group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str], fetched: dict
+    group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str], dense: set[str]
 ) -> dict:
     """The final average, as one more round: every node ends holding it (hash-checked), and the
-    driver decodes the same N payloads from `start` (with `outer`, the momentum there) into its own
-    copy, start − Δ̄ (or the outer step on Δ̄) over the floating-point tensors, the rest as `start`
-    has it. Its floating-point tensors must hash as the nodes' global models do: one average, not two."""
+    driver decodes the same N payloads from `start` (with `outer`, the momentum there; `dense`, the
+    parameters that cross whole) into its own copy, start − Δ̄ (or the outer step on Δ̄) over the
+    floating-point tensors, the rest as `start` has it. Its floating-point tensors must hash as the
+    nodes' global models do: one average, not two."""
     params = set(param_order)
     own = final_is_own(opts)
     refs, nodes_hash = exchange_round(
-        group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", final=own
+        group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0}, "final", final=own
     )
     payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")
-    mean = DeltaCodec(opts, start, params).average(payloads, plan.weights, final=own)
+    mean = DeltaCodec(opts, start, params, dense).average(payloads, plan.weights, final=own)
     if outer is not None:
         average = dict(outer.step_delta(mean))
     else:

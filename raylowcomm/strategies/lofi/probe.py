@@ -19,7 +19,7 @@ def head_names(model: nn.Module, family: str) -> list[str]:
     elif family == "hf_classifier":
         prefix = "classifier" if hasattr(model, "classifier") else "score"
     else:
-        raise ValueError(f"a model of family {family!r} has no new head to probe")
+        raise ValueError(f"a model of family {family!r} has no new head (a classifier's)")
     return [n for n, _ in model.named_parameters() if n.startswith(prefix + ".")]
 
 
