@@ -132,7 +132,14 @@ class Lofi(Strategy[LofiConfig]):
                 "the driver's outer step starts from the pretrained head, not the probed one: with "
                 "lofi.outer_optimizer use peer rounds (lofi.exchange: peers), or set probe_steps to 0",
             )
-        Lofi._validate_landing(o, adapters)
+        rounds = o.average_every is not None or o.sync == "time"
+        if o.round_momentum == "reset" and (o.fragments > 1 or not rounds):
+            raise ConfigError(
+                "lofi.round_momentum",
+                o.round_momentum,
+                "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
+                "or sync: time) and lofi.fragments: 1",
+            )
         if cfg.optim.budget_s is not None and (o.overlap or o.fragments > 1):
             raise ConfigError(
                 "optim.budget_s",
@@ -164,33 +171,6 @@ class Lofi(Strategy[LofiConfig]):
         if sizes:
             check_schedule(ctx.cfg, o, min(sizes))
             check_membership(ctx.cfg, o, total_steps(ctx.cfg.optim, min(sizes)))
-
-    @staticmethod
-    def _validate_landing(o: LofiConfig, adapters: bool) -> None:
-        """What a node does when a round lands: its optimizer state (round_momentum), what it did not send (unsent)."""
-        rounds = o.average_every is not None or o.sync == "time"
-        if o.round_momentum == "reset" and (o.fragments > 1 or not rounds):
-            raise ConfigError(
-                "lofi.round_momentum",
-                o.round_momentum,
-                "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
-                "or sync: time) and lofi.fragments: 1",
-            )
-        if o.unsent == "keep" and (
-            o.compress == "none" or not o.error_feedback or not o.final_residual or o.fragments > 1 or o.overlap
-        ):
-            raise ConfigError(
-                "lofi.unsent",
-                o.unsent,
-                "keeps what compression did not send in each node's model: it needs compressed peer rounds "
-                "(lofi.compress) with error_feedback and final_residual true, fragments: 1 and overlap: 0",
-            )
-        if o.unsent == "keep" and (on_quorum(o) or adapters):
-            raise ConfigError(
-                "lofi.unsent",
-                o.unsent,
-                "not offered with quorum rounds or model.lora: set it to resend",
-            )
 
     @staticmethod
     def _validate_schedule(o: LofiConfig) -> None:

@@ -68,11 +68,6 @@ class LofiConfig:
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
-    unsent: Literal["resend", "keep"] = "resend"
-    """What a node does with what compression did not send (error feedback's residual r). resend: its model
-    restarts from the global model each round and r is added to its next payload; keep: its model restarts
-    from θ_global − r, holding its unsent progress, so its next steps start from there instead of learning
-    it again, and its next Δ carries r once. Costs no byte; peer rounds in lockstep with one fragment."""
     fragments: int = 1
     """Peer rounds (Streaming DiLoCo): fragment f of this many syncs alone at the steps ≡ (f+1)·H/fragments
     (mod H), H = average_every in steps, divisible by it: 1/fragments of the bytes per sync."""

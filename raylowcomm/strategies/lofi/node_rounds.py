@@ -119,10 +119,7 @@ class NodeRounds:
 
     def encode_delta(self, fragment: int = streaming.ALL, final: bool = False) -> Payload:
         """This node's payload: Δ plus what compression dropped before (error feedback); `final`: in the
-        final round's codec (`lofi.final_round`). With `lofi.unsent: keep` what it dropped before is in the
-        model, so in Δ already: the residual starts empty and keeps only what this payload drops."""
-        if self.opts.unsent == "keep":
-            self.codec.forget(list(self.global_state))
+        final round's codec (`lofi.final_round`)."""
         self.payload = self.codec.encode(self._delta(fragment), final)
         return self.payload
 
@@ -141,8 +138,6 @@ class NodeRounds:
         round with ActorDied naming the node: the payload died with it."""
         if round_ > self.node.rounds:
             mean = self._average(round_, refs, weights, self.payload, final)
-            if final and self.opts.unsent == "keep":  # every node ends on the average: what it kept is dropped
-                self.codec.forget(list(self.global_state))
             self._land(round_, fragment, mean, 0.0, self.node.step)
 
     def catch_up(self, rounds: list[tuple[int, list[list], list[float]]], reset: bool = False) -> int:
@@ -264,13 +259,9 @@ class NodeRounds:
             self.global_state[k] = mine[k].clone()
 
     def _merge(self, fragment: int, mix: float, round_: int) -> None:
-        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global; with
-        `lofi.unsent: keep`, θ ← θ_global − r, r what its last payload did not send."""
+        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global."""
         mine = self.node.weights()
-        if self.opts.unsent == "keep":
-            kept = self.codec.residual()
-            new = {k: self._minus(self.global_state[k], kept.get(k)) for k in self._names(fragment)}
-        elif mix == 0.0:
+        if mix == 0.0:
             new = {k: self.global_state[k] for k in self._names(fragment)}
         else:
             new = {
@@ -280,10 +271,6 @@ class NodeRounds:
                 for k in self._names(fragment)
             }
         self.node.load_global({**mine, **new}, round_)
-
-    @staticmethod
-    def _minus(g: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-        return g if r is None else (g.to(torch.float64) - r.to(g.device)).to(g.dtype)
 
     def _payload_of(self, k: int, ref, round_: int, mine: Payload | None) -> Payload:
         if k == self.node.rank and mine is None:

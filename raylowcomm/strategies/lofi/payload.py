@@ -19,10 +19,9 @@ FINAL_CODECS = {"compressed": None, "int8": "int8", "exact": "none"}
 
 
 def final_is_own(opts) -> bool:
-    """Whether the nodes are told which round is the final one: it is encoded unlike the others
-    (`lofi.final_round`, `lofi.final_residual`), or every node ends on its average, dropping the
-    progress it kept unsent (`lofi.unsent: keep`)."""
-    return opts.final_round != "compressed" or not opts.final_residual or opts.unsent == "keep"
+    """Whether the final round is encoded unlike the others (`lofi.final_round`, `lofi.final_residual`):
+    the nodes are then told which round is the final one."""
+    return opts.final_round != "compressed" or not opts.final_residual
 
 
 def floats(state: dict) -> dict:
