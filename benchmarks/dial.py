@@ -127,6 +127,13 @@ SETTINGS: dict[str, list[str]] = {
         "lofi.topk_fraction=0.03",
         "lofi.dense=[head, vectors]",
     ],
+    "H8_topk3_dv": [
+        *_PEERS,
+        "lofi.average_every=8",
+        "lofi.compress=topk",
+        "lofi.topk_fraction=0.03",
+        "lofi.dense=[head, vectors]",
+    ],
     "H4_topk3_dv": [
         *_PEERS,
         "lofi.average_every=4",

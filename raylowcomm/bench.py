@@ -14,6 +14,7 @@ failure or Ctrl-C.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -130,12 +131,46 @@ def _write_config(cfg: RunConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def ddp_alone(cfg: RunConfig) -> RunConfig:
+    """The config's DDP run with no budget: the run whose time to finish `--budget-s ddp` gives everyone."""
+    alone = copy.deepcopy(cfg)
+    alone.strategies, alone.optim.budget_s = ["ddp"], None
+    return alone
+
+
+class BenchError(RuntimeError):
+    """A bench that cannot go on: what happened, in one line."""
+
+
+def ddp_budget(results: Path) -> float:
+    """DDP's training seconds, from the results.json of its run alone (`ddp_alone`)."""
+    if not results.exists():
+        raise BenchError(f"DDP's run for --budget-s ddp wrote no {results}: see its output above")
+    (record,) = json.loads(results.read_text())
+    if "error" in record:
+        raise BenchError(f"DDP's run for --budget-s ddp failed: {record['error']}")
+    return float(record["train_s"])
+
+
+def _budget_from_ddp(cfg: RunConfig, out: Path, meta: dict, rate: str | None) -> RunConfig:
+    """`cfg` with every strategy's budget DDP's time to finish (in `out`/ddp_time), booked in `meta`."""
+    seconds = ddp_budget(out / "ddp_time" / "results.json")
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.budget_s = seconds
+    meta["budget"] = {"seconds": seconds, "from": "ddp", "rate": rate, "dir": "ddp_time"}
+    meta["config"] = cfg.to_dict()
+    print(f"[bench] budget: {seconds:.1f} s, DDP's time to finish{f' at {rate}' if rate else ''}", flush=True)
+    return cfg
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2) -> dict:
-    """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down."""
+def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budget_from_ddp: bool = False) -> dict:
+    """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down.
+    `budget_from_ddp` (`--budget-s ddp`): the slowest rate goes first, DDP alone runs there before the
+    others, and its time to finish becomes every strategy's budget at every rate."""
     from raylowcomm.cluster import NamespaceCluster
     from raylowcomm.config.checks import check_storage
     from raylowcomm.data import describe_data
@@ -153,6 +188,9 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2) -> di
     config_path = out / "config.yaml"
     _write_config(cfg, config_path)
     meta = {"mode": "wan", "hosts": hosts, "config": cfg.to_dict(), "runs": []}
+    if budget_from_ddp:
+        rates = sorted(rates, key=rate_bits)
+        _write_config(ddp_alone(cfg), out / "config_ddp_time.yaml")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
     try:
         for rate in rates:
@@ -166,22 +204,11 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2) -> di
                     f"({link['bytes'] / 1e6:.0f} MB in {link['seconds']} s)",
                     flush=True,
                 )
-                proc = cluster.run(
-                    0,
-                    [
-                        sys.executable,
-                        "-m",
-                        "raylowcomm.cli",
-                        "run",
-                        str(config_path.resolve()),
-                        "--out",
-                        str((out / rate).resolve()),
-                    ],
-                    check=False,
-                    timeout=24 * 3600,
-                    cwd=os.getcwd(),
-                    capture=False,
-                )
+                if budget_from_ddp and "budget" not in meta:
+                    _run_on_head(cluster, out / "config_ddp_time.yaml", out / "ddp_time")
+                    cfg = _budget_from_ddp(cfg, out, meta, rate)
+                    _write_config(cfg, config_path)
+                proc = _run_on_head(cluster, config_path, out / rate)
             meta["runs"].append(
                 {
                     "label": rate,
@@ -199,27 +226,41 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2) -> di
     return meta
 
 
-def bench_local(cfg: RunConfig, out: Path) -> dict:
-    """The same comparison on the local embedded Ray (or RAY_ADDRESS), no shaping."""
+def _run_on_head(cluster, config: Path, out: Path):
+    """`raylowcomm run CONFIG --out OUT` on the head host, its output on this terminal."""
+    return cluster.run(
+        0,
+        [sys.executable, "-m", "raylowcomm.cli", "run", str(config.resolve()), "--out", str(out.resolve())],
+        check=False,
+        timeout=24 * 3600,
+        cwd=os.getcwd(),
+        capture=False,
+    )
+
+
+def bench_local(cfg: RunConfig, out: Path, budget_from_ddp: bool = False) -> dict:
+    """The same comparison on the local embedded Ray (or RAY_ADDRESS), no shaping; `budget_from_ddp`:
+    DDP alone first, its time to finish every strategy's budget."""
     from raylowcomm.runner import run
 
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"mode": "local", "runs": []}
+    if budget_from_ddp:
+        run(ddp_alone(cfg), out / "ddp_time")
+        cfg = _budget_from_ddp(cfg, out, meta, None)
     _write_config(cfg, out / "config.yaml")
     started = time.time()
     records = run(cfg, out / "local")
-    meta = {
-        "mode": "local",
-        "config": cfg.to_dict(),
-        "runs": [
-            {
-                "label": "local",
-                "rate": None,
-                "dir": "local",
-                "returncode": int(any("error" in r for r in records)),
-                "wall_s": round(time.time() - started, 1),
-            }
-        ],
-    }
+    meta["config"] = cfg.to_dict()
+    meta["runs"].append(
+        {
+            "label": "local",
+            "rate": None,
+            "dir": "local",
+            "returncode": int(any("error" in r for r in records)),
+            "wall_s": round(time.time() - started, 1),
+        }
+    )
     (out / "bench.json").write_text(json.dumps(meta, indent=2))
     _report(out)
     return meta

@@ -100,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_p.add_argument(
         "--budget-s",
-        type=float,
+        metavar="SECONDS|ddp",
         help="the same training seconds for every strategy (optim.budget_s): each trains until it has spent "
-        "them, its epochs repeating, then is scored",
+        "them, its epochs repeating, then is scored; ddp: DDP's own time to finish (at the slowest rate), "
+        "measured by a run of DDP alone first",
     )
     bench_p.add_argument(
         "--hosts", type=int, default=2, help="wan: hosts, one node actor, DDP worker or stage each (default 2)"
@@ -259,7 +260,7 @@ def _assets(args) -> int:
 
 def _bench(args) -> int:
     from raylowcomm import assets
-    from raylowcomm.bench import bench_local, bench_wan, check_wan_prerequisites, rate_bits
+    from raylowcomm.bench import BenchError, bench_local, bench_wan, check_wan_prerequisites, rate_bits
     from raylowcomm.cluster import ClusterError
     from raylowcomm.config import ConfigError
     from raylowcomm.strategies import load_config
@@ -273,24 +274,43 @@ def _bench(args) -> int:
             raise ConfigError("--hosts", args.hosts, "a link needs two hosts at least: give 2 or more")
         for rate in args.rates:
             rate_bits(rate)
-        budget = [] if args.budget_s is None else [f"optim.budget_s={args.budget_s}"]
-        cfg = load_config(args.config, args.overrides + budget)
+        from_ddp = args.budget_s == "ddp"
+        budget = [] if args.budget_s is None else [f"optim.budget_s={1.0 if from_ddp else _seconds(args.budget_s)}"]
+        cfg = load_config(args.config, args.overrides + budget)  # a budget's refusals apply to ddp's too
+        if from_ddp and "ddp" not in cfg.strategies:
+            raise ConfigError("--budget-s", "ddp", "takes DDP's time to finish: add ddp to strategies, or give seconds")
         out = args.out or cfg.out_dir
         check_out_dir(out, "--out" if args.out else "out_dir")
         if args.mode == "wan":
             check_wan_prerequisites()
-            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out), args.hosts)
+            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out), args.hosts, from_ddp)
         else:
-            meta = bench_local(cfg, Path(out))
+            meta = bench_local(cfg, Path(out), from_ddp)
     except (ConfigError, assets.AssetError, PermissionError, FileNotFoundError) as err:
         return _fail(err)
     except ClusterError as err:
         print(f"error: the cluster failed (it has been torn down): {_one_line(err)}", file=sys.stderr)
         return 1
+    except BenchError as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 1
     failed = [r["label"] for r in meta["runs"] if r["returncode"] != 0]
     if failed:
         print(f"error: the run failed at {', '.join(failed)}: see its output above and results.json", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _seconds(value: str) -> float:
+    """--budget-s as seconds: a number > 0."""
+    from raylowcomm.config import ConfigError
+
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ConfigError("--budget-s", value, "give seconds > 0 (e.g. 600), or ddp for DDP's own time to finish")
+    return seconds
 
 
 def _report(args) -> int:

@@ -127,4 +127,28 @@ def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
     assert "'--hosts' = 1" in capsys.readouterr().err
     assert main(["bench", "local", str(config), "--hosts", "4", "--out", str(tmp_path / "x")]) == 2
     assert "only `bench wan` makes hosts" in capsys.readouterr().err
+    for budget in ("-3", "inf", "soon"):
+        assert main(["bench", "local", str(config), "--budget-s", budget, "--out", str(tmp_path / "x")]) == 2
+        assert "'--budget-s'" in capsys.readouterr().err
+    config.write_text(yaml.safe_dump({**TINY, "strategies": ["lofi"]}))
+    assert main(["bench", "local", str(config), "--budget-s", "ddp", "--out", str(tmp_path / "x")]) == 2
+    assert "add ddp to strategies" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_budget_from_ddp_gives_every_strategy_ddps_time_to_finish(ray_session, tmp_path):
+    """`--budget-s ddp`: DDP runs alone first, unbudgeted, and its training seconds become every strategy's
+    budget in the comparison; the bench says so."""
+    config = tmp_path / "tiny.yaml"
+    data = {**TINY["data"], "train_size": 64}
+    lofi = {"average_every": 2, "compress": "int8", "bn_recalibrate": False}
+    config.write_text(yaml.safe_dump({**TINY, "data": data, "strategies": ["ddp", "lofi"], "lofi": lofi}))
+    out = tmp_path / "local"
+    assert main(["bench", "local", str(config), "--budget-s", "ddp", "--out", str(out)]) == 0
+    (alone,) = json.loads((out / "ddp_time" / "results.json").read_text())
+    assert "budget" not in alone["details"] and alone["details"]["steps_per_worker"] == 64 // 2 // 16
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["budget"]["seconds"] == alone["train_s"] == bench["config"]["optim"]["budget_s"]
+    records = json.loads((out / "local" / "results.json").read_text())
+    assert [r["strategy"] for r in records] == ["ddp", "lofi"]
+    assert all(r["details"]["budget"]["budget_s"] == alone["train_s"] for r in records)
