@@ -100,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_p.add_argument(
         "--budget-s",
+        nargs="?",
+        const="ddp",
         metavar="SECONDS|ddp",
         help="the same training seconds for every strategy (optim.budget_s): each trains until it has spent "
-        "them, its epochs repeating, then is scored; ddp: DDP's own time to finish (at the slowest rate), "
-        "measured by a run of DDP alone first",
+        "them, its epochs repeating, then is scored; ddp (the default, --budget-s alone): DDP's own time to "
+        "finish at the slowest rate, measured by a run of DDP alone first",
     )
     bench_p.add_argument(
         "--hosts", type=int, default=2, help="wan: hosts, one node actor, DDP worker or stage each (default 2)"

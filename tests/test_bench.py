@@ -131,7 +131,7 @@ def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
         assert main(["bench", "local", str(config), "--budget-s", budget, "--out", str(tmp_path / "x")]) == 2
         assert "'--budget-s'" in capsys.readouterr().err
     config.write_text(yaml.safe_dump({**TINY, "strategies": ["lofi"]}))
-    assert main(["bench", "local", str(config), "--budget-s", "ddp", "--out", str(tmp_path / "x")]) == 2
+    assert main(["bench", "local", str(config), "--budget-s", "--out", str(tmp_path / "x")]) == 2  # ddp's time
     assert "add ddp to strategies" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
