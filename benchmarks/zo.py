@@ -2,7 +2,7 @@
 task or on the WAN bench's classifier.
 
     python -m benchmarks.zo [--workload smollm2|wan] [--variants two_point one_sided] [--seeds 0,1,2]
-                            [--out runs/zo] [--set KEY=VALUE ...]
+                            [--out runs/zo] [--set KEY=VALUE ...] [--nodes 1,2,4 --target 0.65]
 
 Each variant is the workload's example (smollm2: examples/spsa_smollm2_rotten_tomatoes.yaml; wan:
 examples/wan_compare.yaml's SPSA, the pretrained EfficientNet-Lite0's new classifier on MNIST, one
@@ -17,6 +17,11 @@ over the seeds at each evaluated step and forward count, and the final accuracy'
 interval. A benchmark: it prints figures and asserts nothing; runs/zo/<variant>/seed_<s>.json
 keeps each run's curve, so `--reuse` rebuilds the tables and a variant's seeds can run in
 separate processes (`--variants two_point --seeds 1`).
+
+`--nodes 1,2,4 --target 0.65`: SPSA across machines, samples per node fixed, so a step at N nodes
+averages N times the perturbations (each node's on its own batch of its 1/N shard); every run stops
+at the first evaluated step at the target, and the table gives the steps to it at each N, their
+ratio to one node's paired by seed, and OUT/<variant>_nodes.png the curves.
 """
 
 from __future__ import annotations
@@ -56,9 +61,12 @@ WORKLOADS: dict[str, tuple[Path, list[str], dict[str, list[str]]]] = {
 }
 
 
-def run_replica(cfg, out: Path) -> dict:
-    """One node's SPSA run of `cfg` in this process: its curve (step, forwards, held-out accuracy and
-    loss, training seconds so far) from step 0 and its final parameter hash."""
+def run_replica(cfg, out: Path, nodes: int = 1, target: float | None = None) -> dict:
+    """SPSA on `nodes` nodes in this process, one replica standing for all (they are bit-identical): each
+    step it computes node k's codes on node k's batch of its shard (1/nodes of the training set, its own
+    seeds), then applies every node's codes in node order, as each node of a `nodes.count` run does.
+    Returns its curve (step, forwards in all, held-out accuracy and loss, training seconds so far) from
+    step 0, the first evaluated step at `target` accuracy (where it stops), and its final parameter hash."""
     import torch
 
     from raylowcomm.common.batches import batch_at, group_seed
@@ -71,11 +79,11 @@ def run_replica(cfg, out: Path) -> dict:
 
     torch.set_num_threads(max(1, int(cfg.nodes.cpus)))  # a node's threads
     ctx, o = prepare(cfg, out), Spsa.opts(cfg)
-    shard, task = ctx.data.train.load(0, 1), make_task(ctx.data.task)
-    steps = o.steps or total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
+    shards, task = [ctx.data.train.load(k, nodes) for k in range(nodes)], make_task(ctx.data.task)
+    steps = o.steps or total_steps(cfg.optim, min(ctx.data.train.sizes(nodes)))
     Spsa.validate(cfg)
     replica = o.make_replica(ctx.load_driver_weights(), 0, cfg.seed, cfg.optim)
-    sets, train_s, points = ctx.eval_sets(val=False), 0.0, []
+    sets, train_s, points, reached = ctx.eval_sets(val=False), 0.0, [], None
     for step in range(steps + 1):
         if step % (cfg.eval_every or steps) == 0 or step == steps:
             metrics = score_sets(task, ctx.load_driver_weights(), sets, cfg.eval_rows)
@@ -89,15 +97,29 @@ def run_replica(cfg, out: Path) -> dict:
                 }
             )
             print(f"  seed {cfg.seed} step {step}: {points[-1]}", flush=True)
+            if target is not None and points[-1]["accuracy"] >= target:
+                reached = step
+                break
         if step == steps:
             break
         t0 = time.perf_counter()
+        others = []
         with autocast(cfg.optim.precision, "cpu"):
-            batch = batch_at(shard, step, cfg.optim.batch_size, node_seed(cfg.seed, 0), group_seed(cfg))
-            replica.compute(task.loss, batch)
-        replica.apply([0], b"")
+            for k in [*range(1, nodes), 0]:  # node 0 last: its codes are the replica's own
+                replica.node = k
+                batch = batch_at(shards[k], step, cfg.optim.batch_size, node_seed(cfg.seed, k), group_seed(cfg))
+                codes, _ = replica.compute(task.loss, batch)
+                others += [codes] if k else []
+        replica.apply(list(range(nodes)), b"".join(others))
         train_s += time.perf_counter() - t0
-    return {"seed": cfg.seed, "curve": points, "hash": parameter_hash(replica.params)}
+    return {
+        "seed": cfg.seed,
+        "nodes": nodes,
+        "curve": points,
+        "target": target,
+        "steps_to_target": reached,
+        "hash": parameter_hash(replica.params),
+    }
 
 
 def mean_curve(runs: list[dict]) -> list[dict]:
@@ -118,22 +140,78 @@ def mean_curve(runs: list[dict]) -> list[dict]:
 
 
 def variant_runs(
-    workload: str, name: str, seeds: list[int], overrides: list[str], out: Path, reuse: bool
+    workload: str,
+    name: str,
+    seeds: list[int],
+    overrides: list[str],
+    out: Path,
+    reuse: bool,
+    nodes: int = 1,
+    target: float | None = None,
 ) -> list[dict]:
-    """Each seed's run of a variant: read from OUT/<name>/seed_<s>.json with `reuse`, else run and saved there."""
+    """Each seed's run of a variant on `nodes` nodes: read from OUT/<name>/seed_<s>.json (OUT/<name>/n<N>/…
+    with a target or N > 1) with `reuse`, else run and saved there."""
     from raylowcomm.strategies import load_config
 
     config, common, variants = WORKLOADS[workload]
+    folder = out / name if nodes == 1 and target is None else out / name / f"n{nodes}"
     runs = []
     for seed in seeds:
-        path = out / name / f"seed_{seed}.json"
+        path = folder / f"seed_{seed}.json"
         if not (reuse and path.exists()):
-            cfg = load_config(str(config), common + variants[name] + overrides + [f"seed={seed}"])
-            print(f"{workload} {name}, seed {seed}: {' '.join(variants[name] + overrides)}", flush=True)
+            cfg = load_config(
+                str(config), common + variants[name] + overrides + [f"seed={seed}", f"nodes.count={nodes}"]
+            )
+            print(
+                f"{workload} {name}, {nodes} node(s), seed {seed}: {' '.join(variants[name] + overrides)}", flush=True
+            )
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(run_replica(cfg, out / name / f"seed_{seed}"), indent=2))
+            path.write_text(json.dumps(run_replica(cfg, folder / f"seed_{seed}", nodes, target), indent=2))
         runs.append(json.loads(path.read_text()))
     return runs
+
+
+def scaling(runs_by_n: dict[int, list[dict]]) -> dict:
+    """Steps and forwards to the target at each N (mean ± 95% interval over the seeds that reached it), and
+    each N's steps over N = 1's, paired by seed."""
+    from raylowcomm.seedstats import interval
+
+    base = {r["seed"]: r["steps_to_target"] for r in runs_by_n.get(1, [])}
+    table = {}
+    for n, runs in runs_by_n.items():
+        hit = [r for r in runs if r["steps_to_target"] is not None]
+        last = [r["curve"][-1] for r in runs if r["curve"][-1]["step"]]
+        per_step = last[0]["forwards"] // last[0]["step"] if last else None
+        ratios = [r["steps_to_target"] / base[r["seed"]] for r in hit if base.get(r["seed"])]
+        table[n] = {
+            "steps": interval([r["steps_to_target"] for r in hit]) if hit else None,
+            "per_seed": {r["seed"]: r["steps_to_target"] for r in runs},
+            "forwards_per_node_per_step": per_step // n if per_step else None,
+            "vs_one_node": interval(ratios) if ratios else None,
+            "missed": [r["seed"] for r in runs if r["steps_to_target"] is None],
+        }
+    return table
+
+
+def plot_scaling(runs_by_n: dict[int, list[dict]], path: Path, target: float) -> None:
+    """Held-out accuracy against steps, every run, one colour per N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (n, runs) in enumerate(sorted(runs_by_n.items())):
+        for j, r in enumerate(runs):
+            steps, acc = [p["step"] for p in r["curve"]], [100 * p["accuracy"] for p in r["curve"]]
+            ax.plot(steps, acc, color=f"C{i}", alpha=0.8, label=f"N = {n}" if j == 0 else None)
+    ax.axhline(100 * target, color="grey", linestyle=":", label="target")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -157,12 +235,23 @@ def main(argv: list[str] | None = None) -> dict:
         help="override every variant's config, as raylowcomm run --set",
     )
     parser.add_argument("--reuse", action="store_true", help="read the runs OUT already holds instead of rerunning")
+    parser.add_argument(
+        "--nodes",
+        default="1",
+        help="comma-separated node counts (samples per node fixed: N nodes, N x the perturbations)",
+    )
+    parser.add_argument(
+        "--target", type=float, help="held-out accuracy (e.g. 0.65): each run stops there; steps to it at each N"
+    )
     parser.add_argument("--out", default="runs/zo")
     args = parser.parse_args(argv)
     out, seeds, result = Path(args.out), [int(s) for s in args.seeds.split(",")], {}
     unknown = set(args.variants) - set(WORKLOADS[args.workload][2])
     if unknown:
         parser.error(f"no variant {', '.join(sorted(unknown))} for --workload {args.workload}")
+    counts = [int(n) for n in args.nodes.split(",")]
+    if args.target is not None or counts != [1]:
+        return scaling_main(args, seeds, counts, out)
     for name in args.variants:
         runs = variant_runs(args.workload, name, seeds, args.overrides, out, args.reuse)
         result[name] = {
@@ -184,6 +273,38 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "zo.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def scaling_main(args, seeds: list[int], counts: list[int], out: Path) -> dict:
+    """--nodes / --target: each variant at each N, steps to the target, the table and the plot."""
+    if args.target is None:
+        raise SystemExit("--nodes needs --target: the accuracy whose steps are compared across N")
+    result = {}
+    for name in args.variants:
+        runs_by_n = {
+            n: variant_runs(args.workload, name, seeds, args.overrides, out, args.reuse, n, args.target) for n in counts
+        }
+        result[name] = scaling(runs_by_n)
+        plot_scaling(runs_by_n, out / f"{name}_nodes.png", args.target)
+        print(f"\n{name}: steps to {100 * args.target:.0f}% held-out accuracy (seeds {seeds})")
+        print(f"{'N':>3s} {'steps':>14s} {'per seed':>22s} {'fwd/node/step':>14s} {'vs N = 1':>14s}  missed")
+        for n, row in result[name].items():
+            steps = row["steps"]
+            ratio = row["vs_one_node"]
+            print(
+                f"{n:3d} {_pm(steps, 1):>14s} {str(list(row['per_seed'].values())):>22s} "
+                f"{row['forwards_per_node_per_step'] or '-':>14} {_pm(ratio, 2):>14s}  {row['missed'] or ''}"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "zo_nodes.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _pm(stats: dict | None, digits: int) -> str:
+    if stats is None:
+        return "-"
+    half = stats["half_width"]
+    return f"{stats['mean']:.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else "")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,25 @@ def test_the_benchmark_replica_is_bit_for_bit_a_one_node_run(ray_session, tmp_pa
         ]
 
 
+@pytest.mark.slow
+def test_the_benchmark_replica_stands_for_n_nodes_bit_for_bit(ray_session, tmp_path):
+    """`python -m benchmarks.zo --nodes 4` computes each node's codes on its own shard in one process and
+    applies all of them: its weights and held-out scores must be those of every node of a 4-node run."""
+    from benchmarks.zo import run_replica
+    from raylowcomm.runner import prepare
+    from raylowcomm.strategies.spsa import Spsa
+    from tests.strategies.test_spsa import tiny_config
+
+    cfg = tiny_config(steps=6, count=4, eval_every=3, verify_every=100, samples=2)
+    rec = Spsa().run(prepare(cfg, tmp_path / "ray")).to_dict()
+    mine = run_replica(cfg, tmp_path / "in_process", nodes=4)
+    assert {n["final_hash"] for n in rec["nodes"]} == {mine["hash"]}
+    ray_curve = [{"step": 0, **rec["details"]["step0_metrics"]}] + rec["curve"]
+    assert [(p["step"], p["accuracy"], p["loss"]) for p in mine["curve"]] == [
+        (p["step"], p["id_accuracy"], p["id_loss"]) for p in ray_curve
+    ]
+
+
 def test_every_zo_benchmark_variant_is_a_valid_spsa_config():
     """Each workload's variants (`python -m benchmarks.zo --workload ...`) load and validate as SPSA runs:
     an example renamed or a key misspelt fails here, not an hour into a benchmark."""
