@@ -165,7 +165,8 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     assert rec["samples_seen"] == 2 * steps * 16 and rec["peak_rss_bytes"] > 0
     # each node says what its process held before its model loaded: a part of its peak (the scale benchmark's split)
     assert all(0 < node["rss_before_model_bytes"] < node["peak_rss_bytes"] for node in rec["nodes"])
-    # the saved weights are the replicas' weights
+    # the saved weights are the replicas' weights, saved by a node where they are: no model crosses at the end
+    assert "final/model_weights" not in by_kind and rec["comm"]["by_phase"]["final"] < 4096
     model = ctx.load_driver_weights()
     model.load_state_dict(load_file(rec["weights"]))
     assert parameter_hash(list(model.named_parameters())) == hashes[0]

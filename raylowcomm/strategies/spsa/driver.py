@@ -269,6 +269,16 @@ class SpsaRun:
                 self.leave(k, step, "died")
         raise RuntimeError(f"step {step}: every node has left")
 
+    def save_result(self, k: int) -> dict | None:
+        """The replicas are bit-identical, so node k saves its own model where it is and nothing crosses
+        (None); under LoRA the driver takes node k's adapters and head (small) to save them in the
+        fine-tune's forms as well."""
+        if self.cfg.model.lora is None:
+            rel = f"{NAME}/model.safetensors"
+            self.group.call("save_plain", None, self.ctx.storage, rel, phase="final", keys=[k])
+            return None
+        return self.group.fetch.get([self.group[k].weights.remote()], "final", "model_weights")[0]
+
     def finish(self, step0: dict) -> RunRecord:
         group, steps, opts = self.group, self.steps, self.opts
         train_s = self.train_clock.elapsed()
@@ -277,7 +287,7 @@ class SpsaRun:
             metrics = mean_metrics(group.evaluate_all())
         hashes = dict(zip(group.keys(), ray.get([group[k].hash.remote() for k in group.keys()])))
         self.infos.update(zip(group.keys(), group.call("info", phase="final", what="node_info")))
-        state = group.fetch.get([group[min(group.keys())].weights.remote()], "final", "model_weights")[0]
+        state = self.save_result(min(group.keys()))
         nodes = [
             {**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)} for k in sorted(self.records)
         ]
