@@ -10,6 +10,7 @@ import pytest
 import timm
 import yaml
 
+from raylowcomm.bench import BenchError, ddp_budget
 from raylowcomm.cli import main
 from raylowcomm.report import summarize_run
 
@@ -136,6 +137,37 @@ def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_budget_from_ddp_runs_ddp_alone_first_and_gives_its_time_to_every_strategy(tmp_path, monkeypatch):
+    """`bench local --budget-s ddp`, the runs themselves stubbed by what they write: DDP alone first, with no
+    budget, into OUT/ddp_time; then every strategy with its `train_s` as the budget, which bench.json books."""
+    from raylowcomm import runner
+    from raylowcomm.bench import bench_local
+    from raylowcomm.strategies import load_config
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "strategies": ["ddp", "lofi"]}))
+    cfg = load_config(str(config), ["optim.budget_s=1"])  # as the CLI loads it: a budget's checks run up front
+    calls = []
+
+    def fake_run(cfg, out):
+        calls.append((list(cfg.strategies), cfg.optim.budget_s, out.name))
+        records = [{"strategy": name, "train_s": 12.5} for name in cfg.strategies]
+        out.mkdir(parents=True)
+        (out / "results.json").write_text(json.dumps(records))
+        return records
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    monkeypatch.setattr("raylowcomm.bench._report", lambda out: None)
+    meta = bench_local(cfg, tmp_path / "out", budget_from_ddp=True)
+    assert calls == [(["ddp"], None, "ddp_time"), (["ddp", "lofi"], 12.5, "local")]
+    assert meta["budget"] == {"seconds": 12.5, "from": "ddp", "rate": None, "dir": "ddp_time"}
+    assert meta["config"]["optim"]["budget_s"] == 12.5
+    (tmp_path / "out" / "ddp_time" / "results.json").write_text(json.dumps([{"strategy": "ddp", "error": "boom"}]))
+    with pytest.raises(BenchError, match="boom"):
+        ddp_budget(tmp_path / "out" / "ddp_time" / "results.json")
+
+
+@pytest.mark.heavy
 def test_a_budget_from_ddp_gives_every_strategy_ddps_time_to_finish(ray_session, tmp_path):
     """`--budget-s ddp`: DDP runs alone first, unbudgeted, and its training seconds become every strategy's
     budget in the comparison; the bench says so."""
