@@ -1,6 +1,6 @@
 """lo-fi's rounds on a schedule (`lofi.average_every` as a list, `lofi.warmup_steps`) and the final round's own
-codec (`lofi.final_round`): where the rounds come, that every node lands each one bit-identical, and that
-the final round flushes what compression held back."""
+codec (`lofi.final_round`), the tensors that cross whole (`lofi.dense`): where the rounds come, that every node
+lands each one bit-identical, and that the final round flushes what compression held back."""
 
 from __future__ import annotations
 
@@ -221,6 +221,15 @@ def test_dense_tensors_cross_whole_in_their_codec_and_the_rest_in_compress():
 def test_dense_without_compressed_peer_rounds_is_refused(lofi):
     with pytest.raises(ConfigError) as err:
         tiny_config(average_every=4, **lofi)
+    assert err.value.field_name == "lofi.dense"
+
+
+def test_a_dense_pattern_matching_no_parameter_is_refused_before_any_actor(tmp_path):
+    from raylowcomm.runner import prepare
+
+    cfg = tiny_config(average_every=4, compress="topk", dense=["head", "fc.*"])
+    with pytest.raises(ConfigError, match="'fc.\\*' matches no parameter") as err:
+        prepare(cfg, tmp_path)
     assert err.value.field_name == "lofi.dense"
 
 
