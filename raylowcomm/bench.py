@@ -186,7 +186,8 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budge
         check_storage(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
-    _write_config(cfg, config_path)
+    if not budget_from_ddp:  # else written once DDP's time is known, with it
+        _write_config(cfg, config_path)
     meta = {"mode": "wan", "hosts": hosts, "config": cfg.to_dict(), "runs": []}
     if budget_from_ddp:
         rates = sorted(rates, key=rate_bits)
