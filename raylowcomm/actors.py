@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from contextlib import contextmanager
 
 import ray
@@ -398,6 +399,16 @@ class NodeGroup:
             except ray.exceptions.RayActorError:
                 dead.append(key)
         return values, dead
+
+    def gather_timed(self, calls: dict[int, ray.ObjectRef], sent_at: float) -> tuple[dict, list[int], dict[int, float]]:
+        """As `gather`, with the seconds from `sent_at` (when the calls went out) until each call's result was
+        in: the driver's view of each actor's time on it, its reply's latency included."""
+        by_ref, pending, seconds = {ref: k for k, ref in calls.items()}, list(calls.values()), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            seconds[by_ref[done[0]]] = time.perf_counter() - sent_at
+        values, dead = self.gather(calls)
+        return values, dead, seconds
 
     def dead(self, timeout_s: float = 10.0) -> list[int]:
         """Keys of the actors that have died."""

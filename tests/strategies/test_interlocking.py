@@ -159,6 +159,11 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     assert d["driver_fetched"]["train"]["bytes"] < 0.05 * kinds["train/activations"]
     assert set(d["heads"]["test"]) == {"head0_aux", "head1_final"}
     assert all(0 < b <= 1 for b in d["busy_fraction"]) and d["step_time_s"] > 0
+    # goodput: a stage's busy time is useful, the rest of the training phase it waited (the pipeline's bubble)
+    g, busy = rec["goodput"], [node["busy_s"] for node in rec["nodes"]]
+    assert [a["useful_s"] for a in g["nodes"]] == busy and g["useful_node_s"] == sum(busy)
+    assert all(a["idle_at_barriers_s"] == a["reserved_s"] - a["useful_s"] for a in g["nodes"])
+    assert g["goodput"] == sum(busy) / g["reserved_node_s"] and 0 < g["goodput"] <= 1
     assert {"id_accuracy", "id_loss", "shift_accuracy"} <= rec["metrics"].keys()
 
     # The saved model is the stages' weights reassembled: it scores what the final head scored.

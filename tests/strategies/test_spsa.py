@@ -204,6 +204,18 @@ def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
     assert by_kind["train/projected_grads"] == sum(4 * n for n in running)
     assert by_kind["train/projected_grads_relay"] == sum(4 * n * (n - 1) for n in running)
     assert rec["samples_seen"] == sum(running) * 16 and rec["details"]["shard_slots"] == 4
+    # goodput: each node booked for its own time in the run, its calls' waits within it; the dead node's
+    # last step is lost, untimed
+    g = rec["goodput"]
+    accounts = {a["node"]: a for a in g["nodes"]}
+    assert [accounts[k]["joins"] for k in range(4)] == [0, 0, 1, 1] and g["joins"] == 2
+    assert accounts[1]["lost_s"] is None and accounts[0]["lost_s"] == accounts[2]["lost_s"] == 0.0
+    assert (
+        accounts[1]["reserved_s"] < accounts[0]["reserved_s"] and accounts[3]["reserved_s"] < accounts[2]["reserved_s"]
+    )
+    for a in accounts.values():
+        assert 0 < a["useful_s"] and a["useful_s"] + a["idle_at_barriers_s"] <= a["reserved_s"]
+    assert g["useful_node_s"] == sum(a["useful_s"] for a in g["nodes"]) and 0 < g["goodput"] < 1
     model = ctx.load_driver_weights()
     model.load_state_dict(load_file(rec["weights"]))
     assert parameter_hash(list(model.named_parameters())) == hashes[2]

@@ -21,6 +21,7 @@ import torch
 from raylowcomm import catalog
 from raylowcomm.actors import NodeGroup
 from raylowcomm.common.batches import Source, batch_at, num_examples
+from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
@@ -64,6 +65,13 @@ def refuse_churn(cfg: RunConfig) -> None:
             "interlocking's stages each hold layers no other has and are not restarted: run churn "
             "with lofi, ddp or spsa, or remove the churn section",
         )
+
+
+def stage_goodput(busy: list[float], train_s: float) -> dict:
+    """A stage's useful time is its forwards, backwards and optimizer steps (every one reaches the model:
+    a lost stage ends the run); the rest of the training phase it waits for activations or gradients,
+    the pipeline's bubble and transfers (`idle_at_barriers_s`)."""
+    return goodput([NodeAccount(k, b, max(0.0, train_s - b), 0.0) for k, b in enumerate(busy)], train_s)
 
 
 class Interlocking(Strategy[InterlockingConfig]):
@@ -293,6 +301,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             curve=curve,
             nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)],
             details=details,
+            goodput=stage_goodput(busy, train_s),
         )
 
     def _load(

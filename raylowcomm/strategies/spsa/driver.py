@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 import ray
 
 from raylowcomm.actors import NodeGroup, check_replicas
+from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.core.zo.estimators import forwards_per_step
@@ -46,10 +47,14 @@ class DriverCounts:
     step0: dict = field(default_factory=dict)
     ckpt_step: int = 0
     ckpt_size: int = 0
+    node_s: dict = field(default_factory=dict)
+    """Per node (its id as a string, as JSON keeps it): seconds on steps whose codes every replica applied
+    (`useful_s`) and seconds waiting for the slowest node's codes or replay (`idle_s`), as the driver times
+    each node's calls."""
 
     @classmethod
     def restored(cls, state: dict) -> DriverCounts:
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})  # older states: fewer counts
 
 
 class SpsaRun:
@@ -82,7 +87,9 @@ class SpsaRun:
             self.ctx.fresh_state(NAME)
         for k in state["running"] if state else range(count):
             self.start_node(k, "train" if state else "setup", until=state["step"] if state else None)
-            self.records.setdefault(k, {"node": k, "joined_step": 0, "left_step": None, "left_how": None})
+            self.records.setdefault(
+                k, {"node": k, "joined_step": 0, "left_step": None, "left_how": None, "joined_at_s": 0.0}
+            )
         group.share_eval_sets(self.ctx.eval_sets(val=False))
         group.ready()
         if self.steps is None:  # node files: each node knows its own size
@@ -188,7 +195,7 @@ class SpsaRun:
         if how == "remove":
             self.infos[k] = self.group.fetch.get([self.group[k].info.remote()], "final", "node_info")[0]
         self.group.remove(k, kill=how == "remove")
-        self.records[k].update(left_step=step, left_how=how)
+        self.records[k].update(left_step=step, left_how=how, left_at_s=self.train_clock.elapsed())
         logger.info("[spsa] step %d: node %d left (%s); running: %s", step, k, how, self.group.keys())
 
     def membership(self, step: int) -> None:
@@ -210,6 +217,7 @@ class SpsaRun:
                     "joined_step": step,
                     "left_step": None,
                     "left_how": None,
+                    "joined_at_s": self.train_clock.elapsed(),
                     "joined_from_checkpoint_step": self.counts.ckpt_step,
                     "join_log_bytes": log_size,
                 }
@@ -218,7 +226,7 @@ class SpsaRun:
     def exchange(self, step: int) -> dict:
         """Every node's step message up, the others' codes down; returns the step's progress."""
         t0, group, ledger = time.perf_counter(), self.group, self.ledger
-        messages, dead = group.gather({k: group[k].compute.remote() for k in group.keys()})
+        messages, dead, computing = group.gather_timed({k: group[k].compute.remote() for k in group.keys()}, t0)
         for k in dead:
             self.leave(k, step, "died")
         if not (pubs := sorted(messages)):
@@ -232,9 +240,12 @@ class SpsaRun:
             ledger.record("train", "projected_grads_relay", len(others))
             wire, control = wire + wire_nbytes(others), control + wire_nbytes(pubs)
             applies[k] = group[k].apply.remote(pubs, others)
+        sent = time.perf_counter()
         ledger.send("train", "control", pubs, copies=len(applies))
-        for k in group.gather(applies)[1]:
+        _, dead, replaying = group.gather_timed(applies, sent)
+        for k in dead:
             self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
+        self.book_node_time(pubs, computing, replaying)
         self.counts.samples += len(pubs) * self.cfg.optim.batch_size
         self.counts.forwards += len(pubs) * self.node_forwards
         for key, value in (
@@ -251,6 +262,35 @@ class SpsaRun:
             "bytes": ledger.total_bytes,
             "train_loss": sum(losses) / len(pubs),
         }
+
+    def book_node_time(self, pubs: list[int], computing: dict[int, float], replaying: dict[int, float]) -> None:
+        """A published step is useful on every node that computed it (every replica applies its codes) and on
+        every node that replayed it; the rest of each call's wait, to the slowest node's, is idle."""
+        for calls, nodes in ((computing, pubs), (replaying, [k for k in pubs if k in replaying])):
+            slowest = max((calls[k] for k in nodes), default=0.0)
+            for k in nodes:
+                account = self.counts.node_s.setdefault(str(k), {"useful_s": 0.0, "idle_s": 0.0})
+                account["useful_s"] += calls[k]
+                account["idle_s"] += slowest - calls[k]
+
+    def goodput(self, train_s: float) -> dict:
+        """Each node's account (`node_s`) over its time in the run: from its join to its leave or death,
+        or the whole training phase. A node that died loses the step it was computing, not timed."""
+        accounts = []
+        for k, r in sorted(self.records.items()):
+            times = self.counts.node_s.get(str(k), {"useful_s": 0.0, "idle_s": 0.0})
+            whole = r["joined_step"] == 0 and r["left_step"] is None
+            accounts.append(
+                NodeAccount(
+                    k,
+                    times["useful_s"],
+                    times["idle_s"],
+                    None if r["left_how"] == "died" else 0.0,
+                    joins=int(r["joined_step"] > 0),
+                    reserved_s=None if whole else r.get("left_at_s", train_s) - r.get("joined_at_s", 0.0),
+                )
+            )
+        return goodput(accounts, train_s)
 
     def verify(self, step: int) -> None:
         digest = check_replicas(self.group.actors, step, self.ledger)
@@ -338,4 +378,5 @@ class SpsaRun:
             nodes=nodes,
             details=details,
             final_point={"forwards": self.counts.forwards},
+            goodput=self.goodput(train_s),
         )
