@@ -223,6 +223,7 @@ class NodeGroup:
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.fetch = DriverFetches(ledger)
         self._started: dict[int, tuple] = {}
+        self.unplaced: set[int] = set()
         self.restarted: dict[int, int] = {}
         self._eval_sets: dict = {}
         self._eval_ref = None
@@ -254,10 +255,17 @@ class NodeGroup:
         self.actors[key] = self._launch(key)
         return self.actors[key]
 
+    def start_unplaced(self, key: int, *args, **kwargs):
+        """As `start`, for an actor with no bundle reserved: Ray places it (and a restart of it) wherever
+        and whenever the cluster holds its resources; until then it is pending (`__ray_ready__` says when)."""
+        self.unplaced.add(key)
+        return self.start(key, *args, **kwargs)
+
     def _launch(self, key: int):
-        """Actor `key` in its own bundle, with the arguments it was first started with."""
+        """Actor `key` in its own bundle (or unplaced), with the arguments it was first started with."""
         args, kwargs = self._started[key]
-        return self.actor_class.options(**self.options, **self.gang.options(key)).remote(*args, **kwargs)
+        placement = {} if key in self.unplaced else self.gang.options(key)
+        return self.actor_class.options(**self.options, **placement).remote(*args, **kwargs)
 
     def restart(self, key: int, err: Exception) -> None:
         """Start dead actor `key` again (see `_restart`), for a caller that issues its own calls."""

@@ -23,6 +23,8 @@ class StrategyOptions(Protocol):
     fp32_updates: bool
     """Whether its optimizer steps every weight it trains, so full fine-tuning needs fp32 weights."""
     count_field: str
+    elastic_nodes: bool
+    """Whether it takes a range of nodes (`nodes.count: [min, max]`)."""
     runs_by_default: bool
     """Whether a config that names no strategies runs it."""
 
@@ -60,6 +62,12 @@ def from_dict(raw: dict, strategies: Mapping[str, StrategyOptions]) -> RunConfig
     cfg.options = {name: build_dataclass(s.Config, strategy_sections.get(name), name) for name, s in strategies.items()}
     validate(cfg, fp32_updating=[name for name in cfg.strategies if strategies[name].fp32_updates])
     for name in cfg.strategies:
+        if cfg.nodes.elastic and not strategies[name].elastic_nodes:
+            raise ConfigError(
+                "nodes.count",
+                cfg.nodes.count_as_given(),
+                f"{name} runs a fixed number of nodes; a range is for lo-fi's quorum rounds: give one number",
+            )
         strategies[name].validate(cfg)
         check_hosts(cfg, strategies[name])
     nodes_may_load(cfg, strategies)

@@ -177,9 +177,12 @@ class OptimConfig:
 
 @dataclass
 class NodesConfig:
-    count: int = 2
+    count: int | list[int] = 2
     """Node actors (lo-fi, SPSA) or Ray Train workers (DDP); the training set is split into this many
-    disjoint shards. Interlocking runs interlocking.stages actors instead."""
+    disjoint shards. Interlocking runs interlocking.stages actors instead. Or a range [min, max] (lo-fi's
+    quorum rounds): the run starts once min nodes fit, takes more as the cluster holds them, up to max, and
+    the training set is split into max shards (docs/fault-tolerance.md#elastic-node-count). Read as a
+    number, `count` is the min; `most` is the max."""
     cpus: float = 1.0
     """CPUs per node actor (also torch threads in the actor)."""
     gpus: float = 0.0
@@ -206,6 +209,28 @@ class NodesConfig:
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per actor, e.g. {"trainer": 1} to run actors only on nodes started
     with `ray start --resources='{"trainer": 4}'`."""
+
+    def __post_init__(self) -> None:
+        self._most = None
+        if isinstance(self.count, list):
+            low_high = self.count
+            whole = all(isinstance(c, int) and not isinstance(c, bool) for c in low_high)
+            if len(low_high) != 2 or not whole or not 1 <= low_high[0] <= low_high[1]:
+                raise ConfigError("nodes.count", low_high, "a node count, or a range [min, max] with 1 <= min <= max")
+            self.count, self._most = low_high
+
+    @property
+    def most(self) -> int:
+        """The most node actors the run may hold: the range's max, or `count`."""
+        return self._most if self._most is not None else self.count
+
+    @property
+    def elastic(self) -> bool:
+        """Whether nodes may join as the cluster holds them (`count: [min, max]` with min < max)."""
+        return self.most > self.count
+
+    def count_as_given(self) -> int | list[int]:
+        return [self.count, self.most] if self.elastic else self.count
 
 
 @dataclass
@@ -299,6 +324,7 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
+        out["nodes"]["count"] = self.nodes.count_as_given()
         out.pop("options")
         out.update({k: dataclasses.asdict(v) for k, v in self.options.items()})
         return out

@@ -193,6 +193,8 @@ class Strategy(ABC, Generic[Options]):
     Config: ClassVar[type]
     count_field: ClassVar[str] = "nodes.count"
     """The option that sets how many actors it starts: the field a too-big run is told to lower."""
+    elastic_nodes: ClassVar[bool] = False
+    """Whether it takes a range of nodes (`nodes.count: [min, max]`), starting with what fits."""
     runs_by_default: ClassVar[bool] = False
     """Whether a config that names no strategies (`strategies: null`) runs it."""
     fp32_updates: ClassVar[bool] = True

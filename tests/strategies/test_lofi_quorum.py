@@ -2,14 +2,22 @@
 bit for bit; a slow node's payload lands late and every node still ends with the same model; a
 preempted node leaves the quorum, restarts and ends identical to the others."""
 
+import os
+import time
+
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
 from raylowcomm.config import ConfigError
 from raylowcomm.config.schema import ChurnConfig, KillAt, SlowNode
+from raylowcomm.runner import prepare
+from raylowcomm.strategies import from_dict
+from raylowcomm.strategies.lofi import Lofi, exchange_for
+from raylowcomm.strategies.lofi.config import node_slots
 from raylowcomm.strategies.lofi.plan import Plan
-from raylowcomm.strategies.lofi.quorum import boundary_after, quorum_of, staleness_weight
+from raylowcomm.strategies.lofi.quorum import ROUNDS, boundary_after, quorum_of, staleness_weight
 from tests.strategies.test_lofi import run_lofi, tiny_config
 
 
@@ -171,3 +179,74 @@ def test_time_sync_options_are_checked():
     with pytest.raises(ConfigError) as err:
         tiny_config(compress="int8", sync="time", sync_every_s=1.0, average_every=8)
     assert err.value.field_name == "lofi.average_every"
+
+
+def elastic_config(count, strategies=("lofi",), **lofi) -> dict:
+    return {
+        "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
+        "data": {"name": "mnist", "train_size": 512, "test_size": 200, "image_size": 16},
+        "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 2},
+        "nodes": {"count": count, "cpus": 1},
+        "strategies": list(strategies),
+        "checkpoint_every": 4,
+        "log_every": 1000,
+        "lofi": {"average_every": 4, "compress": "int8", "bn_recalibrate": False, **lofi},
+    }
+
+
+def test_a_range_of_nodes_reads_and_is_refused_where_it_cannot_run():
+    cfg = from_dict(elastic_config([2, 4]))
+    assert (cfg.nodes.count, cfg.nodes.most, cfg.nodes.elastic) == (2, 4, True)
+    assert cfg.to_dict()["nodes"]["count"] == [2, 4]  # the run's config.yaml says what the user wrote
+    assert Lofi.bundles(cfg) == [{"CPU": 1.0}] * 2  # the nodes past the min are not reserved
+    assert node_slots(cfg, Lofi.opts(cfg)) == 4 and exchange_for(cfg).name == "quorum"  # a range selects quorum
+    for count in ([3, 2], [0, 2], [2], [2, 3.5]):
+        with pytest.raises(ConfigError) as err:
+            from_dict(elastic_config(count))
+        assert err.value.field_name.startswith("nodes.count")  # [2, 3.5]: nodes.count[1]
+    for raw in (
+        elastic_config([2, 3], strategies=("lofi", "ddp")),  # a fixed number of workers
+        elastic_config([2, 3], compress="none"),  # the driver's star: no quorum rounds
+        {**elastic_config([2, 3]), "nodes": {"count": [2, 3], "cpus": 1, "hosts": ["a", "b", "c"]}},
+    ):
+        with pytest.raises(ConfigError) as err:
+            from_dict(raw)
+        assert err.value.field_name == "nodes.count"
+
+
+@ray.remote
+class CpuHolder:
+    """Holds its CPUs until `path` exists, then exits: the cluster grows under a running run."""
+
+    def hold_until(self, path: str) -> None:
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        ray.actor.exit_actor()
+
+
+@pytest.mark.slow
+def test_a_range_takes_a_node_once_the_cluster_holds_it_and_every_node_ends_identical(ray_session, tmp_path):
+    """nodes.count [2, 3] on a cluster that holds 2 nodes: the run starts with them; once round 1 lands the
+    cluster frees a CPU, the third starts, joins from a landed round's global model, and ends identical."""
+    cfg = from_dict(elastic_config([2, 3]))
+    # 3 shards of 170 rows: 10 steps an epoch, 20 a node, a budget of 3 x 20 node-steps; node 1 runs slow,
+    # so that the third node's start (a new process loading the model) comes before the budget is spent
+    cfg.churn = ChurnConfig(slow=[SlowNode(node=1, factor=20)])
+    ctx = prepare(cfg, tmp_path)
+    spare = ray.available_resources()["CPU"] - 2.5  # two nodes fit beside it, a third does not
+    holder = CpuHolder.options(num_cpus=spare).remote()
+    ray.get(holder.__ray_ready__.remote())
+    holder.hold_until.remote(ctx.storage.uri_of(ROUNDS))  # the first round's log frees the CPUs
+    rec = Lofi().run(ctx).to_dict()
+    details = rec["details"]
+    assert details["exchange"] == "quorum" and details["steps_per_node"] == 20
+    assert [(j["node"], j["by"]) for j in details["joined"]] == [(2, "cluster")]
+    assert [n["node"] for n in rec["nodes"]] == [0, 1, 2]
+    assert rec["nodes"][2]["train"][0]["base_round"] >= 1  # it joined from a landed round, not the start
+    assert rec["samples_seen"] == 3 * 20 * cfg.optim.batch_size  # the budget: steps x the range's max
+    assert rec["comm"]["by_kind"]["train/data_recipe"] > 0 and rec["goodput"]["joins"] == 1
+    files = [ctx.storage.load_tensors(f"lofi/checkpoints/node{k}_round.safetensors") for k in range(3)]
+    assert {meta["round"] for _, meta in files} == {len(details["round_log"])}
+    first = files[0][0]
+    for tensors, _ in files[1:]:
+        assert all(torch.equal(first[k], tensors[k]) for k in first if k.startswith("global."))

@@ -60,12 +60,13 @@ def lockstep_accounts(group: NodeGroup, calls: list[list[dict]]) -> list[NodeAcc
     ]
 
 
-def exchange_for(opts: LofiConfig) -> type[Exchange]:
+def exchange_for(cfg: RunConfig) -> type[Exchange]:
     """The run's topology, chosen here only: peer rounds where `exchange: peers`, or `auto` with a
-    codec, landing on a quorum where `quorum` is set, nodes sync by time or join and leave (`on_quorum`);
-    else the driver's star."""
+    codec, landing on a quorum where `quorum` is set, nodes sync by time, join and leave, or come as
+    the cluster holds them (`on_quorum`); else the driver's star."""
+    opts = Lofi.opts(cfg)
     peers = opts.exchange == "peers" or (opts.exchange == "auto" and opts.compress != "none")
-    if peers and on_quorum(opts):
+    if peers and on_quorum(opts, cfg.nodes.elastic):
         return QuorumExchange
     return PeerExchange if peers else StarExchange
 
@@ -73,6 +74,7 @@ def exchange_for(opts: LofiConfig) -> type[Exchange]:
 class Lofi(Strategy[LofiConfig]):
     name: ClassVar[str] = "lofi"
     runs_by_default: ClassVar[bool] = True
+    elastic_nodes: ClassVar[bool] = True  # on quorum rounds, which a range selects
     Config: ClassVar[type] = LofiConfig
 
     @staticmethod
@@ -86,15 +88,16 @@ class Lofi(Strategy[LofiConfig]):
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict[str, float]]:
-        """Joiners (lofi.join) may be alive beside the first nodes: a slot for each."""
-        return [node_bundle(cfg)] * node_slots(cfg, Lofi.opts(cfg))
+        """Joiners (lofi.join) may be alive beside the first nodes: a slot for each. Nodes past a range's min
+        (`nodes.count: [min, max]`) are not reserved: each starts where and when the cluster holds it."""
+        return [node_bundle(cfg)] * (cfg.nodes.count + len(Lofi.opts(cfg).join))
 
     @staticmethod
     def driver_weights(cfg: RunConfig) -> str | None:
         """What starts from, or merges into, weights the driver holds (the topology's to say); one final
         average of adapters is merged and saved on node 0, where the base is."""
         o = Lofi.opts(cfg)
-        return exchange_for(o).driver_weights(cfg, o)
+        return exchange_for(cfg).driver_weights(cfg, o)
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
@@ -114,7 +117,7 @@ class Lofi(Strategy[LofiConfig]):
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
         Lofi._validate_exchange(cfg, o)
-        streaming.validate(o, exchange_for(o).nodes_keep_rounds)
+        streaming.validate(o, exchange_for(cfg).nodes_keep_rounds)
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
             raise ConfigError("lofi.outer_optimizer", o.outer_optimizer, "not offered with model.lora: set it to none")
@@ -125,7 +128,7 @@ class Lofi(Strategy[LofiConfig]):
                 "a probe trains a new classifier head with every other weight frozen: not offered with "
                 "model.lora or a causal LM; set it to 0",
             )
-        if o.probe_steps and o.outer_optimizer != "none" and not exchange_for(o).nodes_keep_rounds:
+        if o.probe_steps and o.outer_optimizer != "none" and not exchange_for(cfg).nodes_keep_rounds:
             raise ConfigError(
                 "lofi.probe_steps",
                 o.probe_steps,
@@ -214,14 +217,17 @@ class Lofi(Strategy[LofiConfig]):
                 o.dense,
                 "names tensors that cross whole beside compressed ones: set lofi.compress (peer rounds), or dense: []",
             )
-        if on_quorum(o) and not exchange_for(o).nodes_keep_rounds:
+        if on_quorum(o, cfg.nodes.elastic) and not exchange_for(cfg).nodes_keep_rounds:
             field, value = next(
-                (f"lofi.{name}", getattr(o, name))
-                for name in ("quorum", "sync", "join", "leave")
-                if getattr(o, name) not in (None, "steps", [])
+                (
+                    (f"lofi.{name}", getattr(o, name))
+                    for name in ("quorum", "sync", "join", "leave")
+                    if getattr(o, name) not in (None, "steps", [])
+                ),
+                ("nodes.count", cfg.nodes.count_as_given()),
             )
             raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
-        exchange_for(o).validate(cfg, o)
+        exchange_for(cfg).validate(cfg, o)
 
     @staticmethod
     def _warn_unused_codec(o: LofiConfig) -> None:
@@ -241,7 +247,7 @@ class Lofi(Strategy[LofiConfig]):
         ctx.fresh_state(self.name)
         (what, start), watch = ctx.initial_model(), Stopwatch()
         initial = start if what == "initial_weights" else None  # None: the nodes load the weights, not the driver
-        exchange = exchange_for(opts)(ctx, opts, initial)
+        exchange = exchange_for(cfg)(ctx, opts, initial)
         with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts, bundles=self.bundles(cfg)) as group:
             with watch("start"):
                 weights_ref = group.put(start, "setup", what, copies=n)
@@ -249,12 +255,17 @@ class Lofi(Strategy[LofiConfig]):
                 # how to read the data, not the data
                 recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
 
-                def launch(k: int) -> None:
-                    """Node k's actor; a joiner's fetch of the start and the recipe is booked as it starts."""
-                    if k >= n:
-                        ledger.send("train", what, start)
-                        ledger.send("train", "data_recipe", ctx.data.train)
-                    group.start(
+                def book_fetches() -> None:
+                    ledger.send("train", what, start)
+                    ledger.send("train", "data_recipe", ctx.data.train)
+
+                def launch(k: int, placed: bool = True):
+                    """Node k's actor; a joiner's fetch of the start and the recipe is booked as it starts.
+                    Unplaced (past a range's min), it waits for the cluster to hold it: the booking is
+                    returned, for the caller to make once the actor has started."""
+                    if k >= n and placed:
+                        book_fetches()
+                    (group.start if placed else group.start_unplaced)(
                         k,
                         k,
                         ctx.spec,
@@ -268,6 +279,7 @@ class Lofi(Strategy[LofiConfig]):
                         round_momentum=opts.round_momentum,
                         slots=slots,
                     )
+                    return None if placed else book_fetches
 
                 for k in range(n):
                     launch(k)

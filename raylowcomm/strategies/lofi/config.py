@@ -126,13 +126,15 @@ class LofiConfig:
 
 
 def node_slots(cfg: RunConfig, o: LofiConfig) -> int:
-    """Node slots, one training shard each: the first nodes and the joiners."""
-    return cfg.nodes.count + len(o.join)
+    """Node slots, one training shard each: the first nodes (node 0 to `nodes.count` - 1), the joiners
+    (lofi.join) after them, and last a range's nodes past its min (`nodes.count: [min, max]`)."""
+    return cfg.nodes.most + len(o.join)
 
 
-def on_quorum(o: LofiConfig) -> bool:
-    """Whether the rounds land on a quorum (`quorum`, sync by time, or a membership that changes)."""
-    return o.quorum is not None or o.sync == "time" or bool(o.join or o.leave)
+def on_quorum(o: LofiConfig, elastic: bool = False) -> bool:
+    """Whether the rounds land on a quorum (`quorum`, sync by time, or a membership that changes: on a
+    schedule, or as the cluster holds nodes, `elastic`)."""
+    return o.quorum is not None or o.sync == "time" or bool(o.join or o.leave) or elastic
 
 
 def fixed_period(o: LofiConfig) -> bool:

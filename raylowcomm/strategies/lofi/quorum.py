@@ -196,12 +196,22 @@ class QuorumExchange(PeerExchange):
     @staticmethod
     def validate(cfg: RunConfig, o: LofiConfig) -> None:
         PeerExchange.validate(cfg, o)
-        q, n = o.quorum, cfg.nodes.count
+        q, n = o.quorum, cfg.nodes.most
         whole = isinstance(q, int) and not isinstance(q, bool)
         if q is not None and not ((whole and 1 <= q <= n) or (isinstance(q, float) and 0 < q <= 1)):
             raise ConfigError(
                 "lofi.quorum", q, f"a node count in 1..{n} (nodes.count), a fraction in (0, 1], or null for lockstep"
             )
+        if cfg.nodes.elastic:
+            refused = [("data.node_files", cfg.data.node_files), ("nodes.hosts", cfg.nodes.hosts)]
+            for name, value in refused:
+                if value is not None:
+                    raise ConfigError(
+                        "nodes.count",
+                        cfg.nodes.count_as_given(),
+                        f"a range's nodes start wherever the cluster holds them, with a shard cut from one "
+                        f"training set: not offered with {name}; give one number",
+                    )
         if o.grace_s < 0:
             raise ConfigError("lofi.grace_s", o.grace_s, "must be >= 0 seconds")
         if o.staleness < 0:
@@ -270,7 +280,9 @@ class QuorumExchange(PeerExchange):
         """Segments until the budget of node-steps is spent, landing rounds as their quorums come in, nodes
         joining (`launch(k)` starts node k's actor) and leaving on their schedules. The last payloads stay
         pending: `finish` lands them as the final round."""
-        self.count = len(group)
+        self.first = first = len(group)
+        extra = ctx.cfg.nodes.most - ctx.cfg.nodes.count  # a range's nodes past its min
+        self.count = first + extra  # the nodes the budget is for: a range's max
         self.nodes = self.resumed or {k: NodeLog() for k in group.keys()}
         self.weights = dict(enumerate(plan.weights))  # one per node slot, joiners' too
         merged = sum(p["samples"] for r in self.landed for p in r) // self.batch_size
@@ -278,26 +290,35 @@ class QuorumExchange(PeerExchange):
         self.flights: dict[ray.ObjectRef, tuple] = {}
         self.joining: dict[ray.ObjectRef, int] = {}
         self.launch, self.unjoined = launch, set()
-        self.joins = list(range(self.count, self.count + len(self.opts.join)))
+        self.joins = list(range(first, first + len(self.opts.join)))
         self.leaves = {ev.node: ev.step for ev in self.opts.leave}
+        self.appearing: dict[ray.ObjectRef, int] = {}
+        """A range's nodes past its min not started yet: each joins once the cluster holds it."""
         began, quorum_at = time.perf_counter(), None
         for k in group.keys():
             if not self._leave_if_due(group, k):
                 self._assign(group, plan, k)
+        after_joiners = first + len(self.opts.join)  # a range's nodes past its min: their slots come last
+        self.bookings = {k: launch(k, placed=False) for k in range(after_joiners, after_joiners + extra)}
+        self.appearing = {group[k].__ray_ready__.remote(): k for k in self.bookings}
         self._join_due(group)
         while self.flights or self.joining:
             wait_s = None if quorum_at is None else max(0.0, quorum_at + self.opts.grace_s - time.perf_counter())
-            ready, _ = ray.wait([*self.flights, *self.joining], num_returns=1, timeout=wait_s)
+            ready, _ = ray.wait([*self.flights, *self.joining, *self.appearing], num_returns=1, timeout=wait_s)
             for ref in ready:
                 self._arrived(group, plan, ref)
             self._join_due(group)
-            due, quorum_at = self._due(len(group) - len(self.joining), quorum_at)  # a restarting node is out
+            live = len(group) - len(self.joining) - len(self.appearing)  # a node starting or restarting is out
+            due, quorum_at = self._due(live, quorum_at)
             if due:
                 quorum_at = None
                 for k in self._land("train"):
                     self._assign(group, plan, k)
                 ctx.report({"step": self._progress(), "steps": plan.steps, "bytes": group.ledger.total_bytes})
             self._give_back(group, plan)
+        for k in self.appearing.values():  # the budget is spent before the cluster held them
+            group.remove(k)
+            logger.info("[lofi] node %d does not join: the run's budget of steps is spent", k)
         train_s = time.perf_counter() - began
         last = {k: a.train_s for k, a in self.pending.items()}  # `finish` lands every pending payload
         rounds = len(self.landed)
@@ -332,22 +353,42 @@ class QuorumExchange(PeerExchange):
     def _join_due(self, group: NodeGroup) -> None:
         """Start the joiners whose step the run has reached (while budget is left for them): each adopts
         the latest global model a node holds, from that node's round file."""
-        while self.joins and self.opts.join[self.joins[0] - self.count].step <= self._progress():
+        while self.joins and self.opts.join[self.joins[0] - self.first].step <= self._progress():
             k = self.joins.pop(0)
             if self.assigned >= self.budget:
                 logger.info("[lofi] node %d does not join: the run's budget of steps is spent", k)
                 continue
             self.launch(k)
-            self.nodes[k] = NodeLog(joined_at=time.perf_counter())  # its rounds (0) keep the log until it joins
-            self.unjoined.add(k)
-            self.joined.append({"node": k, "step": self._progress()})
-            self.joining[self._join_call(group, k)] = k
-            logger.info("[lofi] node %d joins at step %d", k, self._progress())
+            self._begin_join(group, k, "schedule")
+
+    def _begin_join(self, group: NodeGroup, k: int, why: str) -> None:
+        """Node k (its actor started) becomes a member: it adopts the latest global model (`_join_call`)."""
+        self.nodes[k] = NodeLog(joined_at=time.perf_counter())  # its rounds (0) keep the log until it joins
+        self.unjoined.add(k)
+        self.joined.append({"node": k, "step": self._progress(), "by": why})
+        self.joining[self._join_call(group, k)] = k
+        logger.info("[lofi] node %d joins at step %d (%s)", k, self._progress(), why)
+
+    def _appeared(self, group: NodeGroup, ref: ray.ObjectRef) -> None:
+        """A range's node the cluster now holds joins, while budget is left; its fetches are booked now."""
+        k = self.appearing.pop(ref)
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            logger.warning("[lofi] node %d could not start (%s): it does not join", k, err)
+            group.remove(k, kill=False)
+            return
+        if self.assigned >= self.budget:
+            group.remove(k)
+            logger.info("[lofi] node %d does not join: the run's budget of steps is spent", k)
+            return
+        self.bookings.pop(k)()
+        self._begin_join(group, k, "cluster")
 
     def _join_call(self, group: NodeGroup, k: int) -> ray.ObjectRef:
         """Node k's call that makes it a member: the latest global model's round file (none before the
         first round: it holds the start), booked as what it reads."""
-        members = [j for j in group.keys() if j not in self.unjoined]
+        members = [j for j in group.keys() if j in self.nodes and j not in self.unjoined]
         ahead = max(members, key=lambda j: self.nodes[j].rounds)
         path = round_path(ahead) if self.nodes[ahead].rounds else None
         if path is not None:
@@ -371,7 +412,7 @@ class QuorumExchange(PeerExchange):
         """Budget a lost segment gave back goes to the nodes that stood idle for want of it."""
         busy = {f[0] for f in self.flights.values()} | set(self.pending) | set(self.joining.values())
         for k in group.keys():
-            if k not in busy and self.assigned < self.budget:
+            if k in self.nodes and k not in busy and self.assigned < self.budget:  # not one still appearing
                 self._assign(group, plan, k)
 
     def _due(self, live: int, quorum_at: float | None) -> tuple[bool, float | None]:
@@ -402,7 +443,7 @@ class QuorumExchange(PeerExchange):
         if self.seconds is None:
             until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
         else:  # a cap only: the segment ends after `seconds` of training; what it leaves returns to the pool
-            idle = len(group) - sum(1 for f in self.flights.values() if f[0] != k)
+            idle = len(group) - len(self.appearing) - sum(1 for f in self.flights.values() if f[0] != k)
             until = node.step + math.ceil((self.budget - self.assigned) / max(1, idle))
         until = min(until, self.leaves.get(k, until))
         if until <= node.step:
@@ -416,6 +457,9 @@ class QuorumExchange(PeerExchange):
         self.assigned += until - node.step
 
     def _arrived(self, group: NodeGroup, plan: Plan, ref: ray.ObjectRef) -> None:
+        if ref in self.appearing:
+            self._appeared(group, ref)
+            return
         if ref in self.joining:
             k = self.joining.pop(ref)
             try:
