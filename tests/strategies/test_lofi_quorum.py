@@ -16,6 +16,7 @@ from raylowcomm.runner import prepare
 from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.lofi import Lofi, exchange_for
 from raylowcomm.strategies.lofi.config import node_slots
+from raylowcomm.strategies.lofi.node_rounds import PendingProgress
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.quorum import ROUNDS, boundary_after, quorum_of, staleness_weight
 from tests.strategies.test_lofi import run_lofi, tiny_config
@@ -250,3 +251,42 @@ def test_a_range_takes_a_node_once_the_cluster_holds_it_and_every_node_ends_iden
     first = files[0][0]
     for tensors, _ in files[1:]:
         assert all(torch.equal(first[k], tensors[k]) for k in first if k.startswith("global."))
+
+
+def test_a_node_that_trains_on_lands_onto_the_new_global_model_with_its_unmerged_progress_on_top():
+    """Whole numbers in float32, so every sum below is exact."""
+    g0, g1 = {"w": torch.tensor([10.0, 20.0])}, {"w": torch.tensor([7.0, 30.0])}
+    progress = PendingProgress()
+    t1 = progress.sent({"w": torch.tensor([12.0, 21.0])}, g0)  # Δ1 moved it by (2, 1) from the global model
+    t2 = progress.sent({"w": torch.tensor([15.0, 21.0])}, g0)  # then Δ2 by (3, 0), from where it sent Δ1
+    # a round merges Δ1 only; it trained on by (1, 4) since sending Δ2: that and Δ2 stay on top of g1
+    moved = progress.rebase({"w": torch.tensor([16.0, 25.0])}, g0, g1, merged=[t1])
+    assert torch.equal(moved["w"], torch.tensor([7.0 + 3 + 1, 30.0 + 0 + 4]))
+    assert torch.equal(progress.base["w"], torch.tensor([10.0, 30.0]))  # Δ3 is measured from g1 + Δ2
+    # a round merges Δ2: the model is the newest global model plus what it trained since
+    g2 = {"w": torch.tensor([1.0, 2.0])}
+    moved = progress.rebase({"w": torch.tensor([11.0, 31.0])}, g1, g2, merged=[t2, "an earlier process's"])
+    assert torch.equal(moved["w"], torch.tensor([2.0, 3.0])) and progress.base is None and not progress.unmerged
+
+
+@pytest.mark.slow
+def test_a_node_that_keeps_training_never_waits_for_the_slow_node_and_ends_on_the_global_model(ray_session, tmp_path):
+    cfg = rounds_config(quorum=2, keep_training=True)
+    cfg.churn = ChurnConfig(slow=[SlowNode(node=1, factor=20)])
+    ctx, rec = run_lofi(cfg, tmp_path)
+    details = rec["details"]
+    # the fast node sent a second payload while its first waited for the slow node's: one round holds both
+    assert any(sum(p["node"] == 0 for p in r) == 2 for r in details["round_log"])
+    assert sum(t["steps"] for n in rec["nodes"] for t in n["train"]) == 2 * 16  # the budget of node-steps
+    # every payload merged, every node's model is the global model: the saved result is its round file's
+    tensors, meta = ctx.storage.load_tensors("lofi/checkpoints/node0_round.safetensors")
+    assert meta["round"] == len(details["round_log"])
+    saved = load_file(rec["weights"])
+    globals_ = {k.removeprefix("global."): v for k, v in tensors.items() if k.startswith("global.")}
+    assert globals_ and all(torch.equal(saved[k], v) for k, v in globals_.items())
+
+
+def test_keep_training_needs_quorum_rounds():
+    with pytest.raises(ConfigError) as err:
+        tiny_config(average_every=8, compress="int8", keep_training=True)
+    assert err.value.field_name == "lofi.keep_training"

@@ -228,6 +228,13 @@ class Lofi(Strategy[LofiConfig]):
             )
             raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
         exchange_for(cfg).validate(cfg, o)
+        if o.keep_training and not on_quorum(o, cfg.nodes.elastic):
+            raise ConfigError(
+                "lofi.keep_training",
+                o.keep_training,
+                "a node trains on while its payload waits for a quorum round: set lofi.quorum (or lofi.sync: "
+                "time), or false",
+            )
 
     @staticmethod
     def _warn_unused_codec(o: LofiConfig) -> None:

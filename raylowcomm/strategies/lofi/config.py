@@ -114,6 +114,11 @@ class LofiConfig:
     """Quorum rounds: a payload that missed τ rounds counts with weight w·(1 + τ)^-staleness in the
     round that merges it (w: its node's weight, `weighting`; with sync: time, the examples it trained
     on); 0: as much as a fresh one."""
+    keep_training: bool = False
+    """Quorum rounds: a node whose payload waits for its round trains on instead of waiting (at most two
+    of its payloads wait at once); when the round lands, its model moves onto the new global model with
+    what it trained since on top (docs/strategies/lofi.md). False: it waits, and with every node on time
+    and `quorum` every node, the rounds are lockstep rounds bit for bit."""
     join: list[JoinEvent] = field(default_factory=list)
     """Nodes that join quorum rounds, [{step}]: the i-th, node nodes.count + i, starts once the run has
     trained `step` steps (its node-steps over nodes.count), from the latest global model a node holds

@@ -4,6 +4,8 @@ and error feedback)."""
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from raylowcomm.actors import Node
@@ -250,21 +252,28 @@ class LofiNode(Node):
 
     @ray.method(num_returns=2)
     def segment(
-        self, rounds: list, until: int, seconds: float | None = None, reset: bool = False
+        self, rounds: list, until: int, seconds: float | None = None, reset: bool = False, merged: list[str] = ()
     ) -> tuple[dict, object]:
         """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until` (or for
         `seconds` of training, `lofi.sync: time`), and return what it did and its payload, Δ from the
-        global model it started from (`reset`: a restarted node starts from it again). The payload is this
+        global model it started from (`reset`: a restarted node starts from it again; `lofi.keep_training`:
+        Δ from where it last sent, `merged` the tokens of its payloads that `rounds` hold). The payload is this
         call's second return value: the driver owns it, so it outlives this process, and nobody fetches it
         but the nodes that land it."""
-        landed = self.peer.catch_up(rounds, reset)
+        t0 = time.perf_counter()
+        landed = self.peer.catch_up(rounds, reset, merged)
+        t1 = time.perf_counter()
         stats = self.train(until, [], seconds=seconds)
+        t2 = time.perf_counter()
         payload = self.peer.encode_delta()
         meta = {"base_round": self.rounds, "base_hash": self.peer.global_hash(), "nbytes": payload.nbytes}
-        return {**stats, **meta, "landed": landed}, payload
+        if (token := self.peer.sent()) is not None:
+            meta["token"] = token
+        parts = {"land_s": t1 - t0, "train_call_s": t2 - t1, "encode_s": time.perf_counter() - t2}
+        return {**stats, **meta, "landed": landed, "segment_parts_s": parts}, payload
 
-    def catch_up(self, rounds: list, reset: bool = False) -> int:
-        return self.peer.catch_up(rounds, reset)
+    def catch_up(self, rounds: list, reset: bool = False, merged: list[str] = ()) -> int:
+        return self.peer.catch_up(rounds, reset, merged)
 
     def adopt_round(self, path: str) -> int:
         return self.peer.adopt(path)

@@ -9,6 +9,7 @@ with it: the round ends with `ActorDied` naming the node and the round (`died_du
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Protocol
 
 import ray
@@ -51,6 +52,45 @@ class RoundHost(Protocol):
     def log(self, msg: str) -> None: ...
 
 
+class PendingProgress:
+    """`lofi.keep_training`: what a node trained that no landed round holds yet. Each payload it sends
+    moved its model from `base` (where its Δ is measured from: the global model, or where it last sent)
+    to its weights at the send; that move stays here until a round merges the payload (by its token).
+    When rounds land, the model moves onto the new global model G' with everything unmerged on top:
+    θ ← G' + (θ − base) + Σ unmerged, and base ← G' + Σ unmerged, in float64. The global model, the
+    only thing every node must agree on, is untouched."""
+
+    def __init__(self) -> None:
+        self.base: dict | None = None
+        """None: the global model."""
+        self.unmerged: dict[str, dict] = {}
+
+    def sent(self, weights: dict, global_state: dict) -> str:
+        """A payload Δ = base − θ left: keep its move and make θ the base; returns its token."""
+        base = self.base or global_state
+        token = uuid.uuid4().hex
+        self.unmerged[token] = {k: weights[k].to(torch.float64) - base[k].to(torch.float64) for k in global_state}
+        self.base = {k: weights[k].detach().clone() for k in global_state}
+        return token
+
+    def rebase(self, weights: dict, old_global: dict, new_global: dict, merged: list[str]) -> dict:
+        """The model's tensors on the new global model (see the class), the merged payloads forgotten."""
+        for token in merged:
+            self.unmerged.pop(token, None)  # a token of an earlier process (restarted) is not here
+        base = self.base or old_global
+        on_top = {k: sum(m[k] for m in self.unmerged.values()) for k in new_global} if self.unmerged else {}
+        moved = {}
+        for k, g in new_global.items():
+            top = g.to(torch.float64) + on_top[k] if on_top else g.to(torch.float64)
+            moved[k] = (top + (weights[k].to(torch.float64) - base[k].to(torch.float64))).to(weights[k].dtype)
+        self.base = {k: (new_global[k].to(torch.float64) + on_top[k]).to(new_global[k].dtype) for k in on_top} or None
+        return moved
+
+    def clear(self) -> None:
+        """A restarted or adopting node starts from the global model: nothing of its own is on top."""
+        self.base, self.unmerged = None, {}
+
+
 class NodeRounds:
     """A lo-fi node's side of peer rounds, held by the node (`LofiNode.peer`): its global model, the
     codec with its error feedback, its fragments and outer step, the payload it sent and the round in
@@ -85,6 +125,7 @@ class NodeRounds:
             self.global_state = self.outer.state  # one copy, moved by the outer step
         self.payload: Payload | None = None
         self.in_flight: streaming.InFlightRound | None = None
+        self.pending = PendingProgress() if opts.keep_training else None
         if node.storage.exists(round_path(node.rank)):
             self._restore_round()
 
@@ -115,7 +156,8 @@ class NodeRounds:
     def _delta(self, fragment: int = streaming.ALL) -> dict:
         """Δ = θ_global − θ_k in float64 over the fragment's floating-point tensors (exact for float32 weights)."""
         mine = floats(self.node.weights())
-        return {k: self.global_state[k].to(torch.float64) - mine[k].to(torch.float64) for k in self._names(fragment)}
+        base = self.pending.base if self.pending is not None and self.pending.base is not None else self.global_state
+        return {k: base[k].to(torch.float64) - mine[k].to(torch.float64) for k in self._names(fragment)}
 
     def encode_delta(self, fragment: int = streaming.ALL, final: bool = False) -> Payload:
         """This node's payload: Δ plus what compression dropped before (error feedback); `final`: in the
@@ -140,7 +182,15 @@ class NodeRounds:
             mean = self._average(round_, refs, weights, self.payload, final)
             self._land(round_, fragment, mean, 0.0, self.node.step)
 
-    def catch_up(self, rounds: list[tuple[int, list[list], list[float]]], reset: bool = False) -> int:
+    def sent(self) -> str | None:
+        """After `encode_delta` of a node that keeps training: its payload's token (`PendingProgress.sent`)."""
+        if self.pending is None:
+            return None
+        return self.pending.sent(floats(self.node.weights()), self.global_state)
+
+    def catch_up(
+        self, rounds: list[tuple[int, list[list], list[float]]], reset: bool = False, merged: list[str] = ()
+    ) -> int:
         """Quorum rounds: land the rounds this node has not, in order, each (round, [[ref]] of its payloads
         in the round's order, their weights), exactly as every other node lands them; then its model
         becomes the latest global model (what it trained since its last payload is in that payload).
@@ -148,6 +198,8 @@ class NodeRounds:
         what it trained since its last round: that segment's payload was lost with it). Returns how
         many rounds it landed."""
         landed, latest = 0, None
+        keep = self.pending is not None and not reset
+        before = {k: v.clone() for k, v in self.global_state.items()} if keep and rounds else None
         for round_, refs, weights in rounds:
             if round_ <= self.node.rounds:
                 continue
@@ -158,7 +210,13 @@ class NodeRounds:
         if latest is not None:
             self.payload = None
             self._save_round(latest, streaming.ALL, 0.0)
-        if latest is not None or reset:
+        if keep and latest is not None:  # trained on: onto the new global model, with what is unmerged on top
+            moved = self.pending.rebase(floats(self.node.weights()), before, self.global_state, list(merged))
+            self.node.load_global({**self.node.weights(), **moved}, self.node.rounds)
+            self.node.save_state(self.node.step)
+        elif latest is not None or reset:
+            if self.pending is not None:
+                self.pending.clear()
             self._merge(streaming.ALL, 0.0, self.node.rounds)
             self.node.save_state(self.node.step)
         return landed
@@ -171,6 +229,8 @@ class NodeRounds:
         self._set_global(state, momentum)
         self.node.rounds = round_
         self.payload = None
+        if self.pending is not None:
+            self.pending.clear()
         self._save_round(round_, streaming.ALL, 0.0)
         self._merge(streaming.ALL, 0.0, round_)
         self.node.save_state(self.node.step)

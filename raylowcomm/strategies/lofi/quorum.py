@@ -66,8 +66,11 @@ class Arrival:
     nbytes: int
     train_s: float
     samples: int
-    """Examples its segment trained on: all its Δ holds, as the node started the segment from its global model."""
+    """Examples its segment trained on: all its Δ holds, as the node started the segment from its global model
+    (or, `keep_training`, from where it last sent)."""
     arrived_at: float
+    token: str | None = None
+    """`keep_training`: the node's name for it, by which the node learns that a round merged it."""
 
 
 @dataclass
@@ -111,6 +114,8 @@ class NodeLog:
     """Restarted: its next segment starts from its global model (what it trained since is lost)."""
     pace_s: float | None = None
     """Its last segment's wall time, from the call to its arrival: when its next one should arrive."""
+    idle_since: float | None = None
+    """When its last payload arrived, until its next segment: the time it waits (`waiting_s`)."""
     segments: list[dict] = field(default_factory=list)
 
 
@@ -184,7 +189,8 @@ class QuorumExchange(PeerExchange):
         """The landed rounds some node has still to land: their payloads stay in the object store."""
         self.landed: list[list[dict]] = []
         """Every landed round as the record tells it (`LandedRound.record`)."""
-        self.pending: dict[int, Arrival] = {}
+        self.pending: dict[int, list[Arrival]] = {}
+        """Each node's payloads waiting for a round (one; two where it keeps training), in the order sent."""
         self.nodes: dict[int, NodeLog] = {}
         self.late: list[int] = []
         """The staleness τ of every payload merged late."""
@@ -320,9 +326,9 @@ class QuorumExchange(PeerExchange):
             group.remove(k)
             logger.info("[lofi] node %d does not join: the run's budget of steps is spent", k)
         train_s = time.perf_counter() - began
-        last = {k: a.train_s for k, a in self.pending.items()}  # `finish` lands every pending payload
+        last = {k: sum(a.train_s for a in arrivals) for k, arrivals in self.pending.items()}  # `finish` lands them
         rounds = len(self.landed)
-        late = self.late + [rounds - a.base for a in self.pending.values() if rounds > a.base]
+        late = self.late + [rounds - a.base for arrivals in self.pending.values() for a in arrivals if rounds > a.base]
         end = time.perf_counter()
         accounts = [
             NodeAccount(
@@ -410,7 +416,8 @@ class QuorumExchange(PeerExchange):
 
     def _give_back(self, group: NodeGroup, plan: Plan) -> None:
         """Budget a lost segment gave back goes to the nodes that stood idle for want of it."""
-        busy = {f[0] for f in self.flights.values()} | set(self.pending) | set(self.joining.values())
+        held = {k for k, arrivals in self.pending.items() if len(arrivals) >= self._pending_cap()}
+        busy = {f[0] for f in self.flights.values()} | held | set(self.joining.values())
         for k in group.keys():
             if k in self.nodes and k not in busy and self.assigned < self.budget:  # not one still appearing
                 self._assign(group, plan, k)
@@ -422,14 +429,15 @@ class QuorumExchange(PeerExchange):
         far behind is not waited for at all."""
         if not self.pending:
             return False, None
-        if not self.flights:
-            return self.assigned < self.budget, None
+        awaited = [f for f in self.flights.values() if f[0] not in self.pending]  # not a node training on
+        if not awaited:
+            return bool(self.flights) or self.assigned < self.budget, None
         if len(self.pending) < quorum_of(self.quorum, live):
             return False, None
         now = time.perf_counter()
         quorum_at = quorum_at or now
         deadline = quorum_at + self.opts.grace_s
-        return now >= deadline or not any(self._expected(f) <= deadline for f in self.flights.values()), quorum_at
+        return now >= deadline or not any(self._expected(f) <= deadline for f in awaited), quorum_at
 
     def _expected(self, flight: tuple) -> float:
         """When a segment in flight should arrive: its start plus its node's last segment's wall time (at
@@ -449,10 +457,14 @@ class QuorumExchange(PeerExchange):
         if until <= node.step:
             return
         missed = [r for r in self.log if r.number > node.rounds]
-        group.ledger.send("train", "control", until)
+        merged = [a.token for r in missed for a in r.payloads if a.node == k and a.token is not None]
+        group.ledger.send("train", "control", [until, merged] if merged else until)
         book_catch_up(group.ledger, "train", k, missed)
-        meta, payload = group[k].segment.remote([r.args() for r in missed], until, self.seconds, node.reset)
+        meta, payload = group[k].segment.remote([r.args() for r in missed], until, self.seconds, node.reset, merged)
         node.reset = False
+        if node.idle_since is not None:
+            node.waiting_s += time.perf_counter() - node.idle_since
+            node.idle_since = None
         self.flights[meta] = (k, payload, node.step, until, time.perf_counter())
         self.assigned += until - node.step
 
@@ -484,12 +496,26 @@ class QuorumExchange(PeerExchange):
         self.assigned -= until - meta["step"]  # a segment stopped by time returns what it did not use
         node.step, node.rounds, node.pace_s = meta["step"], meta["base_round"], time.perf_counter() - sent_at
         self._forget_landed()
-        node.segments.append({**meta, "node": k})
+        node.segments.append({**meta, "node": k, "wall_s": node.pace_s})
         self._check(k, meta)
-        self.pending[k] = Arrival(
-            k, payload, meta["base_round"], meta["nbytes"], meta["train_s"], meta["samples"], time.perf_counter()
+        arrival = Arrival(
+            k,
+            payload,
+            meta["base_round"],
+            meta["nbytes"],
+            meta["train_s"],
+            meta["samples"],
+            time.perf_counter(),
+            meta.get("token"),
         )
-        self._leave_if_due(group, k)
+        self.pending.setdefault(k, []).append(arrival)
+        node.idle_since = arrival.arrived_at
+        if not self._leave_if_due(group, k) and len(self.pending[k]) < self._pending_cap():
+            self._assign(group, plan, k)  # keep_training: it trains on while its payload waits
+
+    def _pending_cap(self) -> int:
+        """How many of a node's payloads may wait for rounds before it waits too."""
+        return 2 if self.opts.keep_training else 1
 
     def _forget_landed(self) -> None:
         """Drop the rounds every node of the run has landed: nobody will fetch their payloads again, so
@@ -522,23 +548,21 @@ class QuorumExchange(PeerExchange):
     def _land(self, phase: str) -> list[int]:
         """The pending payloads as the next round, in node order; returns the nodes now free to train."""
         number = len(self.landed) + 1
-        payloads = [self.pending[k] for k in sorted(self.pending)]
+        payloads = [a for k in sorted(self.pending) for a in self.pending[k]]
         weights = []
-        now = time.perf_counter()
         for a in payloads:
             missed = number - 1 - a.base
             if missed:
                 self.late.append(missed)
             work = float(a.samples) if self.seconds is not None else self.weights[a.node]  # merge by work
             weights.append(staleness_weight(work, missed, self.opts.staleness))
-            node = self.nodes[a.node]
-            node.useful_s += a.train_s
-            node.waiting_s += now - a.arrived_at
+            self.nodes[a.node].useful_s += a.train_s
         self.log.append(LandedRound(number, payloads, weights))
         self.landed.append(self.log[-1].record())
         self.storage.write_json(ROUNDS, self.landed)  # what a resumed run's budget goes on from
         self.pending = {}
-        return [a.node for a in payloads if a.node not in self.departed]
+        training = {f[0] for f in self.flights.values()}
+        return sorted({a.node for a in payloads if a.node not in self.departed and a.node not in training})
 
     def finish(
         self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
@@ -552,16 +576,17 @@ class QuorumExchange(PeerExchange):
             missed = [r for r in self.log if r.number > self.nodes[k].rounds]
             book_catch_up(ledger, "final", k, missed)
             calls[k] = [r.args() for r in missed]
-        self._land_everywhere(group, calls)
+        self._land_everywhere(group, calls, self.opts.keep_training)
         for k in group.keys():
             self.nodes[k].rounds = len(self.landed)
         check_global(group, plan.steps, ledger, "final")
         return FinalModel(group.keys(), on_nodes=True)
 
     @staticmethod
-    def _land_everywhere(group: NodeGroup, missed: dict[int, list]) -> None:
-        """Every node lands what it has not; one that dies meanwhile is restarted and lands from its round file."""
-        calls = {group[k].catch_up.remote(rounds): k for k, rounds in missed.items()}
+    def _land_everywhere(group: NodeGroup, missed: dict[int, list], onto_global: bool) -> None:
+        """Every node lands what it has not; one that dies meanwhile is restarted and lands from its round file.
+        `onto_global` (keep_training): every payload is merged, so each node's model becomes the global one."""
+        calls = {group[k].catch_up.remote(rounds, onto_global): k for k, rounds in missed.items()}
         while calls:
             [ready], _ = ray.wait(list(calls), num_returns=1)
             k = calls.pop(ready)
@@ -569,7 +594,7 @@ class QuorumExchange(PeerExchange):
                 ray.get(ready)
             except ray.exceptions.RayActorError as err:
                 group.restart(k, err)
-                calls[group[k].catch_up.remote(missed[k])] = k
+                calls[group[k].catch_up.remote(missed[k], onto_global)] = k
 
     def details(self) -> dict:
         return {
