@@ -44,6 +44,11 @@ SETTINGS: dict[str, tuple[list[str], bool]] = {
     "quorum": ([*_ROUNDS, "lofi.average_every=8", "lofi.quorum=3", "lofi.grace_s=2.0"], True),
     "quorum_half": ([*_ROUNDS, "lofi.average_every=8", "lofi.quorum=0.5", "lofi.grace_s=2.0"], True),
     "time": ([*_ROUNDS, "lofi.sync=time", "lofi.sync_every_s=2.0"], True),
+    "quorum_half_keep": (
+        [*_ROUNDS, "lofi.average_every=8", "lofi.quorum=0.5", "lofi.grace_s=2.0", "lofi.keep_training=true"],
+        True,
+    ),
+    "time_keep": ([*_ROUNDS, "lofi.sync=time", "lofi.sync_every_s=2.0", "lofi.keep_training=true"], True),
 }
 SLOW_NODE, SLOW_FACTOR, KILL_STEPS = 3, 3, (16, 31, 47)
 
