@@ -1,7 +1,7 @@
 """Churn, measured: lock-step rounds, quorum rounds, sync by time and DDP with one slow node and
 preemptions, against the same runs without churn.
 
-    python -m benchmarks.churn [--seeds 0 1 2] [--settings NAME ...] [--out runs/bench/churn.json]
+    python -m benchmarks.churn [--seeds 0 1 2] [--settings NAME ...] [--out runs/bench/churn.json] [--cpu-quota]
 
 The workload is examples/lofi_vs_ddp_mnist.yaml on 4 nodes of half a CPU each (2 × 2 on this
 machine's cores), 1,000 images a node, 62 steps. Churn: node 3 runs 3× slower, and one of the other
@@ -63,13 +63,15 @@ def churn(seed: int) -> list[str]:
     return [f"churn.slow=[{{node: {SLOW_NODE}, factor: {SLOW_FACTOR}}}]", f"churn.kill=[{kills}]"]
 
 
-def measure(out: Path, setting: str, seed: int) -> dict:
-    """One run's figures: read from its results.json, or run it first."""
+def measure(out: Path, setting: str, seed: int, cpu_quota: bool = False) -> dict:
+    """One run's figures: read from its results.json, or run it first (`cpu_quota`: every node held to its
+    half CPU, `churn.cpu_quota`)."""
     where = out / "churn" / setting / f"seed_{seed}"
     path = where / "results.json"
     if not path.is_file():
         overrides, churned = SETTINGS[setting]
-        cfg = load_config(WORKLOAD, [*BASE, *overrides, *(churn(seed) if churned else []), f"seed={seed}"])
+        quota = ["churn.cpu_quota=true"] if cpu_quota else []
+        cfg = load_config(WORKLOAD, [*BASE, *overrides, *(churn(seed) if churned else []), *quota, f"seed={seed}"])
         logger.info("churn: %s seed %d -> %s", setting, seed, where)
         run(cfg, where, bar=False)
     [rec] = json.loads(path.read_text())
@@ -165,10 +167,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", default="runs/bench/churn.json", help="the JSON to write (runs go beside it)")
+    parser.add_argument(
+        "--cpu-quota",
+        action="store_true",
+        help="hold each node to its half CPU (churn.cpu_quota: a cgroup; root), as on its own machine",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = Path(args.out)
-    rows = [measure(path.parent, s, seed) for seed in args.seeds for s in args.settings]
+    rows = [measure(path.parent, s, seed, args.cpu_quota) for seed in args.seeds for s in args.settings]
     summary = summarize(rows)
     plot_path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,16 @@
 starts, and a lo-fi run whose node is preempted at a step (and another slowed) ends with the clean run's
 model, every event booked in its record."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from raylowcomm.common import cpu_quota
+from raylowcomm.common.cpu_quota import GROUP, PERIOD_US, cap_cpu, quota_unavailable
 from raylowcomm.config import ConfigError
 from raylowcomm.config.schema import ChurnConfig, KillAt, SlowNode
 from raylowcomm.execution.churn import Preemption, preemptions
@@ -65,3 +71,27 @@ def test_a_preempted_node_restarts_and_the_run_ends_as_the_clean_one(ray_session
     assert restored == [4]  # the checkpoint before the preemption (checkpoint_every 4): step 6 was lost
     a, b = load_file(clean["weights"]), load_file(rec["weights"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_cpu_quota_puts_the_process_in_its_own_cgroup_and_clears_those_of_exited_processes(tmp_path):
+    """The cgroup files as plain files: what is written where (the kernel's side is Linux's)."""
+    assert "no cgroup v1 cpu controller" in quota_unavailable(tmp_path)
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1")
+    assert quota_unavailable(tmp_path) is None
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / GROUP / exited.stdout.strip()
+    stale.mkdir(parents=True)
+    mine = cap_cpu(0.5, root=tmp_path)
+    assert mine == tmp_path / GROUP / str(os.getpid()) and not stale.exists()
+    assert (mine / "cpu.cfs_quota_us").read_text() == str(PERIOD_US // 2)
+    assert (mine / "cpu.cfs_period_us").read_text() == str(PERIOD_US)
+    assert (mine / "cgroup.procs").read_text() == str(os.getpid())
+
+
+def test_a_cpu_quota_where_no_cgroup_can_be_written_stops_the_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_quota, "CPU_CGROUP", tmp_path)  # no controller there
+    cfg = tiny_config(average_every=8).to_dict()
+    cfg["churn"] = {"cpu_quota": True}
+    with pytest.raises(ConfigError) as err:
+        from_dict(cfg)
+    assert err.value.field_name == "churn.cpu_quota" and "cgroup" in str(err.value)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raylowcomm import catalog
+from raylowcomm.common.cpu_quota import quota_unavailable
 from raylowcomm.config.schema import ConfigError, DataConfig, RunConfig
 
 if TYPE_CHECKING:
@@ -232,6 +233,8 @@ def _check_data(cfg: RunConfig) -> None:
 def _check_churn(cfg: RunConfig) -> None:
     """churn: nodes that exist, factors that slow, steps and periods that come."""
     churn, count = cfg.churn, cfg.nodes.count
+    if churn.cpu_quota and (why := quota_unavailable()) is not None:
+        raise ConfigError("churn.cpu_quota", True, f"{why}: set it to false")
     for kind, events in (("slow", churn.slow), ("kill", churn.kill)):
         for i, ev in enumerate(events):
             if not 0 <= ev.node < count:

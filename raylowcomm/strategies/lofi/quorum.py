@@ -14,7 +14,10 @@ lands the same payloads with the same weights in the same order, and holds the s
 driver checks the global hash each node reports with the round it started from).
 
 A node whose payload waits for its round does not train on (its next Δ would count what it sent
-again): it starts its next segment from the round that merged it. A node that dies leaves the quorum
+again): it starts its next segment from the round that merged it. With `keep_training` it trains on,
+its next Δ measured from where it sent (at most two of its payloads wait at once), and each round it
+lands moves its model onto the new global model with its unmerged progress on top
+(`node_rounds.PendingProgress`). A node that dies leaves the quorum
 at once; it is restarted (`nodes.max_restarts`) from its checkpoint and round file, joins again at its
 next segment by landing the rounds it missed and starting from the latest global model: what it
 trained since its last round is lost. A node whose restarts are spent leaves the run.
