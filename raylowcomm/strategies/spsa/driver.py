@@ -245,7 +245,7 @@ class SpsaRun:
         _, dead, replaying = group.gather_timed(applies, sent)
         for k in dead:
             self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
-        self.book_node_time(pubs, computing, replaying)
+        self.book_node_time(pubs, computing, {k: s for k, s in replaying.items() if k not in dead})
         self.counts.samples += len(pubs) * self.cfg.optim.batch_size
         self.counts.forwards += len(pubs) * self.node_forwards
         for key, value in (
