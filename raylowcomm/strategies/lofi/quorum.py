@@ -426,10 +426,11 @@ class QuorumExchange(PeerExchange):
                 self._assign(group, plan, k)
 
     def _due(self, live: int, quorum_at: float | None) -> tuple[bool, float | None]:
-        """Whether the pending payloads land now, and since when the quorum has been in. With no live node
-        training every payload is in; the last ones, once the budget is spent, are `finish`'s. Once the
-        quorum is in, the round waits `grace_s` only for nodes expected within it (`_expected`): a node
-        far behind is not waited for at all."""
+        """Whether the pending payloads land now, and since when the quorum has been in. With no node
+        training that has no payload waiting (one that keeps training has one), every payload is in; with
+        no node training at all and the budget spent, the last ones are `finish`'s. Once the quorum is in,
+        the round waits `grace_s` only for nodes expected within it (`_expected`): a node far behind is not
+        waited for at all."""
         if not self.pending:
             return False, None
         awaited = [f for f in self.flights.values() if f[0] not in self.pending]  # not a node training on
