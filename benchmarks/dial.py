@@ -169,6 +169,17 @@ SETTINGS: dict[str, list[str]] = {
         "lofi.topk_fraction=0.03",
         "lofi.dense=[head, vectors]",
     ],
+    # scaled sign: every entry moves every round (top-k 3% moves 3% of them), 1.25 bits a weight at
+    # block 64 and 1.06 at block 256
+    "H4_sign_b256": [*_PEERS, "lofi.average_every=4", "lofi.compress=sign", "lofi.compress_block=256"],
+    "H5_sign": [*_PEERS, "lofi.average_every=5", "lofi.compress=sign"],
+    "H4_sign_dv_b256": [
+        *_PEERS,
+        "lofi.average_every=4",
+        "lofi.compress=sign",
+        "lofi.compress_block=256",
+        "lofi.dense=[head, vectors]",
+    ],
     # H growing: the nodes meet early, while they drift apart fastest, then less often
     "H4g_int4": [*_PEERS, "lofi.average_every=[4,12,24]", "lofi.compress=int4"],
     "H8g_int4": [*_PEERS, "lofi.average_every=[8,16]", "lofi.compress=int4"],

@@ -112,13 +112,15 @@ def _formula(name, n, block, itemsize, codec):
         return n + 2 * blocks(n)
     if name == "int4":
         return -(-n // 2) + 2 * blocks(n)
+    if name == "sign":
+        return -(-n // 8) + 2 * blocks(n)
     k = codec.kept(n)
     narrow = max(-(-n // 255) - 1, 0) + k  # a byte per chunk of 255, a byte per offset
     wide = 4 * max(-(-n // WIDE) - 1, 0) + 2 * k
     return min(narrow, wide) + -(-k // 2) + 2 * blocks(k)
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("n", SIZES + [255, 256, 511, WIDE, WIDE + 1, 2 * WIDE + 3])
 @pytest.mark.parametrize("fraction", [0.03, 0.001])
@@ -176,7 +178,7 @@ def _exact_sum(tensors):
     return [sum(map(Fraction, column), Fraction(0)) for column in columns]
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 def test_error_feedback_sent_plus_kept_equals_the_true_deltas_exactly(name, dtype):
     codec = make_codec(name, block_size=64, topk_fraction=0.05)
@@ -225,7 +227,7 @@ def _bits(tensors):
     return {k: v.reshape(-1).view(torch.uint8).clone() for k, v in tensors.items()}
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_independent_decoders_average_to_the_same_bits(name, dtype):
     nodes = [_model_delta(dtype, seed=100 + k) for k in range(3)]
@@ -252,7 +254,7 @@ def test_two_independent_decoders_average_to_the_same_bits(name, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("name", ["int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["int8", "int4", "topk", "sign"])
 def test_gpu_and_cpu_decoders_agree_bit_for_bit(name):
     nodes = [_model_delta(seed=200 + k) for k in range(3)]
     codec = make_codec(name, topk_fraction=0.1)
@@ -261,6 +263,29 @@ def test_gpu_and_cpu_decoders_agree_bit_for_bit(name):
     cpu = average_decoded(codec, payloads, layout_of(nodes[0]), [1.0, 2.0, 0.7])
     gpu = average_decoded(codec, on_gpu, layout_of(nodes[0]), [1.0, 2.0, 0.7])
     assert all(torch.equal(_bits(cpu)[k], _bits({k: v.cpu() for k, v in gpu.items()})[k]) for k in cpu)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_moves_every_entry_by_its_blocks_mean_magnitude(block, dtype, n):
+    x = _delta(n, dtype, seed=3)
+    x[::5] = 0  # zeros count in their block's mean and go up by it
+    codec = make_codec("sign", block_size=block)
+    decoded = codec.decode(codec.encode({"x": x}), layout_of({"x": x}), torch.float64)["x"]
+    for start in range(0, n, block):
+        part, got = x[start : start + block].double(), decoded[start : start + block]
+        scale = got.abs()[0]
+        assert torch.equal(got, torch.where(part >= 0, scale, -scale))  # one magnitude, the entry's sign
+        assert scale.to(torch.bfloat16).double() == scale
+        mean = float(sum(map(Fraction, part.abs().tolist()), Fraction(0)) / part.numel())
+        # nearest bf16 of a float64 mean: half a bf16 step (2^-8 of the mean's binade) plus the float64 sum's
+        # rounding, at most 128 additions and a division of 2^-53 each
+        assert (
+            abs(scale - mean) <= 2.0 ** (math.floor(math.log2(mean)) - 8) + 130 * 2.0**-53 * mean
+            if mean
+            else scale == 0
+        )
 
 
 def test_bad_inputs_are_refused_with_clear_errors():

@@ -50,10 +50,11 @@ class LofiConfig:
     and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
     driver. With model.lora the adapters' and head's Δ cross and every node merges the exact
     average into its own base. Not with soup: greedy."""
-    compress: Literal["none", "int8", "int4", "topk"] = "none"
+    compress: Literal["none", "int8", "int4", "topk", "sign"] = "none"
     """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
     absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, an index in about
-    1 + 1/(255·topk_fraction) bytes, 2 in tensors sparser than 0.4%)."""
+    1 + 1/(255·topk_fraction) bytes, 2 in tensors sparser than 0.4%), sign (every entry ± its block's
+    mean |Δ|: a bit a weight and a bf16 scale a block, 1.25 bits a weight at compress_block 64)."""
     topk_fraction: float = 0.01
     """compress: topk: the fraction of each tensor's entries sent."""
     dense: list[str] = field(default_factory=list)
@@ -64,7 +65,7 @@ class LofiConfig:
     dense_codec: Literal["none", "int8", "int4"] = "int8"
     """The codec of `dense`'s tensors (with error feedback like the rest)."""
     compress_block: int = 64
-    """Entries per bf16 scale for int8/int4/topk values (at most 65536)."""
+    """Entries per bf16 scale for int8/int4/topk/sign values (at most 65536)."""
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
