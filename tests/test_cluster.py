@@ -77,6 +77,7 @@ def make_cluster():
         assert not any(Path("/var/run/netns", ns).exists() for ns in cluster.hosts + [cluster.switch])
 
 
+@pytest.mark.heavy
 def test_sweep_submitted_as_a_job_writes_results(make_cluster, tmp_path):
     cluster = make_cluster(hosts=1, cpus=2)
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({**TINY, "nodes": {"count": 1, "cpus": 1}}))
@@ -168,6 +169,7 @@ def _kill_actor_on(cluster: NamespaceCluster, host: int, actor_class: str) -> in
     raise AssertionError(f"no {actor_class} actor on host {host}")
 
 
+@pytest.mark.heavy
 def test_pinned_nodes_run_on_their_named_hosts_also_after_a_restart(make_cluster, tmp_path):
     """nodes.hosts names host 1 for node 0 and host 0 for node 1 (PACK alone would put both on one
     host: each has room for two): lo-fi's node actors and DDP's ranks run there, and lo-fi's node 0,

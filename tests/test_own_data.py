@@ -323,6 +323,7 @@ def test_interlocking_and_node_files_refuse_what_they_cannot_split():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_user_csv_with_string_labels_runs_every_text_strategy(ray_session, tmp_path, monkeypatch):
     """review / verdict columns, fresh / rotten labels, an Amazon shift set with its own column
     names: lofi, spsa and ddp (interlocking does not split hf_classifier) with no code change."""

@@ -11,7 +11,7 @@ from raylowcomm.strategies.lofi import Lofi
 from tests.strategies.test_lofi import tiny_config
 
 
-@pytest.mark.parametrize("strategy", [Lofi, Ddp])
+@pytest.mark.parametrize("strategy", [Lofi, pytest.param(Ddp, marks=pytest.mark.heavy)])
 def test_workers_steps_reach_the_driver_while_they_train(ray_session, tmp_path, strategy):
     ctx = prepare(tiny_config(bn_recalibrate=False), tmp_path)
     seen = []

@@ -139,6 +139,7 @@ def test_a_seed_changes_only_seed_out_dir_and_storage_and_resume_checks_each_sta
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_run_over_two_seeds_writes_each_seed_and_their_summary(tmp_path, ray_session, caplog):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
     out = tmp_path / "out"

@@ -215,6 +215,7 @@ def test_a_killed_worker_restarts_the_group_from_its_checkpoint_as_if_uninterrup
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_rank_preempted_by_churn_restarts_the_group_as_if_uninterrupted(ray_session, uninterrupted, tmp_path):
     cfg = _restart_config(2)
     cfg.churn = ChurnConfig(kill=[KillAt(node=1, at_step=12)])

@@ -471,7 +471,10 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fragments, adapters", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    "fragments, adapters",
+    [pytest.param(1, False, marks=pytest.mark.heavy), pytest.param(2, False, marks=pytest.mark.heavy), (2, True)],
+)
 def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(
     ray_session, tmp_path, fragments, adapters
 ):
