@@ -60,6 +60,12 @@ class Cost:
     """peers: one node's payload per round; star: one node's weights."""
     overlap_steps: int = 0
     """peers: steps of compute a round's transfer hides behind (lofi.overlap)."""
+    round_s: float = 0.0
+    """peers: a round's own work on a node besides its transfer (encoding, decoding and averaging the peers'
+    payloads, the round's calls) at `round_nodes` nodes; it grows with the n − 1 payloads a node lands
+    (EfficientNet-Lite0, top-k 3%: 0.6 s a round at N = 2, a CPU a node, 1.9 s at N = 4, half a CPU)."""
+    round_nodes: int = 2
+    """peers: the nodes of the run that measured `round_s`."""
     fragments: int = 1
     """peers: fragments (Streaming DiLoCo): rounds × fragments syncs of 1/fragments of the payload."""
     stages: list[StageCost] = field(default_factory=list)
@@ -101,11 +107,14 @@ class Cost:
             raise ValueError(f"{self.strategy}'s record does not say its model's size: rerun it to plan another size")
         share = (trainable or params) / (self.trainable or self.params)
         ratio = params / self.params
+        # a round's work is per crossing parameter, on the device whose speed the given compute implies
+        device = compute_s / self.compute_s / ratio if compute_s is not None and self.compute_s else 1.0
         return replace(
             self,
             params=params,
             trainable=trainable or params,
             compute_s=compute_s if compute_s is not None else self.compute_s * ratio,
+            round_s=self.round_s * share * device,
             step_bytes=self.step_bytes if self.topology == "spsa" else self.step_bytes * share,
             round_bytes=self.round_bytes * share,
             stages=[
@@ -140,7 +149,8 @@ class Prediction:
 
 def predict(cost: Cost, n: int, link: Link) -> Prediction:
     """The run's time for n nodes on `link` (interlocking: K = its stages, one per host; n is ignored)."""
-    compute = cost.steps * cost.compute_s
+    landing = max(1, n - 1) / max(1, cost.round_nodes - 1)
+    compute = cost.steps * cost.compute_s + cost.rounds * cost.round_s * landing
     if cost.topology == "allreduce":
         comm = cost.steps * ring_allreduce_s(cost.step_bytes, n, link)
     elif cost.topology == "peers":

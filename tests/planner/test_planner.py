@@ -63,13 +63,18 @@ def ddp_record(steps=8, grad=4_000_000, train_s=4.0):
     }
 
 
-def lofi_record():
+def lofi_record(train_s=3.0, phases_s=None):
     return {
         "strategy": "lofi",
         "metrics": {"id_accuracy": 0.79},
         "comm": {"by_kind": {"train/outer_gradients": 3 * 2 * 1000, "final/outer_gradients": 2 * 1000}},
-        "train_s": 3.0,
-        "details": {"steps_per_node": 8, "averaging_steps": [2, 4, 6, 8], "exchange": "peers"},
+        "train_s": train_s,
+        "details": {
+            "steps_per_node": 8,
+            "averaging_steps": [2, 4, 6, 8],
+            "exchange": "peers",
+            "phases_s": phases_s or {},
+        },
         "nodes": [{"train": [{"train_s": 1.0}, {"train_s": 1.0}]}, {"train": [{"train_s": 1.5}, {"train_s": 0.5}]}],
         "curve": [{"step": 8, "id_accuracy": 0.79}],
     }
@@ -79,15 +84,26 @@ def test_costs_are_calibrated_from_what_the_record_says():
     ddp, lofi = costs_of([ddp_record(), lofi_record(), {"strategy": "spsa", "error": "boom"}])
     assert (ddp.steps, ddp.compute_s, ddp.step_bytes, ddp.params) == (8, 0.5, 4e6, 1e6)
     assert (lofi.topology, lofi.rounds, lofi.round_bytes, lofi.compute_s) == ("peers", 4, 1000, 0.25)
+    # the rounds' own work: 3 s of training time, 2 s of it the slowest node's steps, over 4 rounds
+    assert lofi.round_s == 0.25
     # a run over a measured link: its modelled all-reduce comes out of the step time
     shaped = costs_of([ddp_record(train_s=4.0 + 8 * 4.0)], Link(bytes_per_s=1e6))[0]
     assert shaped.compute_s == 0.5
+    # and the peers' transfers (4 rounds of one 1000-byte payload at 1000 B/s) out of the rounds' time, the
+    # final round's collect counted: (7 + 1 - 2 - 4) / 4
+    assert costs_of([lofi_record(7.0, {"collect": 1.0})], Link(bytes_per_s=1000))[0].round_s == 0.5
+    # at 5 nodes a node lands 4 payloads a round, not 1: 4 x 0.25 s of the rounds' work each round
+    assert predict(lofi, 5, Link()).compute_s == 2.0 + 4 * 4 * 0.25
+    # another model: the rounds' work per crossing parameter, at the speed the given compute implies
+    sized = Cost("lofi", "peers", steps=8, compute_s=0.25, rounds=4, round_bytes=1e3, params=1e3, round_s=0.25)
+    assert sized.scaled(4e3, None, None).round_s == 4 * 0.25  # 4x the parameters, compute 4x as well
+    assert sized.scaled(4e3, None, 0.5).round_s == 4 * 0.25 * 0.5  # a step 2x, not 4x: a device 2x as fast
     rows = plan([ddp, lofi], [2], [("8mbit", 8e6)], 0.0, Target())
     by = {r["prediction"].strategy: r for r in rows}
     # DDP: 8 x (0.5 + 4 s); target 95% of DDP's 0.8, which lo-fi reaches at its step 8 and DDP at its step 8
     assert by["ddp"]["prediction"].total_s == 36.0 and by["ddp"]["to_target_s"] == 36.0
     lofi_row = by["lofi, 4 peer rounds"]
-    assert lofi_row["to_target_s"] == lofi_row["prediction"].total_s == 2.0 + 4 * 0.001
+    assert lofi_row["to_target_s"] == lofi_row["prediction"].total_s == 2.0 + 4 * 0.25 + 4 * 0.001
     # made 80 steps long: 1 + 3 x 10 rounds, the same per-step costs, no curve to reach a target on
     longer = lofi.for_steps(80)
     assert (longer.steps, longer.rounds, longer.curve, longer.compute_s) == (80, 31, [], 0.25)
