@@ -11,7 +11,7 @@ offsets, int32 counts) are in the machine's byte order, little-endian on every p
 | int8  | 2·⌈n/b⌉ scales + n codes                                                 | ≤ scale/2 of its block       |
 | int4  | 2·⌈n/b⌉ scales + ⌈n/2⌉ codes                                             | ≤ scale/2 of its block       |
 | topk  | 2·⌈k/b⌉ scales + index bytes (below) + ⌈k/2⌉ codes                      | kept ≤ scale/2; dropped: all |
-| sign  | 2·⌈n/b⌉ scales + ⌈n/8⌉ sign bits                                         | |x ∓ mean|x| of its block|    |
+| sign  | 2·⌈n/b⌉ scales + ⌈n/8⌉ sign bits                                         | |x − sign(x)·s|, s = mean |x| |
 
 Scales are bf16 (2 bytes like fp16, but fp32's range: a fine-tuning Δ of 1e-6 would underflow
 fp16 scales), rounded up to the next bf16 ≥ absmax/qmax, so no code clips and the error bound is
