@@ -151,10 +151,20 @@ def _round_up_to_scale_dtype(value: Tensor) -> Tensor:
     return scale
 
 
+def _in_blocks(x: Tensor, block: int) -> Tensor:
+    """Flat x zero-padded to whole blocks, one block a row."""
+    return torch.nn.functional.pad(x, (0, _ceil_div(x.numel(), block) * block - x.numel())).view(-1, block)
+
+
+def _per_entry(scales: Tensor, block: int, n: int) -> Tensor:
+    """Each block's scale repeated for its entries, in float64 (exact: bf16 values)."""
+    return scales.to(torch.float64).repeat_interleave(block)[:n]
+
+
 def _quantize_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
     """Blockwise absmax quantization of flat float64 x: (codes int16 of len n, bf16 scale per block)."""
     n = x.numel()
-    blocks = torch.nn.functional.pad(x, (0, _ceil_div(n, block) * block - n)).view(-1, block)
+    blocks = _in_blocks(x, block)
     scales = _round_up_to_scale_dtype(blocks.abs().amax(dim=1) / qmax)
     divisor = torch.where(scales > 0, scales.to(torch.float64), 1.0)
     codes = torch.round(blocks / divisor[:, None]).clamp(-qmax, qmax).to(torch.int16)
@@ -163,7 +173,7 @@ def _quantize_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
 
 def _dequantize_blocks(codes: Tensor, scales: Tensor, block: int) -> Tensor:
     """q·scale in float64 (exact: a 7-bit code times an 8-bit bf16 significand)."""
-    per_entry = scales.to(torch.float64).repeat_interleave(block)[: codes.numel()]
+    per_entry = _per_entry(scales, block, codes.numel())
     return codes.to(torch.float64) * per_entry
 
 
@@ -360,14 +370,14 @@ class ScaledSign(Codec):
 
     def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
         n, block = x.numel(), self.block_size
-        blocks = torch.nn.functional.pad(x.abs(), (0, _ceil_div(n, block) * block - n)).view(-1, block)
+        blocks = _in_blocks(x.abs(), block)
         sizes = torch.full((blocks.shape[0],), float(block), dtype=torch.float64, device=x.device)
         if n % block:
             sizes[-1] = n % block
         scales = (blocks.sum(dim=1) / sizes).to(SCALE_DTYPE)
         if not torch.isfinite(scales).all():
             raise ValueError("a block's mean |x| is too large for bf16 scales")
-        bits = torch.nn.functional.pad((x >= 0).to(torch.uint8), (0, _ceil_div(n, 8) * 8 - n)).view(-1, 8)
+        bits = _in_blocks((x >= 0).to(torch.uint8), 8)
         weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=x.device)
         return torch.cat([_as_bytes(scales), (bits * weights).sum(dim=1, dtype=torch.uint8)])
 
@@ -376,7 +386,7 @@ class ScaledSign(Codec):
         scales = reader.take(_ceil_div(n, self.block_size), SCALE_DTYPE)
         shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
         bits = ((reader.take(_ceil_div(n, 8), torch.uint8)[:, None] >> shifts) & 1).view(-1)[:n]
-        per_entry = scales.to(torch.float64).repeat_interleave(self.block_size)[:n]
+        per_entry = _per_entry(scales, self.block_size, n)
         return torch.where(bits.bool(), per_entry, -per_entry)
 
 
