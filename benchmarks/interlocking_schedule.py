@@ -6,8 +6,11 @@ Each stage's calls are timed one stage at a time in this process (1 torch thread
 1-CPU stage actor has; no Ray), in the order the driver submits them; the model then replays the
 actors' schedule with those times: each stage on its own core (`parallel`), or all of them sharing
 `--cores` cores (`shared`: how the real runs here ran). The real K = 2 run is the SmolLM2 example;
-the model is also fed that run's own per-call times (`as ran`). The K = 4 runs are n = K (end to
-end) for `--k4-steps` steps and n = 2 for as many steps as fit in the same predicted wall time.
+the model is also fed that run's own per-call times (`as ran`), for stages taking one batch at a
+time and for stages overlapping `--stage-batches` batches (`interlocking.overlap`). The K = 4 rows
+add overlapping stages and aux heads on a quarter of the positions; the real K = 4 runs are n = K
+(end to end) for `--k4-steps` steps and each row of `--k4-runs` for as many steps as fit in the
+same predicted wall time.
 
     python -m benchmarks.interlocking_schedule --out runs/interlocking_schedule.json
 """
@@ -48,11 +51,19 @@ LINK = Link(latency_s=0.005, bytes_per_s=125e6)
 
 
 def smollm2_config(
-    stages: int, n: int, rule: str, split: list[int] | None, steps: int, cpus: float, eval_every: int = 0
+    stages: int,
+    n: int,
+    rule: str,
+    split: list[int] | None,
+    steps: int,
+    cpus: float,
+    eval_every: int = 0,
+    **interlocking,
 ) -> dict:
-    """The SmolLM2 example (examples/interlocking_smollm2_hamlet.yaml) with K, n, rule and split set."""
+    """The SmolLM2 example (examples/interlocking_smollm2_hamlet.yaml) with K, n, rule and split set
+    (and any other `interlocking` option)."""
     raw = yaml.safe_load(EXAMPLE.read_text())
-    raw["interlocking"].update(stages=stages, n=n, rule=rule, split=split)
+    raw["interlocking"].update(stages=stages, n=n, rule=rule, split=split, **interlocking)
     raw["optim"]["max_steps"] = steps
     raw["nodes"]["cpus"] = cpus
     raw["eval_every"] = eval_every
@@ -66,7 +77,16 @@ def build_workers(ctx: RunContext) -> tuple[list[StageWorker], Source]:
     model = copy.deepcopy(ctx.load_driver_weights()).float().train()
     untie_lm_head(model)
     modules = split_model(model, "hf_causal_lm", opts.stages, opts.balance, opts.split)
-    heads = aux_heads(model, modules, "hf_causal_lm", None, opts.aux_widths, opts.aux_init_from_lm_head)
+    heads = aux_heads(
+        model,
+        modules,
+        "hf_causal_lm",
+        None,
+        opts.aux_widths,
+        opts.aux_init_from_lm_head,
+        opts.aux_positions,
+        cfg.seed,
+    )
     workers = []
     for k, module in enumerate(modules):
         stage = InterlockStage(
@@ -184,8 +204,14 @@ def as_ran(path: str) -> dict:
     step time: how well the schedule alone explains it."""
     rec = next(r for r in json.loads(Path(path).read_text()) if r["strategy"] == "interlocking")
     d = rec["details"]
+    ahead = d.get("stage_batches", 1)  # records before overlapping stages: one batch a stage
     opts = argparse.Namespace(
-        stages=d["stages"], n=d["n"], rule=d["rule"], micro_batches=d["micro_batches"], max_batches_ahead=2
+        stages=d["stages"],
+        width=d["n"],
+        rule=d["rule"],
+        micro_batches=d["micro_batches"],
+        max_batches_ahead=ahead if ahead > 1 else 2,
+        overlap=ahead > 1,
     )
     real = d["steady_step_time_s"]
     out = {"real_steady_s": real}
@@ -200,6 +226,7 @@ def as_ran(path: str) -> dict:
 
 
 def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12) -> dict:
+    """The model's step time for ``opts``'s pipeline, the stages overlapping batches as the run would."""
     tl = simulate(
         costs,
         message_plan(opts.stages, opts.width, opts.rule),
@@ -208,6 +235,7 @@ def predict(costs: list[StageCost], opts, cores: float | None, batches: int = 12
         LINK,
         opts.max_batches_ahead,
         cores,
+        opts.max_batches_ahead if opts.overlap else 1,
     )
     return {
         "step_time_s": tl.step_time_s,
@@ -239,39 +267,57 @@ def context_for(ctx: RunContext, raw: dict) -> RunContext:
 
 
 def k2_validation(ctx: RunContext, args) -> dict:
-    """Isolated costs → model (parallel, and sharing the cores) vs the real K = 2 example run."""
-    raw = yaml.safe_load(EXAMPLE.read_text())
-    raw["optim"]["max_steps"] = max(1, args.k2_steps)
-    k2 = context_for(ctx, raw)
-    opts = Interlocking.opts(k2.cfg)
-    costs, _ = measure_costs(k2)
-    out = {
-        "costs": [c.__dict__ for c in costs],
-        "parallel": predict(costs, opts, None),
-        "shared": predict(costs, opts, args.cores),
-        "loadavg_before": os.getloadavg(),
-    }
-    if args.k2_steps:
-        run = real_run(ctx, raw, "k2")
-        out["real"] = {k: v for k, v in run.items() if k != "record"}
-        out["as_ran"] = predict(costs_from_record(run["record"], costs), opts, None)
+    """Isolated costs → model (parallel, and sharing the cores) vs the real K = 2 example run, its
+    stages taking one batch at a time and (``overlap``) ``--stage-batches`` at once."""
+    out: dict = {"loadavg_before": os.getloadavg()}
+    for key, overlap in (("one_at_a_time", False), ("overlap", True)):
+        raw = yaml.safe_load(EXAMPLE.read_text())
+        raw["optim"]["max_steps"] = max(1, args.k2_steps)
+        raw["interlocking"].update(overlap=overlap, max_batches_ahead=args.stage_batches if overlap else 2)
+        k2 = context_for(ctx, raw)
+        opts = Interlocking.opts(k2.cfg)
+        costs = out["costs"] if "costs" in out else [c.__dict__ for c in measure_costs(k2)[0]]
+        out["costs"] = costs
+        costs = [StageCost(**c) for c in costs]
+        row = {"parallel": predict(costs, opts, None), "shared": predict(costs, opts, args.cores)}
+        if args.k2_steps:
+            run = real_run(ctx, raw, "k2" if not overlap else "k2_overlap")
+            row["real"] = {k: v for k, v in run.items() if k != "record"}
+            row["as_ran"] = predict(costs_from_record(run["record"], costs), opts, None)
+        out[key] = row
     return out
 
 
+K4_ROWS = {  # row: (n, interlocking options beyond the split)
+    "1": (1, {}),
+    "2": (2, {}),
+    "4": (4, {}),
+    "2-overlap": (2, {"overlap": True}),
+    "4-overlap": (4, {"overlap": True}),
+    "2-aux0.25": (2, {"aux_positions": 0.25}),
+    "2-overlap-aux0.25": (2, {"overlap": True, "aux_positions": 0.25}),
+}
+"""Rows with `overlap` use the costs of the row without it: a call costs the same in either order."""
+
+
 def k4_predictions(ctx: RunContext, args) -> dict:
-    """n = 1, 2, 4 (and end to end without aux heads: a plain pipeline), each stage on its own
-    core and all sharing ``args.cores``; ratios to end to end (n = 4, aux heads trained)."""
-    rows = {}
-    for n in (1, 2, 4):
-        k4 = context_for(ctx, smollm2_config(4, n, "farthest", args.split, 1, 0.5))
+    """Every row of `K4_ROWS` (and end to end without aux heads: a plain pipeline), each stage on its
+    own core and all sharing ``args.cores``; ratios to end to end (n = 4, aux heads trained, one
+    batch a stage)."""
+    rows, measured = {}, {}
+    for name in K4_ROWS:
+        k4 = context_for(ctx, k4_config(name, args, steps=1))
         opts = Interlocking.opts(k4.cfg)
-        costs, plain = measure_costs(k4)
-        rows[str(n)] = {
+        key = (opts.width, opts.aux_positions)
+        if key not in measured:
+            measured[key] = measure_costs(k4)
+        costs, plain = measured[key]
+        rows[name] = {
             "costs": [c.__dict__ for c in costs],
             "parallel": predict(costs, opts, None),
             "shared": predict(costs, opts, args.cores),
         }
-        if n == 4:
+        if name == "4":
             rows["4 plain"] = {
                 "costs": [c.__dict__ for c in plain],
                 "parallel": predict(plain, opts, None),
@@ -283,35 +329,32 @@ def k4_predictions(ctx: RunContext, args) -> dict:
     return rows
 
 
+def k4_config(name: str, args, steps: int, eval_every: int = 0) -> dict:
+    """Row ``name`` of `K4_ROWS` as a run config (half a CPU a stage, as the real runs here)."""
+    n, options = K4_ROWS[name]
+    if options.get("overlap"):
+        options = {**options, "max_batches_ahead": args.stage_batches}
+    raw = smollm2_config(4, n, "farthest", args.split, steps, 0.5, eval_every, **options)
+    raw["seed"] = args.seed
+    return raw
+
+
 def k4_runs(ctx: RunContext, args, preds: dict) -> dict:
-    """n = 4 for k4_steps; n = 2 for the steps that fit in the same predicted (parallel) wall time,
-    scored at k4_steps too (equal steps)."""
-    t4, t2 = preds["4"]["parallel"]["step_time_s"], preds["2"]["parallel"]["step_time_s"]
-    s4, s2 = args.k4_steps, max(args.k4_steps, math.floor(args.k4_steps * t4 / t2))
+    """End to end (row "4") for k4_steps; every other row of ``--k4-runs`` for the steps that fit in
+    the same predicted (own cores) wall time, each scored at k4_steps too (equal steps)."""
+    t4, s4 = preds["4"]["parallel"]["step_time_s"], args.k4_steps
     runs = {}
-    for n, steps in ((4, s4), (2, s2)):
-        raw = smollm2_config(4, n, "farthest", args.split, steps, 0.5, eval_every=s4)
+    for name in ["4"] + [r for r in args.k4_runs if r != "4"]:
+        steps = s4 if name == "4" else max(s4, math.floor(s4 * t4 / preds[name]["parallel"]["step_time_s"]))
         try:
-            run = real_run(ctx, raw, f"k4_n{n}")
+            run = real_run(ctx, k4_config(name, args, steps, eval_every=s4), f"k4_{name}")
         except Exception as e:  # noqa: BLE001 - a stage killed for memory on a shared machine: say so, go on
-            runs[n] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            runs[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             continue
-        runs[n] = {k: v for k, v in run.items() if k != "record"}
-        runs[n]["shared_predicted_s"] = preds[str(n)]["shared"]["step_time_s"]
-    if any("error" in r for r in runs.values()):
-        return {"runs": runs}
-    at_s4 = dict(runs[2]["curve"]).get(s4, runs[2]["perplexity"])
-    return {
-        "runs": runs,
-        "equal_steps": {"steps": s4, "n4": runs[4]["perplexity"], "n2": at_s4},
-        "equal_predicted_wall": {
-            "predicted_s": s4 * t4,
-            "n4_steps": s4,
-            "n2_steps": s2,
-            "n4": runs[4]["perplexity"],
-            "n2": runs[2]["perplexity"],
-        },
-    }
+        runs[name] = {k: v for k, v in run.items() if k != "record"}
+        runs[name]["shared_predicted_s"] = preds[name]["shared"]["step_time_s"]
+        runs[name]["at_k4_steps"] = dict(run["curve"]).get(s4, run["perplexity"])
+    return {"runs": runs, "k4_steps": s4, "predicted_s": s4 * t4}
 
 
 def print_tables(result: dict, args) -> None:
@@ -320,45 +363,44 @@ def print_tables(result: dict, args) -> None:
         f"\nK=2 SmolLM2 example (n=2 sum, 15+15 layers, 2 micro-batches of 2 x 64 tokens); load before "
         f"{'/'.join(f'{x:.1f}' for x in v['loadavg_before'])}"
     )
-    print(f"  model, isolated costs, own cores : {v['parallel']['step_time_s']:.3f} s/step")
-    print(f"  model, isolated costs, {args.cores:g} cores : {v['shared']['step_time_s']:.3f} s/step")
-    if "real" in v:
-        real = v["real"]["steady_step_time_s"]
-        for what in ("shared", "as_ran"):
-            p = v[what]["step_time_s"]
-            print(f"  model ({what:>6}) vs real steady {real:.3f} s/step: {p:.3f} s ({(p / real - 1) * 100:+.1f}%)")
+    for key in ("one_at_a_time", "overlap"):
+        row = v[key]
+        print(f"  {key}: model, isolated costs, own cores : {row['parallel']['step_time_s']:.3f} s/step")
+        print(f"  {key}: model, isolated costs, {args.cores:g} cores : {row['shared']['step_time_s']:.3f} s/step")
+        if "real" in row:
+            real = row["real"]["steady_step_time_s"]
+            for what in ("shared", "as_ran"):
+                p = row[what]["step_time_s"]
+                print(
+                    f"  {key}: model ({what:>6}) vs real steady {real:.3f} s/step: {p:.3f} s "
+                    f"({(p / real - 1) * 100:+.1f}%)"
+                )
     print(
         f"\nK=4 SmolLM2, split {args.split}, rule farthest, 2 micro-batches; predicted step time, link 5 ms + 1 Gbit/s"
     )
     print(
-        f"{'n':>7}  {'own cores s':>11}  {'ratio':>5}  {f'{args.cores:g} cores s':>9}  {'ratio':>5}  "
+        f"{'n':>18}  {'own cores s':>11}  {'ratio':>5}  {f'{args.cores:g} cores s':>9}  {'ratio':>5}  "
         "busiest stage s  busy (own cores)"
     )
     for n, row in result["k4"].items():
         print(
-            f"{n:>7}  {row['parallel']['step_time_s']:11.3f}  {row['ratio_parallel']:5.2f}  "
+            f"{n:>18}  {row['parallel']['step_time_s']:11.3f}  {row['ratio_parallel']:5.2f}  "
             f"{row['shared']['step_time_s']:9.3f}  {row['ratio_shared']:5.2f}  "
             f"{row['parallel']['busiest_stage_s']:15.3f}  "
             f"{'/'.join(f'{b:.2f}' for b in row['parallel']['busy_fraction'])}"
         )
     if "k4_real" in result:
         r = result["k4_real"]
-        for n, run in r["runs"].items():
+        print(f"  real runs at equal predicted wall time ({r['predicted_s']:.1f} s on own cores):")
+        for name, run in r["runs"].items():
             if "error" in run:
-                print(f"  real n={n}: failed: {run['error']}")
+                print(f"  {name:>18}: failed: {run['error']}")
                 continue
             print(
-                f"  real n={n}: {run['batches']} steps, steady {run['steady_step_time_s']:.3f} s/step on shared "
-                f"cores (model {run['shared_predicted_s']:.3f}), perplexity {run['perplexity']:.2f}"
+                f"  {name:>18}: {run['batches']} steps, steady {run['steady_step_time_s']:.3f} s/step on shared "
+                f"cores (model {run['shared_predicted_s']:.3f}), perplexity {run['perplexity']:.2f} "
+                f"({run['at_k4_steps']:.2f} after {r['k4_steps']} steps)"
             )
-        if "equal_steps" not in r:
-            return
-        eq, ew = r["equal_steps"], r["equal_predicted_wall"]
-        print(f"  equal steps ({eq['steps']}): perplexity n=2 {eq['n2']:.2f} vs end to end {eq['n4']:.2f}")
-        print(
-            f"  equal predicted wall time ({ew['predicted_s']:.1f} s on own cores): n=2 after {ew['n2_steps']} "
-            f"steps {ew['n2']:.2f} vs end to end after {ew['n4_steps']} steps {ew['n4']:.2f}"
-        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -372,6 +414,11 @@ def main(argv: list[str] | None = None) -> None:
         help="K=4 decoder layers per stage (SmolLM2 has 30)",
     )
     ap.add_argument("--cores", type=float, default=2.0, help="cores the stages of a real run here share")
+    ap.add_argument("--k4-runs", nargs="+", default=["4", "2"], choices=list(K4_ROWS), help="K=4 rows to run for real")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the real K=4 runs")
+    ap.add_argument(
+        "--stage-batches", type=int, default=2, help="batches a stage holds at once in the overlap rows and runs"
+    )
     ap.add_argument("--out", default="runs/interlocking_schedule.json")
     ap.add_argument(
         "--as-ran",

@@ -20,11 +20,14 @@ from raylowcomm.core.interlock.heads import (
 from raylowcomm.core.interlock.routing import (
     InterlockStage,
     build_stages,
+    message_plan,
     reference_gradients,
     run_interlocked_batch,
+    run_pipeline,
     update_heads,
     upstream_heads,
 )
+from raylowcomm.core.interlock.schedule import batch_calls
 from raylowcomm.core.interlock.splitting import (
     balanced_sizes,
     split_hf_decoder,
@@ -469,3 +472,98 @@ def test_subset_heads_send_the_reference_gradients_across_stages(n, rule, rmsnor
     for j in range(2):
         assert_grads_equal(accumulated_grads(heads[j]), want_heads[j], f"n={n} {rule} head {j}")
     check_messages(trace, stages, n)
+
+
+# ----------------------------------------------------------------------------- stages that overlap batches
+
+
+def overlap_case(num_stages: int, n: int, rule: str, lr: float):
+    """Float64 stages (eval BN: a micro-batch sees the batch's statistics) with plain SGD, and 4
+    batches of 2 micro-batches."""
+    model = tiny_resnet().double().eval()
+    modules = split_timm_resnet(model, num_stages)
+    heads = [h.double().eval() for h in resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))]
+    batches = []
+    for b in range(4):
+        x, y = image_batch(n=4, dtype=torch.float64, seed=10 + b)
+        batches.append([(x[:2], y[:2]), (x[2:], y[2:])])
+    sgd = lambda params: torch.optim.SGD(params, lr=lr)  # noqa: E731
+    return modules, heads, batches, sgd
+
+
+def stage_weights(stage) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in stage.params + stage.head_params]
+
+
+@pytest.mark.parametrize("n,rule", [(1, "sum"), (2, "farthest"), (2, "sum"), (3, "farthest")])
+def test_one_batch_per_stage_is_the_batch_by_batch_order_bit_for_bit(n, rule):
+    """stage_batches = 1 runs each batch's calls in turn and steps in place, never stashing."""
+    modules, heads, batches, _ = overlap_case(3, n, rule, lr=0.1)
+    momentum = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    pipelined = build_stages(
+        copy.deepcopy(modules), copy.deepcopy(heads), n, rule, optimizer_factory=momentum, micro_batches_per_step=2
+    )
+    run_pipeline(pipelined, batches, stage_batches=1)
+    stages = build_stages(modules, heads, n, rule, optimizer_factory=momentum, micro_batches_per_step=2)
+    plan = message_plan(3, n, rule)
+    for b, micro in enumerate(batches):
+        out = {}
+        for call in batch_calls(plan, 2):
+            stage, mb_id = stages[call.stage], 2 * b + call.mb
+            if call.kind == "forward":
+                x, y = micro[call.mb] if call.stage == 0 else out[call.source][0]
+                out[call] = ((stage.forward(mb_id, x, y), y), stage.backward(mb_id, {}))
+            else:
+                out[call] = (None, stage.backward(mb_id, out[call.source][1]))
+        for stage in stages:
+            assert stage.ready_to_step
+            stage.step()
+    for got, want in zip(pipelined, stages):
+        assert got.stashes == 0
+        assert all(torch.equal(a, b) for a, b in zip(stage_weights(got), stage_weights(want)))
+
+
+@pytest.mark.parametrize("stage_batches", [2, 3])
+@pytest.mark.parametrize("n,rule", [(1, "sum"), (2, "farthest"), (2, "sum"), (3, "farthest")])
+def test_a_stage_that_runs_ahead_applies_the_gradient_of_the_weights_its_forward_ran_with(n, rule, stage_batches):
+    """A stage that waits for messages from downstream runs batch b's forwards after its step of
+    batch b - stage_batches (stage_batches - 1 steps stale); the others after batch b - 1's. Each
+    update must be the n-way gradient of one autograd graph through the versions of every stage
+    and head that batch's forwards ran with (`reference_gradients`), applied to the latest weights."""
+    lr, K = 0.1, 3
+    modules, heads, batches, sgd = overlap_case(K, n, rule, lr)
+    stages = build_stages(
+        copy.deepcopy(modules), copy.deepcopy(heads), n, rule, optimizer_factory=sgd, micro_batches_per_step=2
+    )
+    run_pipeline(stages, batches, stage_batches)
+
+    versions = [[(modules[k], heads[k] if k < K - 1 else None)] for k in range(K)]  # [stage][steps applied]
+    for b, micro in enumerate(batches):
+        used = [
+            versions[k][max(0, b - stage_batches + 1) if stages[k].needs_from_downstream() else b] for k in range(K)
+        ]
+        batch = (torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
+        want_stages, want_heads = reference_gradients([m for m, _ in used], [h for _, h in used[:-1]], batch, n, rule)
+        for k in range(K):
+            module, head = (copy.deepcopy(m) if m is not None else None for m in versions[k][b])
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    p -= lr * want_stages[k][name]
+                for name, p in head.named_parameters() if head is not None else ():
+                    p -= lr * want_heads[k][name]
+            versions[k].append((module, head))
+    for k, stage in enumerate(stages):
+        module, head = versions[k][-1]
+        want = [p.detach() for p in module.parameters()] + ([p.detach() for p in head.parameters()] if head else [])
+        # float64: the two computations add the same terms in other orders, a few roundings of 2^-53
+        # relative each over 4 steps, far inside 1e-9 relative
+        for got, w in zip(stage_weights(stage), want, strict=True):
+            assert torch.allclose(got, w, rtol=1e-9, atol=1e-12), f"stage {k}"
+        waits = bool(stage.needs_from_downstream())
+        assert (stage.stashes > 0) == waits, (k, stage.stashes)
+    stale = build_stages(
+        copy.deepcopy(modules), copy.deepcopy(heads), n, rule, optimizer_factory=sgd, micro_batches_per_step=2
+    )
+    run_pipeline(stale, batches, 1)
+    if n > 1:  # running ahead changes the updates: the check above is not of the batch-by-batch order
+        assert not all(torch.equal(a, b) for a, b in zip(stage_weights(stale[0]), stage_weights(stages[0])))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raylowcomm.core.interlock.routing import message_plan
-from raylowcomm.core.interlock.schedule import Link, StageCost, batch_calls, simulate
+from raylowcomm.core.interlock.schedule import Link, StageCost, batch_calls, simulate, submission_order
 
 
 def spans(timeline) -> dict[tuple[int, int, str, int], tuple[float, float]]:
@@ -104,3 +104,41 @@ def test_every_backward_waits_for_a_message_of_the_next_stage(K, n):
     assert all(c.source.stage == c.stage + 1 and c.source.mb == c.mb for c in backward)
     # n = 2: the message comes from the next stage's forward; end to end: a chain of backwards
     assert all(c.source.kind == ("forward" if n < K or c.stage == K - 2 else "backward") for c in backward)
+
+
+def test_a_stage_that_overlaps_batches_runs_the_next_forward_while_its_message_travels_by_hand():
+    """K = 2, n = 2 (end to end), 1 micro-batch, 4 batches; s0 (forward 1, backward 1), s1 (forward 1).
+    One batch at a time, s0 waits for s1's forward before its backward, and s1 for s0's: a step
+    every 3 s. With 2 batches a stage, s0 runs F(b + 1) while s1 runs F(b):
+        s0  F0 [0,1]  F1 [1,2]  B0 [2,3]  F2 [3,4]  B1 [4,5]  F3 [5,6]  B2 [6,7]  B3 [7,8]
+        s1  F0 [1,2]  F1 [2,3]  F2 [4,5]  F3 [6,7]
+    a step every 2 s once it runs."""
+    plan, costs = message_plan(2, 2, "farthest"), [StageCost(1, 1), StageCost(1)]
+    assert simulate(costs, plan, 1, batches=4).step_ends == [[3, 6, 9, 12], [2, 5, 8, 11]]
+    ahead = simulate(costs, plan, 1, batches=4, stage_batches=2)
+    assert ahead.step_ends == [[3, 5, 7, 8], [2, 3, 5, 7]]
+    assert ahead.step_time_s == 2
+    assert [(b, c.kind) for b, c, *_ in sorted(ahead.calls, key=lambda t: t[2]) if c.stage == 0] == [
+        (0, "forward"), (1, "forward"), (0, "backward"), (2, "forward"),
+        (1, "backward"), (3, "forward"), (2, "backward"), (3, "backward"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("stage_batches", [1, 2, 3])
+@pytest.mark.parametrize("K,n,rule", [(2, 2, "farthest"), (4, 2, "farthest"), (4, 2, "sum"), (4, 4, "farthest")])
+def test_the_submission_order_holds_every_call_once_after_its_source(K, n, rule, stage_batches):
+    """Every call of every batch once, each after the call its input comes from (the actors, which
+    run their calls in this order, cannot deadlock); one batch a stage is batch_calls batch by batch;
+    with more, a stage's forwards of batch b + stage_batches − 1 come before its backwards of batch b."""
+    plan, batches = message_plan(K, n, rule), 5
+    order = submission_order(plan, 2, batches, stage_batches)
+    calls = batch_calls(plan, 2)
+    assert sorted(order, key=lambda bc: (bc[0], calls.index(bc[1]))) == [(b, c) for b in range(batches) for c in calls]
+    position = {bc: i for i, bc in enumerate(order)}
+    assert all(position[(b, c.source)] < i for i, (b, c) in enumerate(order) if c.source is not None)
+    if stage_batches == 1:
+        assert order == [(b, c) for b in range(batches) for c in calls]
+    for b, c in order:
+        if c.kind == "backward" and b + stage_batches - 1 < batches:
+            later = [position[(b + stage_batches - 1, f)] for f in calls if f.kind == "forward" and f.stage == c.stage]
+            assert max(later) < position[(b, c)]

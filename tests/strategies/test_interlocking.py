@@ -18,7 +18,13 @@ from raylowcomm.common.batches import Source, batch_at, num_examples
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.config import ConfigError, OptimConfig
 from raylowcomm.core.interlock.heads import resnet_aux_heads
-from raylowcomm.core.interlock.routing import InterlockStage, message_plan, reference_gradients
+from raylowcomm.core.interlock.routing import (
+    InterlockStage,
+    build_stages,
+    message_plan,
+    reference_gradients,
+    run_pipeline,
+)
 from raylowcomm.core.interlock.splitting import split_timm_resnet
 from raylowcomm.data import PreparedData
 from raylowcomm.models import ModelSpec
@@ -119,6 +125,50 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
     assert isinstance(inner, ray.ObjectRef)
     h, targets = ray.get(inner)  # (test only) it does hold the activation, in stage 0's store
     assert h.shape[0] == 4 and torch.equal(targets, batch_at(split, 1, 8, 0)["labels"][:4])
+
+
+@pytest.mark.parametrize("rule", ["farthest", "sum"])
+def test_ray_stages_that_overlap_batches_equal_the_pipeline_in_process(three_actors, rule):
+    """K = 3, n = 2, 2 batches a stage, 3 batches: the actors' weights equal `run_pipeline`'s, which a
+    core test checks against the gradients of the weights each forward ran with; the driver still
+    reads only small dicts, and each stage that waits for messages stashed its weights."""
+    K, M, n, steps = 3, 2, 2, 3
+    g = torch.Generator().manual_seed(5)
+    split = {
+        "pixels": torch.randint(0, 256, (24, 16, 16), dtype=torch.uint8, generator=g),
+        "labels": torch.randint(0, NUM_CLASSES, (24,), generator=g),
+    }
+    source = Source("image", split, {}, batch_size=8, seed=0, image_size=16)
+    modules = split_timm_resnet(tiny_resnet().double().eval(), K)
+    heads = [h.double().eval() for h in resnet_aux_heads(modules, NUM_CLASSES, widths=(8, 8))]
+    optim = OptimConfig(name="sgd", lr=LR, momentum=0.9, weight_decay=0.0)
+    payloads = [(modules[k], heads[k] if k < K - 1 else None) for k in range(K)]
+    ray.get(
+        [
+            a.load.remote(k, K, n, rule, payloads[k], "cross_entropy", optim, M, source if k == 0 else None)
+            for k, a in enumerate(three_actors)
+        ]
+    )
+    fetch = DriverFetches(Ledger())
+    run = train_interlocked(three_actors, K, n, rule, M, steps=steps, fetch=fetch, stage_batches=2)
+    assert run["batches"] == steps and fetch.tensors == 0
+    got = ray.get([a.state.remote() for a in three_actors])
+    infos = ray.get([a.info.remote() for a in three_actors])
+
+    task = ImageClassification(16)
+    batches = [
+        [(task.inputs(mb).double(), mb["labels"]) for mb in (source.micro_batch(b, i, M) for i in range(M))]
+        for b in range(steps)
+    ]
+    momentum = lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)  # noqa: E731
+    stages = build_stages(modules, heads, n, rule, optimizer_factory=momentum, micro_batches_per_step=M)
+    run_pipeline(stages, batches, stage_batches=2)
+    for k, stage in enumerate(stages):
+        # float64, the same calls in the same order in another process: at most a few roundings of
+        # 2^-53 relative apart (the actor's thread count may order a reduction otherwise)
+        for name, p in stage.module.named_parameters():
+            assert torch.allclose(got[k][0][name], p.detach(), rtol=1e-9, atol=1e-12), f"stage {k} {name}"
+        assert (infos[k]["stashes"] > 0) == bool(stage.needs_from_downstream()) and infos[k]["steps"] == steps
 
 
 def tiny_cfg(**interlocking):

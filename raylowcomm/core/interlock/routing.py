@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raylowcomm.core.interlock.schedule import submission_order
+
 Rule = Literal["farthest", "sum"]
 RULES: tuple[str, ...] = ("farthest", "sum")
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -91,8 +93,19 @@ class _InFlight:
     x: Tensor
     h: Tensor
     unprocessed: set[int]  # heads of U(k) ∪ upstream_heads(k) not yet backpropagated
+    batch: int
+    params: list[nn.Parameter]  # the weights its graph ran with (stashed if a step came in between)
     ready: dict[int, Tensor] = field(default_factory=dict)  # dL_j/dh_k received, not yet used
     params_only_sum: Tensor | None = None  # Σ dL_j/dh_k over heads only used for θ_k
+
+
+@dataclass
+class _Ahead:
+    """A batch begun while an earlier one is not yet stepped: its gradients wait here, in the
+    order they came, until that step; then they become the parameters' ``.grad``."""
+
+    grads: list[Tensor | None]  # stage parameters, then head parameters
+    completed: int = 0
 
 
 class InterlockStage:
@@ -106,6 +119,13 @@ class InterlockStage:
     stage k - 1. After ``micro_batches_per_step`` micro-batches are complete ``ready_to_step``
     is true and ``step()`` applies the accumulated update (losses are scaled by
     1 / micro_batches_per_step so the update is that of the mean loss).
+
+    Micro-batch ``mb_id`` belongs to batch ``mb_id // micro_batches_per_step``. A later batch may
+    begin before the current one is stepped (a pipeline that overlaps batches): its gradients are
+    kept apart until then, and if its graphs are alive at the step, the step moves the stage onto
+    fresh parameter tensors and leaves the old ones to those graphs (PipeDream's weight stashing),
+    so each micro-batch's gradient is that of the weights its forward ran with. With one batch at
+    a time none of this happens: the gradients accumulate in ``.grad`` and the step is in place.
     """
 
     def __init__(
@@ -133,13 +153,16 @@ class InterlockStage:
             frozenset() if index == num_stages - 1 else upstream_heads(index + 1, num_stages, width, rule)
         )
         self.params = [p for p in module.parameters() if p.requires_grad]
-        head_params = [p for p in head.parameters() if p.requires_grad] if head is not None else []
-        self.optimizer = optimizer_factory(self.params + head_params)
+        self.head_params = [p for p in head.parameters() if p.requires_grad] if head is not None else []
+        self.optimizer = optimizer_factory(self.params + self.head_params)
         self.optimizer.zero_grad(set_to_none=True)
         self.loss_scale = 1.0 / micro_batches_per_step
         self.micro_batches_per_step = micro_batches_per_step
         self._in_flight: dict[int, _InFlight] = {}
-        self._completed = 0
+        self._current: int | None = None  # the batch accumulating in .grad, next to step
+        self._completed = 0  # its complete micro-batches
+        self._ahead: dict[int, _Ahead] = {}  # later batches begun before its step
+        self._stashes = 0
         self._losses: dict[int, Tensor] = {}
 
     def needs_from_downstream(self) -> set[int]:
@@ -155,6 +178,12 @@ class InterlockStage:
         backward, return the detached output to send downstream."""
         if mb_id in self._in_flight:
             raise ValueError(f"stage {self.index}: micro-batch {mb_id} is already in flight")
+        batch = mb_id // self.micro_batches_per_step
+        if self._current is None:
+            self._current = batch
+        ahead = batch != self._current
+        if ahead and batch not in self._ahead:
+            self._ahead[batch] = _Ahead([None] * (len(self.params) + len(self.head_params)))
         x = x.detach()
         if self.upstream_set:
             x.requires_grad_()
@@ -162,12 +191,19 @@ class InterlockStage:
         own = self.index in self._handled
         h_out = h.detach().requires_grad_(own)
         loss = self.loss_fn(self.head(h_out) if self.head is not None else h_out, targets)
-        if loss.requires_grad:
+        state = _InFlight(x=x, h=h, unprocessed=set(self._handled), batch=batch, params=list(self.params))
+        if loss.requires_grad and not ahead:
             (loss * self.loss_scale).backward()
+            if own:
+                state.ready[self.index] = h_out.grad
+        elif loss.requires_grad:  # a later batch's head gradient waits apart from the current one's
+            grads = torch.autograd.grad(
+                loss * self.loss_scale, self.head_params + ([h_out] if own else []), allow_unused=True
+            )
+            self._accumulate(grads[: len(self.head_params)], batch, offset=len(self.params))
+            if own:
+                state.ready[self.index] = grads[-1]
         self._losses[mb_id] = loss.detach()
-        state = _InFlight(x=x, h=h, unprocessed=set(self._handled))
-        if own:
-            state.ready[self.index] = h_out.grad
         self._in_flight[mb_id] = state
         return h_out.detach()
 
@@ -185,40 +221,84 @@ class InterlockStage:
             if j in self.upstream_set:
                 with_params = j in self.update_set
                 grads = torch.autograd.grad(
-                    state.h, [state.x] + (self.params if with_params else []), g, retain_graph=True, allow_unused=True
+                    state.h, [state.x] + (state.params if with_params else []), g, retain_graph=True, allow_unused=True
                 )
                 upstream[j] = grads[0]
-                self._accumulate(grads[1:])
+                self._accumulate(grads[1:], state.batch)
             else:
                 state.params_only_sum = g if state.params_only_sum is None else state.params_only_sum + g
             state.unprocessed.discard(j)
             if state.params_only_sum is not None and not (self._params_only & state.unprocessed):
                 self._accumulate(
                     torch.autograd.grad(
-                        state.h, self.params, state.params_only_sum, retain_graph=True, allow_unused=True
-                    )
+                        state.h, state.params, state.params_only_sum, retain_graph=True, allow_unused=True
+                    ),
+                    state.batch,
                 )
                 state.params_only_sum = None
         if not state.unprocessed:
             del self._in_flight[mb_id]  # frees the graph
-            self._completed += 1
+            if state.batch == self._current:
+                self._completed += 1
+            else:
+                self._ahead[state.batch].completed += 1
         return upstream
 
-    def _accumulate(self, grads: Sequence[Tensor | None]) -> None:
-        for p, g in zip(self.params, grads):
+    def _accumulate(self, grads: Sequence[Tensor | None], batch: int, offset: int = 0) -> None:
+        """Add gradients of batch ``batch`` in: to ``.grad`` for the current batch, else to its waiting
+        sums (``offset``: where ``grads`` start in stage-then-head parameter order)."""
+        if batch == self._current:
+            for p, g in zip((self.params + self.head_params)[offset:], grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+            return
+        sums = self._ahead[batch].grads
+        for i, g in enumerate(grads, start=offset):
             if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+                sums[i] = g if sums[i] is None else sums[i] + g
 
     @property
     def ready_to_step(self) -> bool:
         """All ``micro_batches_per_step`` micro-batches of the current update are complete."""
         return self._completed >= self.micro_batches_per_step
 
+    @property
+    def stashes(self) -> int:
+        """Steps taken while a later batch's graphs held the weights (each kept a copy of them alive)."""
+        return self._stashes
+
     def step(self) -> None:
-        """Apply the accumulated update (stage + aux head) and clear the gradients."""
+        """Apply the accumulated update (stage + aux head) and clear the gradients; the next batch
+        begun, if any, becomes the current one, its waiting gradients its ``.grad``."""
+        if self._in_flight:
+            self._stash()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._completed = 0
+        self._current, self._completed = None, 0
+        if self._ahead:
+            self._current = min(self._ahead)
+            waiting = self._ahead.pop(self._current)
+            self._completed = waiting.completed
+            for p, g in zip(self.params + self.head_params, waiting.grads):
+                p.grad = g
+
+    def _stash(self) -> None:
+        """Move the stage onto fresh copies of its parameters, the optimizer's state with them, so
+        the in-place step leaves the tensors that in-flight graphs saved untouched."""
+        fresh = {id(p): nn.Parameter(p.detach().clone()) for p in self.params}
+        for module in self.module.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in fresh:
+                    module._parameters[name] = fresh[id(p)]
+        for group in self.optimizer.param_groups:
+            group["params"] = [fresh.get(id(p), p) for p in group["params"]]
+        for p in self.params:
+            fresh[id(p)].grad = p.grad
+            if p in self.optimizer.state:
+                self.optimizer.state[fresh[id(p)]] = self.optimizer.state.pop(p)
+            p.grad = None
+        self.params = [fresh[id(p)] for p in self.params]
+        self._stashes += 1
 
     def pop_losses(self) -> dict[int, float]:
         """Own-head losses (unscaled) of the micro-batches forwarded since the last call."""
@@ -309,6 +389,26 @@ def run_interlocked_batch(
                 raise RuntimeError(f"stage {stage.index} has incomplete micro-batches")
             stage.step()
     return BatchTrace(losses=losses, forward_bytes=forward_bytes, grad_messages=messages)
+
+
+def run_pipeline(
+    stages: Sequence[InterlockStage], batches: Sequence[Sequence[tuple[Tensor, Tensor]]], stage_batches: int = 1
+) -> None:
+    """The Ray pipeline's semantics in one process: every call of ``schedule.submission_order`` in
+    turn (the stages' micro-batches per step = micro-batches per batch), a stage stepping as soon as
+    a call completes its batch, as `StageWorker` does. Running the calls in the driver's order is
+    one execution the actors may take, and each stage sees the same calls in the same order."""
+    K, M = len(stages), len(batches[0])
+    out: dict = {}  # (batch, call) -> ((h, targets) for the next stage, its upstream message)
+    for b, call in submission_order(message_plan(K, stages[0].width, stages[0].rule), M, len(batches), stage_batches):
+        stage, mb_id = stages[call.stage], b * M + call.mb
+        if call.kind == "forward":
+            x, y = batches[b][call.mb] if call.stage == 0 else out[(b, call.source)][0]
+            out[(b, call)] = ((stage.forward(mb_id, x, y), y), stage.backward(mb_id, {}))
+        else:
+            out[(b, call)] = (None, stage.backward(mb_id, out[(b, call.source)][1]))
+        if stage.ready_to_step:
+            stage.step()
 
 
 def reference_gradients(

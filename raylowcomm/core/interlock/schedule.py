@@ -2,11 +2,12 @@
 cannot run (K stages on K devices) from per-stage call times measured one stage at a time.
 
 It replays what the Ray stage actors do (raylowcomm.strategies.interlocking): the driver
-submits every call of a batch in :func:`batch_calls` order (it submits from this very list), an
-actor runs its calls one at a time in submission order, a call starts once its input message has
-arrived (its producer finished + the link's time for the bytes), and a stage's optimizer step
-runs inside its last call of the batch. The driver submits batch b once batch b − 1 −
-``max_ahead`` is complete. With ``cores`` set, the running calls share that many cores equally
+submits every call in :func:`submission_order` (it submits from this very list), an actor runs
+its calls one at a time in submission order, a call starts once its input message has arrived
+(its producer finished + the link's time for the bytes), and a stage's optimizer step runs
+inside its last call of the batch. The driver submits batch b's forwards once batch b − 1 −
+``max_ahead`` − (``stage_batches`` − 1) is complete, and batch b's backwards with batch
+b + ``stage_batches`` − 1's forwards. With ``cores`` set, the running calls share that many cores equally
 (processor sharing: the stages of a run on a small machine); without it every stage has its own
 device. Plain Python: no Ray, no torch (the routing plan is passed in)."""
 
@@ -49,6 +50,23 @@ def batch_calls(plan: Sequence[Sequence[frozenset[int]]], micro_batches: int) ->
                 calls.append(Call(k, "backward", mb, emitted[k + 1][mb][i]))
                 emitted[k][mb].append(calls[-1])
     return calls
+
+
+def submission_order(
+    plan: Sequence[Sequence[frozenset[int]]], micro_batches: int, batches: int, stage_batches: int = 1
+) -> list[tuple[int, Call]]:
+    """Every (batch, call) of ``batches`` batches in the driver's submission order. With
+    ``stage_batches`` = A, batch b's forwards go before batch b − A + 1's backwards, so a stage
+    runs the forwards of the A − 1 batches after the one whose gradient messages it waits for;
+    A = 1 is each batch's :func:`batch_calls` in turn."""
+    calls = batch_calls(plan, micro_batches)
+    forwards = [c for c in calls if c.kind == "forward"]
+    backwards = [c for c in calls if c.kind == "backward"]
+    order: list[tuple[int, Call]] = []
+    for it in range(batches + stage_batches - 1):
+        order += [(it, c) for c in forwards] if it < batches else []
+        order += [(it - stage_batches + 1, c) for c in backwards] if it >= stage_batches - 1 else []
+    return order
 
 
 def _message_heads(plan: Sequence[Sequence[frozenset[int]]], micro_batches: int) -> dict[Call, int]:
@@ -120,15 +138,18 @@ def simulate(
     link: Link = Link(),
     max_ahead: int = 2,
     cores: float | None = None,
+    stage_batches: int = 1,
 ) -> Timeline:
     """The schedule of ``batches`` batches (see the module docstring); ``plan`` is
     ``routing.message_plan(K, width, rule)`` and ``costs`` one :class:`StageCost` per stage."""
     K, order = len(costs), batch_calls(plan, micro_batches)
     heads = _message_heads(plan, micro_batches)
     last = {k: max(i for i, c in enumerate(order) if c.stage == k) for k in range(K)}
-    queues = [[(b, i) for b in range(batches) for i, c in enumerate(order) if c.stage == k] for k in range(K)]
     index = {c: i for i, c in enumerate(order)}
+    submitted = submission_order(plan, micro_batches, batches, stage_batches)
+    queues = [[(b, index[c]) for b, c in submitted if c.stage == k] for k in range(K)]
     done: dict[tuple[int, int], float] = {}
+    ahead = stage_batches - 1
 
     def work(b: int, i: int) -> float:
         c, cost = order[i], costs[order[i].stage]
@@ -137,8 +158,11 @@ def simulate(
     def arrival(b: int, i: int) -> float | None:
         """When call i of batch b may start, or None while that is not yet known."""
         times = []
-        if b > max_ahead:  # the driver submits batch b after batch b - 1 - max_ahead is complete
-            ends = [done.get((b - 1 - max_ahead, last[k])) for k in range(K)]
+        # the driver's loop iteration that submits the call, which first waits for batch it - 1 - ahead - max_ahead;
+        # the backwards left after the last iteration go without waiting
+        it = b if order[i].kind == "forward" else b + ahead
+        if it < batches and it - 1 - ahead - max_ahead >= 0:
+            ends = [done.get((it - 1 - ahead - max_ahead, last[k])) for k in range(K)]
             times.append(None if None in ends else max(ends))
         src = order[i].source
         if src is not None:

@@ -259,6 +259,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             "n": opts.width,
             "rule": opts.rule,
             "micro_batches": opts.micro_batches,
+            "stage_batches": opts.max_batches_ahead if opts.overlap else 1,
             "micro_batch_size": cfg.optim.batch_size // opts.micro_batches,
             "balance": opts.balance,
             "units_per_stage": units_per_stage(modules, family),
@@ -393,6 +394,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             absorb,
             frozenset(eval_points(cfg, steps)),
             evaluate,
+            opts.max_batches_ahead if opts.overlap else 1,
         )
         for k in (k for k in range(K) if stage_losses[k]):
             logger.info(

@@ -34,7 +34,16 @@ class InterlockingConfig:
     time_budget_s: float | None = None
     """Stop submitting batches after this many seconds of training (in-flight ones finish)."""
     max_batches_ahead: int = 2
-    """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier)."""
+    """Batches in flight beyond the oldest unreported one (bounds memory, not a barrier). With
+    `overlap`, also how many batches a stage holds at once."""
+    overlap: bool = False
+    """A stage runs the forwards of the next max_batches_ahead − 1 batches before the backwards of
+    the one whose gradient messages are still on their way, so it computes while they travel. Each
+    such forward keeps the weights it ran with until its backward (a copy of the stage's weights
+    per batch ahead, PipeDream's weight stashing) and its gradient is applied a step or more later:
+    an update from weights up to max_batches_ahead − 1 steps old, on the stages that wait for
+    messages. false: each batch's calls in turn, every update from the current weights. With
+    max_batches_ahead = 1 both orders are the same."""
 
     @property
     def width(self) -> int:

@@ -15,17 +15,34 @@ from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, metric_nam
 logger = logging.getLogger(__name__)
 
 
-def submit_batch(actors: list, plan: list[list[frozenset[int]]], step: int, micro_batches: int) -> list:
-    """Submit every call of batch ``step`` in the order of `batch_calls` (the schedule model replays
-    that same list); returns the report refs. Only refs change hands."""
-    refs: dict[Call, tuple] = {}  # call -> (ref of h for the next stage or None, ref of its upstream message)
-    for call in batch_calls(plan, micro_batches):
-        actor = actors[call.stage]
-        if call.kind == "forward":
-            refs[call] = actor.forward.remote(step, call.mb, refs[call.source][0] if call.source else None)
-        else:
-            refs[call] = (None, actor.backward.remote(step, call.mb, refs[call.source][1]))
-    return [actor.report.remote() for actor in actors]
+class CallSubmitter:
+    """Submits stage calls in the schedule model's order (`submission_order` replays the same
+    sequence): a batch's forwards, and later its backwards, each call handed the ref its input
+    comes from. Only refs change hands."""
+
+    def __init__(self, actors: list, plan: list[list[frozenset[int]]], micro_batches: int):
+        calls = batch_calls(plan, micro_batches)
+        self.actors = actors
+        self.forwards = [c for c in calls if c.kind == "forward"]
+        self.backwards = [c for c in calls if c.kind == "backward"]
+        self.refs: dict[
+            tuple[int, Call], tuple
+        ] = {}  # -> (ref of h for the next stage or None, ref of its upstream message)
+
+    def forward(self, step: int) -> None:
+        for call in self.forwards:
+            source = self.refs[(step, call.source)][0] if call.source else None
+            self.refs[(step, call)] = self.actors[call.stage].forward.remote(step, call.mb, source)
+
+    def backward(self, step: int) -> list:
+        """Batch ``step``'s backwards; returns the stages' report refs (the batch's refs are dropped)."""
+        for call in self.backwards:
+            self.refs[(step, call)] = (
+                None,
+                self.actors[call.stage].backward.remote(step, call.mb, self.refs[(step, call.source)][1]),
+            )
+        self.refs = {key: refs for key, refs in self.refs.items() if key[0] != step}
+        return [actor.report.remote() for actor in self.actors]
 
 
 def train_interlocked(
@@ -41,20 +58,30 @@ def train_interlocked(
     on_reports=None,
     eval_at: frozenset[int] = frozenset(),
     evaluate=None,
+    stage_batches: int = 1,
 ) -> dict:
-    """Up to ``steps`` batches (or ``time_budget_s`` of training: no batch is submitted once the clock has
+    """Up to ``steps`` batches (or ``time_budget_s`` of training: no batch is begun once the clock has
     reached it, and the ones in flight finish); ``on_reports`` sees each batch's stage reports; after batch
-    b in ``eval_at`` the pipeline drains and ``evaluate(b, train_s)`` runs off the clock. With a budget,
-    ``stopped_at_s`` is when the clock was found past it and ``last_step_s`` the time since the check before."""
-    plan = message_plan(num_stages, width, rule)
+    b in ``eval_at`` is complete the driver waits for its reports and ``evaluate(b, train_s)`` runs off the
+    clock. ``stage_batches`` = A: batch b's backwards are submitted after batch b + A − 1's forwards (the
+    stages overlap batches, `submission_order`). With a budget, ``stopped_at_s`` is when the clock was
+    found past it and ``last_step_s`` the time since the check before."""
+    submit = CallSubmitter(actors, message_plan(num_stages, width, rule), micro_batches)
     clock, pending, reports, batches = TrainClock(), [], [], 0
-    checked, stopped = 0.0, {}
+    checked, stopped, ahead = 0.0, {}, stage_batches - 1
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
             reports.append(fetch.get(pending.pop(0), "train", "stage_reports"))
             if on_reports is not None:
                 on_reports(reports[-1])
+
+    def finish(batch: int) -> None:
+        pending.append(submit.backward(batch))
+        if evaluate is not None and batch + 1 in eval_at:
+            drain(0)
+            with clock.paused():
+                evaluate(batch + 1, clock.elapsed())
 
     for step in range(steps):
         now = clock.elapsed()
@@ -63,12 +90,12 @@ def train_interlocked(
             break
         checked = now
         drain(max_ahead)
-        pending.append(submit_batch(actors, plan, step, micro_batches))
+        submit.forward(step)
         batches += 1
-        if evaluate is not None and batches in eval_at:
-            drain(0)
-            with clock.paused():
-                evaluate(batches, clock.elapsed())
+        if step >= ahead:
+            finish(step - ahead)
+    for batch in range(max(batches - ahead, 0), batches):
+        finish(batch)
     drain(0)
     return {"reports": reports, "batches": batches, "train_s": clock.elapsed(), **stopped}
 

@@ -112,11 +112,13 @@ class StageWorker:
         return out
 
     def timing(self) -> dict:
-        """Step count, median step interval, and the median seconds of a forward call, a backward
-        call (each without the optimizer step) and an optimizer step: the schedule model's inputs."""
+        """Step count, steps that stashed the weights for a later batch's forwards, the median step
+        interval, and the median seconds of a forward call, a backward call (each without the
+        optimizer step) and an optimizer step: the schedule model's inputs."""
         gaps = [b - a for a, b in zip(self.step_times, self.step_times[1:])]
         return {
             "steps": self.steps_done,
+            "stashes": self.stage.stashes,
             "median_step_interval_s": statistics.median(gaps) if gaps else None,
             "median_call_s": {kind: statistics.median(v) if v else None for kind, v in self.call_s.items()},
         }
