@@ -58,11 +58,12 @@ def smollm2_config(
     steps: int,
     cpus: float,
     eval_every: int = 0,
+    example: str | None = None,
     **interlocking,
 ) -> dict:
-    """The SmolLM2 example (examples/interlocking_smollm2_hamlet.yaml) with K, n, rule and split set
-    (and any other `interlocking` option)."""
-    raw = yaml.safe_load(EXAMPLE.read_text())
+    """The SmolLM2 example (examples/interlocking_smollm2_hamlet.yaml, or ``example``) with K, n, rule
+    and split set (and any other `interlocking` option)."""
+    raw = yaml.safe_load(EXAMPLE.read_text() if example is None else Path(example).read_text())
     raw["interlocking"].update(stages=stages, n=n, rule=rule, split=split, **interlocking)
     raw["optim"]["max_steps"] = steps
     raw["nodes"]["cpus"] = cpus
@@ -334,7 +335,7 @@ def k4_config(name: str, args, steps: int, eval_every: int = 0) -> dict:
     n, options = K4_ROWS[name]
     if options.get("overlap"):
         options = {**options, "max_batches_ahead": args.stage_batches}
-    raw = smollm2_config(4, n, "farthest", args.split, steps, 0.5, eval_every, **options)
+    raw = smollm2_config(4, n, "farthest", args.split, steps, 0.5, eval_every, args.example, **options)
     raw["seed"] = args.seed
     return raw
 
@@ -358,7 +359,12 @@ def k4_runs(ctx: RunContext, args, preds: dict) -> dict:
 
 
 def print_tables(result: dict, args) -> None:
-    v = result["k2"]
+    if "k2" in result:
+        print_k2(result["k2"], args)
+    print_k4(result, args)
+
+
+def print_k2(v: dict, args) -> None:
     print(
         f"\nK=2 SmolLM2 example (n=2 sum, 15+15 layers, 2 micro-batches of 2 x 64 tokens); load before "
         f"{'/'.join(f'{x:.1f}' for x in v['loadavg_before'])}"
@@ -375,8 +381,12 @@ def print_tables(result: dict, args) -> None:
                     f"  {key}: model ({what:>6}) vs real steady {real:.3f} s/step: {p:.3f} s "
                     f"({(p / real - 1) * 100:+.1f}%)"
                 )
+
+
+def print_k4(result: dict, args) -> None:
     print(
-        f"\nK=4 SmolLM2, split {args.split}, rule farthest, 2 micro-batches; predicted step time, link 5 ms + 1 Gbit/s"
+        f"\nK=4 {args.example or 'SmolLM2'}, split {args.split}, rule farthest, 2 micro-batches; "
+        "predicted step time, link 5 ms + 1 Gbit/s"
     )
     print(
         f"{'n':>18}  {'own cores s':>11}  {'ratio':>5}  {f'{args.cores:g} cores s':>9}  {'ratio':>5}  "
@@ -405,7 +415,9 @@ def print_tables(result: dict, args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--k2-steps", type=int, default=16, help="steps of the real K=2 run (0: none)")
+    ap.add_argument(
+        "--k2-steps", type=int, default=16, help="steps of the real K=2 runs, the model's validation (0: none)"
+    )
     ap.add_argument("--k4-steps", type=int, default=16, help="steps of the real K=4 end-to-end run (0: none)")
     ap.add_argument(
         "--split",
@@ -416,6 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cores", type=float, default=2.0, help="cores the stages of a real run here share")
     ap.add_argument("--k4-runs", nargs="+", default=["4", "2"], choices=list(K4_ROWS), help="K=4 rows to run for real")
     ap.add_argument("--seed", type=int, default=0, help="seed of the real K=4 runs")
+    ap.add_argument(
+        "--example",
+        help="the K=4 runs' config (default: the SmolLM2 example); examples/interlocking_scratch_hamlet.yaml "
+        "is the seed's regime, a small Llama from scratch",
+    )
     ap.add_argument(
         "--stage-batches", type=int, default=2, help="batches a stage holds at once in the overlap rows and runs"
     )
@@ -433,12 +450,17 @@ def main(argv: list[str] | None = None) -> None:
             as_ran(path)
         return
     out = Path(args.out)
-    ctx = prepare(from_dict(yaml.safe_load(EXAMPLE.read_text())), out.parent / (out.stem + "_runs"))
+    example = Path(args.example) if args.example else EXAMPLE
+    ctx = prepare(from_dict(yaml.safe_load(example.read_text())), out.parent / (out.stem + "_runs"))
     if args.k2_steps or args.k4_steps:
         init_ray(num_cpus=2)
     result: dict = {}
     out.parent.mkdir(parents=True, exist_ok=True)
-    steps = [("k2", k2_validation), ("k4", k4_predictions)] + ([("k4_real", k4_runs)] if args.k4_steps else [])
+    steps = (
+        ([("k2", k2_validation)] if args.k2_steps else [])
+        + [("k4", k4_predictions)]
+        + ([("k4_real", k4_runs)] if args.k4_steps else [])
+    )
     for key, part in steps:  # saved after each part: a run killed (memory, on a shared machine) keeps the rest
         result[key] = part(ctx, args) if key != "k4_real" else part(ctx, args, result["k4"])
         gc.collect()

@@ -284,9 +284,16 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
         tokenizer.pad_token = tokenizer.eos_token
     auto = AutoModelForSequenceClassification if cfg.family == "hf_classifier" else AutoModelForCausalLM
     labels = {"num_labels": num_classes} if cfg.family == "hf_classifier" else {}
+    config = AutoConfig.from_pretrained(source, **labels)
+    for key, value in (cfg.config_overrides or {}).items():
+        if not hasattr(config, key):
+            raise ConfigError(f"model.config_overrides.{key}", value, f"not a field of {type(config).__name__}")
+        setattr(config, key, value)
     if meta:
         with torch.device("meta"):
-            model = auto.from_config(AutoConfig.from_pretrained(source, **labels), dtype=dtype)
+            model = auto.from_config(config, dtype=dtype)
+    elif not cfg.pretrained:  # from scratch: drawn from the seed set above, the same on every host
+        model = auto.from_config(config, dtype=dtype)
     else:
         model = auto.from_pretrained(source, dtype=dtype, **labels)
     model.config.pad_token_id = tokenizer.pad_token_id

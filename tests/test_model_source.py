@@ -90,6 +90,37 @@ def test_who_must_hold_the_weights_and_what_bf16_cannot_train_are_one_line_error
     assert not on_meta(prepare(merged, tmp_path).architecture)
 
 
+def test_a_hugging_face_model_from_scratch_is_its_config_with_the_overrides_drawn_from_the_seed(tmp_path):
+    """pretrained: false draws the architecture (with config_overrides) from the run's seed: the driver
+    and a node's recipe hold the same bits, another seed other bits; the overrides are refused with
+    the pretrained weights or naming a field the config does not have."""
+    small = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2}
+
+    def cfg(seed=0, **model):
+        return from_dict(
+            {
+                "model": {"name": "SmolLM2-135M", "family": "hf_causal_lm", "pretrained": False, **model},
+                "data": {"name": "hamlet", "max_length": 16, "train_size": 8, "test_size": 4},
+                "optim": {"batch_size": 4},
+                "strategies": ["interlocking"],
+                "seed": seed,
+            }
+        )
+
+    ctx = prepare(cfg(config_overrides=small), tmp_path)
+    model = ctx.load_driver_weights()
+    assert {k: getattr(model.config, k) for k in small} == small and len(model.model.layers) == 2
+    named = lambda m: list(m.state_dict().items())  # noqa: E731
+    on_node = ModelRecipe(ctx.cfg.model, None, ctx.cfg.seed).load()
+    assert parameter_hash(named(on_node)) == parameter_hash(named(model))
+    other = prepare(cfg(seed=1, config_overrides=small), tmp_path / "other").load_driver_weights()
+    assert parameter_hash(named(other)) != parameter_hash(named(model))
+    with pytest.raises(ConfigError, match="model.config_overrides.*model.pretrained: false"):
+        cfg(config_overrides=small, pretrained=True)
+    with pytest.raises(ConfigError, match="model.config_overrides.no_such_field.*not a field of LlamaConfig"):
+        prepare(cfg(config_overrides={"no_such_field": 1}), tmp_path / "bad")
+
+
 # --- Ray ---------------------------------------------------------------------------------------------
 
 

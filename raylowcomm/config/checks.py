@@ -139,6 +139,13 @@ def validate(cfg: RunConfig, fp32_updating: list[str]) -> None:
     own data left unnamed is named after its source (data.name)."""
     validate_lora(cfg)
     validate_dtype(cfg, fp32_updating)
+    if cfg.model.config_overrides and (cfg.model.pretrained or cfg.model.family == "timm"):
+        raise ConfigError(
+            "model.config_overrides",
+            cfg.model.config_overrides,
+            "changes a Hugging Face model's architecture before a random initialisation: "
+            "set model.pretrained: false (the pretrained weights fit only their own config)",
+        )
     _check_numbers(cfg)
     _check_data(cfg)
     _check_churn(cfg)

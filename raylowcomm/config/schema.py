@@ -49,8 +49,12 @@ class ModelConfig:
     """Your own weights: a timm checkpoint file or a Hugging Face folder, a local or mounted path or a
     storage URI (s3://, gs://, file://…: each host copies it once into its cache). Overrides the asset."""
     pretrained: bool = True
-    """Start from the pretrained weights; false: a random initialisation of the architecture (e.g. a
-    timm resnet10t, for which no pretrained weights ship offline)."""
+    """Start from the pretrained weights; false: a random initialisation of the architecture, drawn from
+    the run's seed (e.g. a timm resnet10t, for which no pretrained weights ship offline, or a Hugging
+    Face model trained from scratch: its config and tokenizer are still read)."""
+    config_overrides: dict[str, Any] | None = None
+    """With pretrained: false, Hugging Face config fields to change before the random initialisation
+    (e.g. {num_hidden_layers: 8, hidden_size: 256}: a smaller model of the same family, from scratch)."""
     timm_arch: str | None = None
     """timm architecture the weights belong to, when `name` is an asset or a file."""
     lora: LoraConfig | None = None
