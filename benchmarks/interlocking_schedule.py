@@ -348,7 +348,7 @@ def k4_runs(ctx: RunContext, args, preds: dict) -> dict:
     for name in ["4"] + [r for r in args.k4_runs if r != "4"]:
         steps = s4 if name == "4" else max(s4, math.floor(s4 * t4 / preds[name]["parallel"]["step_time_s"]))
         try:
-            run = real_run(ctx, k4_config(name, args, steps, eval_every=s4), f"k4_{name}")
+            run = real_run(ctx, k4_config(name, args, steps, eval_every=args.eval_every or s4), f"k4_{name}")
         except Exception as e:  # noqa: BLE001 - a stage killed for memory on a shared machine: say so, go on
             runs[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             continue
@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cores", type=float, default=2.0, help="cores the stages of a real run here share")
     ap.add_argument("--k4-runs", nargs="+", default=["4", "2"], choices=list(K4_ROWS), help="K=4 rows to run for real")
     ap.add_argument("--seed", type=int, default=0, help="seed of the real K=4 runs")
+    ap.add_argument("--eval-every", type=int, default=0, help="the real K=4 runs' curve (0: at --k4-steps)")
     ap.add_argument(
         "--example",
         help="the K=4 runs' config (default: the SmolLM2 example); examples/interlocking_scratch_hamlet.yaml "
