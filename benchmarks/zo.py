@@ -33,19 +33,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+TWO_POINT = ["spsa.estimator=two_point", "spsa.step=plain", "spsa.samples=1", "spsa.lr=3.0e-2"]
+"""The SmolLM2 example's two-point recipe (its default until 2026-12-05; final norm only): the variants name
+every setting they measure, so they stay those recipes whatever the example's defaults become."""
+
 WORKLOADS: dict[str, tuple[Path, list[str], dict[str, list[str]]]] = {
-    # (example, overrides every variant takes, variants). The example is the two-point recipe (final norm
-    # only, plain steps, lr 3e-2); the others change what they name.
+    # (example, overrides every variant takes, variants). The SmolLM2 example is the one-sided recipe (final
+    # norm only, one-sided batch of 3 + 1 base, normalised steps, lr 1e-2); the others change what they name.
     "smollm2": (
         ROOT / "examples" / "spsa_smollm2_rotten_tomatoes.yaml",
         [],
         {
-            "two_point": [],
+            "two_point": TWO_POINT,
             "one_sided": ["spsa.estimator=one_sided_batch", "spsa.step=normalised", "spsa.samples=3", "spsa.lr=1.0e-2"],
             # MeZO's full-parameter recipe (the example before it tuned the final norm only): for comparison.
-            "two_point_all": ["spsa.include=null", "spsa.lr=1.0e-5"],
+            "two_point_all": [*TWO_POINT, "spsa.include=null", "spsa.lr=1.0e-5"],
             # LoRA adapters (r 8 on q_proj and v_proj, peft's default for Llama): the norm is frozen under peft.
-            "two_point_lora": ["model.lora.r=8", "spsa.include=null", "spsa.lr=1.0e-3"],
+            "two_point_lora": [*TWO_POINT, "model.lora.r=8", "spsa.include=null", "spsa.lr=1.0e-3"],
         },
     ),
     # The WAN bench's SPSA: the new classifier only (12,810 weights), 4 samples a step, lr 0.06, 62 steps

@@ -15,6 +15,7 @@ from raylowcomm.models import state_dict_of
 from raylowcomm.runner import prepare
 from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.spsa import Spsa, SpsaNode
+from raylowcomm.tasks import make_task, score_sets
 
 
 def tiny_config(steps=20, count=2, eval_every=0, **spsa):
@@ -165,11 +166,27 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     assert rec["samples_seen"] == 2 * steps * 16 and rec["peak_rss_bytes"] > 0
     # each node says what its process held before its model loaded: a part of its peak (the scale benchmark's split)
     assert all(0 < node["rss_before_model_bytes"] < node["peak_rss_bytes"] for node in rec["nodes"])
-    # the saved weights are the replicas' weights, saved by a node where they are: no model crosses at the end
-    assert "final/model_weights" not in by_kind and rec["comm"]["by_phase"]["final"] < 4096
+    # the saved weights are the replicas' weights, saved and scored by a node where they are: no model crosses
+    # at the end, only what the driver fetches (the metrics, each node's info and hash), each fetch booked
     model = ctx.load_driver_weights()
-    model.load_state_dict(load_file(rec["weights"]))
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    final = {k: v for k, v in by_kind.items() if k.startswith("final/")}
+    assert set(final) == {"final/eval_metrics", "final/node_info", "final/final_hash"}, final
+    assert sum(final.values()) == rec["comm"]["by_phase"]["final"] < min(4096, model_bytes // 100)
+    assert final["final/final_hash"] >= 2 * 64, "two nodes' hex digests came back"
+    saved = load_file(rec["weights"])
+    assert rec["weights"].endswith("spsa/model.safetensors") and saved.keys() == model.state_dict().keys()
+    model.load_state_dict(saved)
     assert parameter_hash(list(model.named_parameters())) == hashes[0]
+    # the node's scores are the driver's of the saved file, exactly: the same computation on the same weights
+    # (on the node's one thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scored = score_sets(make_task(ctx.data.task), model, ctx.eval_sets(val=False), ctx.cfg.eval_rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert scored == rec["metrics"]
 
 
 @pytest.mark.slow

@@ -325,7 +325,8 @@ class SpsaRun:
         metrics = self.evaluate(steps)
         if self.cfg.data.eval_on_nodes:  # identical replicas, each scored on its own held-out rows
             metrics = mean_metrics(group.evaluate_all())
-        hashes = dict(zip(group.keys(), ray.get([group[k].hash.remote() for k in group.keys()])))
+        refs = [group[k].hash.remote() for k in group.keys()]  # each node's own, for its record: booked as fetched
+        hashes = dict(zip(group.keys(), group.fetch.get(refs, "final", "final_hash")))
         self.infos.update(zip(group.keys(), group.call("info", phase="final", what="node_info")))
         state = self.save_result(min(group.keys()))
         nodes = [
