@@ -413,6 +413,41 @@ def print_k4(result: dict, args) -> None:
             )
 
 
+def summarize(paths: list[str]) -> dict:
+    """Seeds' saved results (each a --k4-steps run): per K=4 row, the perplexity at equal predicted
+    wall time per seed, its mean and 95% interval, and the paired gap to end to end (row / end to
+    end − 1); and the predicted step-time ratios over the measurements."""
+    from raylowcomm.seedstats import interval
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    out: dict = {"seeds": [r["args"]["seed"] for r in runs], "rows": {}}
+    names = {name for r in runs for name in r.get("k4_real", {}).get("runs", {})}
+    for name in sorted(names, key=list(K4_ROWS).index):
+        ppl, gap, steps = [], [], []
+        for r in runs:
+            real = r.get("k4_real", {}).get("runs", {})
+            if name in real and "error" not in real[name] and "error" not in real.get("4", {"error": 1}):
+                ppl.append(real[name]["perplexity"])
+                gap.append(real[name]["perplexity"] / real["4"]["perplexity"] - 1)
+                steps.append(real[name]["batches"])
+        ratios = [r["k4"][name]["ratio_parallel"] for r in runs if name in r.get("k4", {})]
+        out["rows"][name] = {
+            "steps": steps,
+            "perplexity": interval(ppl),
+            "per_seed": ppl,
+            "gap_to_end_to_end": interval(gap),
+            "predicted_ratio": interval(ratios),
+        }
+        pm = lambda st, f: f"{st['mean']:{f}}" + (f" ± {st['half_width']:{f}}" if st["half_width"] else "")  # noqa: E731
+        row = out["rows"][name]
+        print(
+            f"{name:>18}: steps {steps}, perplexity {pm(row['perplexity'], '.1f')} "
+            f"{[round(v, 1) for v in ppl]}, gap to end to end {pm(row['gap_to_end_to_end'], '+.3f')}, "
+            f"predicted step {pm(row['predicted_ratio'], '.3f')}x end to end's"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -445,7 +480,11 @@ def main(argv: list[str] | None = None) -> None:
         help="only model saved runs (results.json) "
         "with the per-call times they met, and compare with their measured step time",
     )
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="only summarise saved results over their seeds")
     args = ap.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize)
+        return
     if args.as_ran:
         for path in args.as_ran:
             as_ran(path)
