@@ -26,7 +26,7 @@ import random
 from pathlib import Path
 
 from raylowcomm.runner import run
-from raylowcomm.seedstats import interval
+from raylowcomm.seedstats import interval, plus_minus
 from raylowcomm.strategies import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,27 +114,20 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _cell(stat: dict | None, spec: str) -> str:
-    if stat is None:
-        return "-"
-    mean = f"{stat['mean']:{spec}}"
-    return mean if stat.get("half_width") is None else f"{mean} ± {stat['half_width']:{spec}}"
-
-
 def table(summary: list[dict]) -> str:
-    head = ["setting", "seeds", "ID acc", "shift acc", "goodput", "train s", "late payloads", "restarts", "reached"]
+    head = ["setting", "seeds", "ID acc", "shift acc", "goodput %", "train s", "late payloads", "restarts", "reached"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary:
         reached = "all seeds" if r["finish_at_target_s"] is not None else "not every seed"
         cells = [
             r["setting"],
             str(len(r["seeds"])),
-            _cell(r["id"], ".3f"),
-            _cell(r["shift"], ".3f"),
-            _cell(r["goodput"], ".1%"),
-            _cell(r["train_s"], ".0f"),
-            _cell(r["late_payloads"], ".1f"),
-            _cell(r["restarts"], ".1f"),
+            plus_minus(r["id"], 3),
+            plus_minus(r["shift"], 3),
+            plus_minus(r["goodput"], 1, 100),
+            plus_minus(r["train_s"], 0),
+            plus_minus(r["late_payloads"]),
+            plus_minus(r["restarts"]),
             reached,
         ]
         lines.append("| " + " | ".join(cells) + " |")

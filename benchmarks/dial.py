@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 from raylowcomm.runner import run
-from raylowcomm.seedstats import interval
+from raylowcomm.seedstats import interval, plus_minus
 from raylowcomm.strategies import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -389,13 +389,6 @@ def frontier(summary: list[dict], workload: str, length: str | None = None) -> l
     return [r["setting"] for r in sorted(rows, key=lambda r: r["after_setup_bytes"]["mean"]) if not beaten(r)]
 
 
-def _shown(stat: dict | None, scale: float = 1.0, digits: int = 1) -> str:
-    if not stat or stat["mean"] is None:
-        return "-"
-    mean = f"{stat['mean'] * scale:.{digits}f}"
-    return mean if stat["half_width"] is None else f"{mean} ± {stat['half_width'] * scale:.{digits}f}"
-
-
 def table(summary: list[dict], workload: str, on_frontier: list[str], length: str | None = None) -> str:
     rows = _rows_of(summary, workload, length)
     steps = f", {length} steps a node" if length and length.isdigit() else f", {length}" if length else ""
@@ -407,10 +400,10 @@ def table(summary: list[dict], workload: str, on_frontier: list[str], length: st
     for r in sorted(rows, key=lambda r: -r["after_setup_bytes"]["mean"]):
         ratio = f"{r['ddp_bytes_over_these']:.0f}" if r["ddp_bytes_over_these"] else "-"
         lines.append(
-            f"{r['setting']:<17} {len(r['seeds']):<6} {_shown(r['id'], 100):<13} "
-            f"{_shown(r.get('id_minus_ddp'), 100):<15} {_shown(r['shift'], 100):<13} "
-            f"{_shown(r['after_setup_bytes'], 1e-6):<18} {ratio:>7} "
-            f"{_shown(r['train_s']):<12} {'*' if r['setting'] in on_frontier else ''}"
+            f"{r['setting']:<17} {len(r['seeds']):<6} {plus_minus(r['id'], scale=100):<13} "
+            f"{plus_minus(r.get('id_minus_ddp'), scale=100):<15} {plus_minus(r['shift'], scale=100):<13} "
+            f"{plus_minus(r['after_setup_bytes'], scale=1e-6):<18} {ratio:>7} "
+            f"{plus_minus(r['train_s']):<12} {'*' if r['setting'] in on_frontier else ''}"
         )
     return "\n".join(lines)
 

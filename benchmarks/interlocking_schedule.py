@@ -417,7 +417,7 @@ def summarize(paths: list[str]) -> dict:
     """Seeds' saved results (each a --k4-steps run): per K=4 row, the perplexity at equal predicted
     wall time per seed, its mean and 95% interval, and the paired gap to end to end (row / end to
     end − 1); and the predicted step-time ratios over the measurements."""
-    from raylowcomm.seedstats import interval
+    from raylowcomm.seedstats import interval, plus_minus
 
     runs = [json.loads(Path(p).read_text()) for p in paths]
     out: dict = {"seeds": [r["args"]["seed"] for r in runs], "rows": {}}
@@ -438,12 +438,11 @@ def summarize(paths: list[str]) -> dict:
             "gap_to_end_to_end": interval(gap),
             "predicted_ratio": interval(ratios),
         }
-        pm = lambda st, f: f"{st['mean']:{f}}" + (f" ± {st['half_width']:{f}}" if st["half_width"] else "")  # noqa: E731
         row = out["rows"][name]
         print(
-            f"{name:>18}: steps {steps}, perplexity {pm(row['perplexity'], '.1f')} "
-            f"{[round(v, 1) for v in ppl]}, gap to end to end {pm(row['gap_to_end_to_end'], '+.3f')}, "
-            f"predicted step {pm(row['predicted_ratio'], '.3f')}x end to end's"
+            f"{name:>18}: steps {steps}, perplexity {plus_minus(row['perplexity'])} "
+            f"{[round(v, 1) for v in ppl]}, gap to end to end {plus_minus(row['gap_to_end_to_end'], 3, sign='+')}, "
+            f"predicted step {plus_minus(row['predicted_ratio'], 3)}x end to end's"
         )
     return out
 

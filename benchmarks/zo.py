@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def scaling_main(args, seeds: list[int], counts: list[int], out: Path) -> dict:
     """--nodes / --target: each variant at each N, steps to the target, the table and the plot."""
+    from raylowcomm.seedstats import plus_minus
+
     if args.target is None:
         raise SystemExit("--nodes needs --target: the accuracy whose steps are compared across N")
     result = {}
@@ -296,19 +298,12 @@ def scaling_main(args, seeds: list[int], counts: list[int], out: Path) -> dict:
             steps = row["steps"]
             ratio = row["vs_one_node"]
             print(
-                f"{n:3d} {_pm(steps, 1):>14s} {str(list(row['per_seed'].values())):>22s} "
-                f"{row['forwards_per_node_per_step'] or '-':>14} {_pm(ratio, 2):>14s}  {row['missed'] or ''}"
+                f"{n:3d} {plus_minus(steps, 1):>14s} {str(list(row['per_seed'].values())):>22s} "
+                f"{row['forwards_per_node_per_step'] or '-':>14} {plus_minus(ratio, 2):>14s}  {row['missed'] or ''}"
             )
     out.mkdir(parents=True, exist_ok=True)
     (out / "zo_nodes.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def _pm(stats: dict | None, digits: int) -> str:
-    if stats is None:
-        return "-"
-    half = stats["half_width"]
-    return f"{stats['mean']:.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else "")
 
 
 if __name__ == "__main__":

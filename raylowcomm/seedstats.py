@@ -108,6 +108,15 @@ def _first_line(text: str) -> str:
 # ------------------------------------------------------------------------------------- the table
 
 
+def plus_minus(stat: dict | None, digits: int = 1, scale: float = 1.0, sign: str = "") -> str:
+    """An `interval` as `mean ± half-width` (scaled, ``digits`` decimals, ``sign`` "+" to sign the
+    mean); the mean alone for one value; `-` for none."""
+    if not stat or stat["mean"] is None:
+        return "-"
+    mean = f"{stat['mean'] * scale:{sign}.{digits}f}"
+    return mean if stat.get("half_width") is None else f"{mean} ± {stat['half_width'] * scale:.{digits}f}"
+
+
 def label(key: str) -> str:
     """A quantity's name in the table, with its unit."""
     if key.startswith("bytes_"):

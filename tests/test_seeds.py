@@ -35,6 +35,14 @@ def test_one_seed_has_a_mean_and_no_interval_none_has_neither():
     assert seedstats.shown("id_accuracy", one) == "0.9100 (n=1, no interval)"
 
 
+def test_an_interval_in_a_benchmark_table_reads_mean_plus_minus_half_width():
+    three = seedstats.interval([1.0, 2.0, 3.0])  # half-width T2 / sqrt(3) = 2.48414
+    assert seedstats.plus_minus(three, 2) == "2.00 ± 2.48"
+    assert seedstats.plus_minus(three, 1, scale=100) == "200.0 ± 248.4"
+    assert seedstats.plus_minus(seedstats.interval([0.5]), 3, sign="+") == "+0.500"
+    assert seedstats.plus_minus(None) == seedstats.plus_minus(seedstats.interval([])) == "-"
+
+
 def _record(name: str, acc: float, shift: float = 0.5, total: int = 1_000_000, wall: float = 10.0) -> dict:
     return {
         "strategy": name,
