@@ -52,6 +52,12 @@ def batch_calls(plan: Sequence[Sequence[frozenset[int]]], micro_batches: int) ->
     return calls
 
 
+def calls_by_kind(plan: Sequence[Sequence[frozenset[int]]], micro_batches: int) -> tuple[list[Call], list[Call]]:
+    """A batch's :func:`batch_calls` split into its forwards and its backwards, each in that order."""
+    calls = batch_calls(plan, micro_batches)
+    return [c for c in calls if c.kind == "forward"], [c for c in calls if c.kind == "backward"]
+
+
 def submission_order(
     plan: Sequence[Sequence[frozenset[int]]], micro_batches: int, batches: int, stage_batches: int = 1
 ) -> list[tuple[int, Call]]:
@@ -59,9 +65,7 @@ def submission_order(
     ``stage_batches`` = A, batch b's forwards go before batch b − A + 1's backwards, so a stage
     runs the forwards of the A − 1 batches after the one whose gradient messages it waits for;
     A = 1 is each batch's :func:`batch_calls` in turn."""
-    calls = batch_calls(plan, micro_batches)
-    forwards = [c for c in calls if c.kind == "forward"]
-    backwards = [c for c in calls if c.kind == "backward"]
+    forwards, backwards = calls_by_kind(plan, micro_batches)
     order: list[tuple[int, Call]] = []
     for it in range(batches + stage_batches - 1):
         order += [(it, c) for c in forwards] if it < batches else []

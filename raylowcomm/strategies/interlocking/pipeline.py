@@ -9,7 +9,7 @@ from raylowcomm.actors import DriverFetches
 from raylowcomm.common.batches import Split, num_examples
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.core.interlock.routing import message_plan
-from raylowcomm.core.interlock.schedule import Call, batch_calls
+from raylowcomm.core.interlock.schedule import Call, calls_by_kind
 from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, metric_names
 
 logger = logging.getLogger(__name__)
@@ -21,13 +21,10 @@ class CallSubmitter:
     comes from. Only refs change hands."""
 
     def __init__(self, actors: list, plan: list[list[frozenset[int]]], micro_batches: int):
-        calls = batch_calls(plan, micro_batches)
         self.actors = actors
-        self.forwards = [c for c in calls if c.kind == "forward"]
-        self.backwards = [c for c in calls if c.kind == "backward"]
-        self.refs: dict[
-            tuple[int, Call], tuple
-        ] = {}  # -> (ref of h for the next stage or None, ref of its upstream message)
+        self.forwards, self.backwards = calls_by_kind(plan, micro_batches)
+        # (batch, call) -> (ref of h for the next stage or None, ref of its upstream message)
+        self.refs: dict[tuple[int, Call], tuple] = {}
 
     def forward(self, step: int) -> None:
         for call in self.forwards:
