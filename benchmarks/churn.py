@@ -2,17 +2,21 @@
 preemptions, against the same runs without churn.
 
     python -m benchmarks.churn [--seeds 0 1 2] [--settings NAME ...] [--out runs/bench/churn.json] [--cpu-quota]
+        [--epochs 2] [--average-every 8] [--sync-every-s 2.0]
 
 The workload is examples/lofi_vs_ddp_mnist.yaml on 4 nodes of half a CPU each (2 × 2 on this
-machine's cores), 1,000 images a node, 62 steps. Churn: node 3 runs 3× slower, and one of the other
-three, drawn from the seed, is preempted at steps 16, 31 and 47, each quarter of the run (drawn
-among the nodes at full speed so that every setting sees its three preemptions: under quorum
-rounds the slow node may never reach step 47). DDP's Ray Train restarts its group, lo-fi the node;
+machine's cores), 1,000 images a node, 31 steps an epoch, 2 epochs (62 steps; `--epochs` for a longer
+run, rounds every `--average-every` steps or `--sync-every-s` seconds). Churn: node 3 runs 3× slower,
+and one of the other three, drawn from the seed, is preempted at each quarter of the run (steps 16, 31
+and 47 of 62; drawn among the nodes at full speed so that every setting sees its three preemptions:
+under quorum rounds the slow node may never reach the last). DDP's Ray Train restarts its group, lo-fi the node;
 `nodes.max_restarts` is 3 so that DDP's group survives all three. Every (setting, seed) is one
-`raylowcomm run` into OUT_DIR/churn/<setting>/seed_<s>; a run already there is read, not repeated.
+`raylowcomm run` into OUT_DIR/churn/<setting>/seed_<s> (churn_e<epochs>_h<H>_t<T> off the defaults); a
+run already there is read, not repeated.
 Prints a table (mean and 95% Student-t interval over the seeds: ID and shift accuracy, goodput,
 training wall time, late payloads, restarts) and writes the JSON and a plot of final ID accuracy
-against training wall time. The target is 95% of DDP's mean final ID accuracy without churn; a
+against training wall time. The target is 95% of DDP's mean final ID accuracy without churn (of lockstep
+rounds' where `ddp_clean` is not among the settings); a
 setting's time to finish counts as its time to target when its final model reaches it (quorum
 rounds keep no learning curve), so it is an upper bound. A benchmark: it reports, it asserts nothing.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -35,43 +40,77 @@ logger = logging.getLogger(__name__)
 
 BASE = ["nodes.count=4", "nodes.cpus=0.5", "nodes.max_restarts=3", "data.train_size=4000", "checkpoint_every=8"]
 _ROUNDS = ["strategies=[lofi]", "lofi.exchange=peers", "lofi.compress=int4"]
-SETTINGS: dict[str, tuple[list[str], bool]] = {
-    # name: (overrides, with churn)
-    "ddp_clean": (["strategies=[ddp]"], False),
-    "sync_clean": ([*_ROUNDS, "lofi.average_every=8"], False),
-    "ddp": (["strategies=[ddp]"], True),
-    "sync": ([*_ROUNDS, "lofi.average_every=8"], True),
-    "quorum": ([*_ROUNDS, "lofi.average_every=8", "lofi.quorum=3", "lofi.grace_s=2.0"], True),
-    "quorum_half": ([*_ROUNDS, "lofi.average_every=8", "lofi.quorum=0.5", "lofi.grace_s=2.0"], True),
-    "time": ([*_ROUNDS, "lofi.sync=time", "lofi.sync_every_s=2.0"], True),
-    "quorum_half_keep": (
-        [*_ROUNDS, "lofi.average_every=8", "lofi.quorum=0.5", "lofi.grace_s=2.0", "lofi.keep_training=true"],
-        True,
-    ),
-    "time_keep": ([*_ROUNDS, "lofi.sync=time", "lofi.sync_every_s=2.0", "lofi.keep_training=true"], True),
-}
-SLOW_NODE, SLOW_FACTOR, KILL_STEPS = 3, 3, (16, 31, 47)
+STEPS_PER_EPOCH, EPOCHS, EVERY, EVERY_S = 31, 2, 8, 2.0
+SLOW_NODE, SLOW_FACTOR = 3, 3
 
 
-def churn(seed: int) -> list[str]:
+def settings(every: int = EVERY, every_s: float = EVERY_S) -> dict[str, tuple[list[str], bool]]:
+    """Each setting's overrides and whether it runs under churn, rounds every `every` steps or `every_s`
+    seconds."""
+    steps, timed = (
+        [*_ROUNDS, f"lofi.average_every={every}"],
+        [*_ROUNDS, "lofi.sync=time", f"lofi.sync_every_s={every_s}"],
+    )
+    half = ["lofi.quorum=0.5", "lofi.grace_s=2.0"]
+    return {
+        "ddp_clean": (["strategies=[ddp]"], False),
+        "sync_clean": (steps, False),
+        "ddp": (["strategies=[ddp]"], True),
+        "sync": (steps, True),
+        "quorum": ([*steps, "lofi.quorum=3", "lofi.grace_s=2.0"], True),
+        "quorum_half": ([*steps, *half], True),
+        "time": (timed, True),
+        "time_half": ([*timed, *half], True),
+        "quorum_half_keep": ([*steps, *half, "lofi.keep_training=true"], True),
+        "time_keep": ([*timed, "lofi.keep_training=true"], True),
+    }
+
+
+SETTINGS = list(settings())
+
+
+def kill_steps(epochs: int = EPOCHS) -> list[int]:
+    """The steps at each quarter of a run of `epochs` (16, 31 and 47 of 62)."""
+    steps = STEPS_PER_EPOCH * epochs
+    return [math.ceil(steps * q / 4) for q in (1, 2, 3)]
+
+
+def churn(seed: int, epochs: int = EPOCHS) -> list[str]:
     """The churn of seed `seed`: the slow node, and a victim drawn from the seed at each quarter's step
-    among the other nodes (with quorum rounds the slow node may never reach step 47: every setting gets
+    among the other nodes (with quorum rounds the slow node may never reach the last: every setting gets
     its three preemptions)."""
     draw = random.Random(seed)
     others = [k for k in range(4) if k != SLOW_NODE]
-    kills = ",".join(f"{{node: {draw.choice(others)}, at_step: {s}}}" for s in KILL_STEPS)
+    kills = ",".join(f"{{node: {draw.choice(others)}, at_step: {s}}}" for s in kill_steps(epochs))
     return [f"churn.slow=[{{node: {SLOW_NODE}, factor: {SLOW_FACTOR}}}]", f"churn.kill=[{kills}]"]
 
 
-def measure(out: Path, setting: str, seed: int, cpu_quota: bool = False) -> dict:
+def folder(epochs: int = EPOCHS, every: int = EVERY, every_s: float = EVERY_S) -> str:
+    """Where a run length's and rounds' runs go: `churn` for the defaults."""
+    return "churn" if (epochs, every, every_s) == (EPOCHS, EVERY, EVERY_S) else f"churn_e{epochs}_h{every}_t{every_s:g}"
+
+
+def measure(
+    out: Path,
+    setting: str,
+    seed: int,
+    cpu_quota: bool = False,
+    epochs: int = EPOCHS,
+    every: int = EVERY,
+    every_s: float = EVERY_S,
+) -> dict:
     """One run's figures: read from its results.json, or run it first (`cpu_quota`: every node held to its
     half CPU, `churn.cpu_quota`)."""
-    where = out / "churn" / setting / f"seed_{seed}"
+    where = out / folder(epochs, every, every_s) / setting / f"seed_{seed}"
     path = where / "results.json"
     if not path.is_file():
-        overrides, churned = SETTINGS[setting]
+        overrides, churned = settings(every, every_s)[setting]
         quota = ["churn.cpu_quota=true"] if cpu_quota else []
-        cfg = load_config(WORKLOAD, [*BASE, *overrides, *(churn(seed) if churned else []), *quota, f"seed={seed}"])
+        length = [f"optim.epochs={epochs}"]
+        cfg = load_config(
+            WORKLOAD,
+            [*BASE, *length, *overrides, *(churn(seed, epochs) if churned else []), *quota, f"seed={seed}"],
+        )
         logger.info("churn: %s seed %d -> %s", setting, seed, where)
         run(cfg, where, bar=False)
     [rec] = json.loads(path.read_text())
@@ -100,11 +139,12 @@ def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[str, list[dict]] = {}
     for r in (r for r in rows if "error" not in r):
         groups.setdefault(r["setting"], []).append(r)
-    clean = groups.get("ddp_clean")
+    reference = "ddp_clean" if "ddp_clean" in groups else "sync_clean"
+    clean = groups.get(reference)
     target = 0.95 * interval([r["id"] for r in clean])["mean"] if clean else None
     out = []
     for setting, rs in groups.items():
-        row = {"setting": setting, "seeds": sorted(r["seed"] for r in rs), "target": target}
+        row = {"setting": setting, "seeds": sorted(r["seed"] for r in rs), "target": target, "target_from": reference}
         for key in ("id", "shift", "goodput", "train_s", "late_payloads", "restarts"):
             values = [r[key] for r in rs if r.get(key) is not None]
             row[key] = interval(values) if values else None
@@ -132,7 +172,8 @@ def table(summary: list[dict]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     target = summary[0]["target"] if summary else None
-    return (f"target ID accuracy {target:.3f} (95% of DDP's without churn)\n" if target else "") + "\n".join(lines)
+    whose = {"ddp_clean": "DDP's", "sync_clean": "lockstep rounds'"}[summary[0]["target_from"]] if summary else ""
+    return (f"target ID accuracy {target:.3f} (95% of {whose} without churn)\n" if target else "") + "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -157,7 +198,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=[s for s in SETTINGS if s != "time_half"],
+        choices=SETTINGS,
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", default="runs/bench/churn.json", help="the JSON to write (runs go beside it)")
     parser.add_argument(
@@ -165,10 +211,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="hold each node to its half CPU (churn.cpu_quota: a cgroup; root), as on its own machine",
     )
+    parser.add_argument(
+        "--epochs", type=int, default=EPOCHS, help=f"the run's length ({STEPS_PER_EPOCH} steps an epoch)"
+    )
+    parser.add_argument("--average-every", type=int, default=EVERY, help="steps between rounds (lofi.average_every)")
+    parser.add_argument("--sync-every-s", type=float, default=EVERY_S, help="seconds between payloads, sync: time")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = Path(args.out)
-    rows = [measure(path.parent, s, seed, args.cpu_quota) for seed in args.seeds for s in args.settings]
+    shape = (args.epochs, args.average_every, args.sync_every_s)
+    rows = [measure(path.parent, s, seed, args.cpu_quota, *shape) for seed in args.seeds for s in args.settings]
     summary = summarize(rows)
     plot_path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,8 @@ class NodeLog:
     """Restarted: its next segment starts from its global model (what it trained since is lost)."""
     pace_s: float | None = None
     """Its last segment's wall time, from the call to its arrival: when its next one should arrive."""
+    step_s: float | None = None
+    """That wall time per step it trained: what a segment of its costs (`tail_steps`)."""
     idle_since: float | None = None
     """When its last payload arrived, until its next segment: the time it waits (`waiting_s`)."""
     segments: list[dict] = field(default_factory=list)
@@ -131,6 +133,31 @@ def boundary_after(plan: Plan, step: int) -> int:
     bounds = plan.boundaries
     gap = bounds[-1] - bounds[-2] if len(bounds) > 1 else bounds[-1]
     return step + gap
+
+
+def tail_steps(steps: int, step_s: float, others_step_s: list[float], work: float, grace_s: float) -> int:
+    """A segment of `steps` at `step_s` a step, cut where it would end well after the other nodes (at
+    `others_step_s` a step each) have trained `work` node-steps, what is left of the budget besides it:
+    by more than half of its own length or `grace_s`, whichever is more (nodes at the same pace are
+    never cut). Cut, it is what its node trains by the time all of them, it too, are predicted to
+    spend the budget: at the end of the run nobody waits for the slowest node's whole segment."""
+    if not others_step_s:
+        return steps
+    others = sum(1 / s for s in others_step_s)
+    own = steps * step_s
+    if own - work / others <= max(grace_s, own / 2):
+        return steps
+    return max(1, math.ceil((work + steps) / (others + 1 / step_s) / step_s))
+
+
+def pace_share(left: int, step_s: float | None, free: list[float | None]) -> int:
+    """A node's cap on its next segment under `sync: time`: its share of the `left` node-steps among the
+    nodes free to take them (`free`: each one's time a step, it among them), in proportion to its pace,
+    so that near the end the slow node is not handed the steps the fast ones would finish first; an
+    equal share where a pace is not known yet."""
+    if step_s is None or None in free:
+        return math.ceil(left / max(1, len(free)))
+    return math.ceil(left / step_s / sum(1 / s for s in free))
 
 
 def book_catch_up(ledger, phase: str, k: int, rounds: list[LandedRound]) -> None:
@@ -444,19 +471,26 @@ class QuorumExchange(PeerExchange):
         return now >= deadline or not any(self._expected(f) <= deadline for f in awaited), quorum_at
 
     def _expected(self, flight: tuple) -> float:
-        """When a segment in flight should arrive: its start plus its node's last segment's wall time (at
-        once, for a node with none yet: it is waited for)."""
-        k, _, _, _, sent_at = flight
-        return sent_at + self.nodes[k].pace_s if self.nodes[k].pace_s is not None else sent_at
+        """When a segment in flight should arrive: its start plus its node's last segment's wall time, per
+        step where segments end by steps (at once, for a node with none yet: it is waited for)."""
+        k, _, start, until, sent_at = flight
+        node = self.nodes[k]
+        if node.pace_s is None:
+            return sent_at
+        return sent_at + (node.pace_s if self.seconds is not None else node.step_s * (until - start))
 
     def _assign(self, group: NodeGroup, plan: Plan, k: int) -> None:
         """Node k's next segment, to its next boundary within the budget, with the rounds it has not landed."""
         node = self.nodes[k]
         if self.seconds is None:
             until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
+            until = node.step + self._tail_cut(k, until - node.step)
         else:  # a cap only: the segment ends after `seconds` of training; what it leaves returns to the pool
-            idle = len(group) - len(self.appearing) - sum(1 for f in self.flights.values() if f[0] != k)
-            until = node.step + math.ceil((self.budget - self.assigned) / max(1, idle))
+            flying, starting = {f[0] for f in self.flights.values()} - {k}, set(self.appearing.values())
+            free = [
+                self.nodes[j].step_s if j in self.nodes else None for j in group.keys() if j not in flying | starting
+            ]
+            until = node.step + pace_share(self.budget - self.assigned, node.step_s, free)
         until = min(until, self.leaves.get(k, until))
         if until <= node.step:
             return
@@ -471,6 +505,18 @@ class QuorumExchange(PeerExchange):
             node.idle_since = None
         self.flights[meta] = (k, payload, node.step, until, time.perf_counter())
         self.assigned += until - node.step
+
+    def _tail_cut(self, k: int, steps: int) -> int:
+        """Node k's segment of `steps`, cut at the end of the run where it would outlast the others
+        (`tail_steps`): the work left besides it is the budget not yet assigned and the steps the others'
+        segments in flight are predicted still to train, from each node's last pace."""
+        node, now = self.nodes[k], time.perf_counter()
+        paced = {j: n.step_s for j, n in self.nodes.items() if j != k and j not in self.departed and n.step_s}
+        if node.step_s is None:
+            return steps
+        running = sum(max(0.0, self._expected(f) - now) / paced[f[0]] for f in self.flights.values() if f[0] in paced)
+        work = self.budget - self.assigned - steps + running
+        return tail_steps(steps, node.step_s, list(paced.values()), work, self.opts.grace_s)
 
     def _arrived(self, group: NodeGroup, plan: Plan, ref: ray.ObjectRef) -> None:
         if ref in self.appearing:
@@ -499,6 +545,7 @@ class QuorumExchange(PeerExchange):
         group.ledger.send("train", "round_replies", meta)
         self.assigned -= until - meta["step"]  # a segment stopped by time returns what it did not use
         node.step, node.rounds, node.pace_s = meta["step"], meta["base_round"], time.perf_counter() - sent_at
+        node.step_s = node.pace_s / max(1, meta["step"] - start)
         self._forget_landed()
         node.segments.append({**meta, "node": k, "wall_s": node.pace_s})
         self._check(k, meta)
