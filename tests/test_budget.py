@@ -13,7 +13,7 @@ from tests.test_bench import TINY
     [
         (0, {}),  # not a budget
         (5, {"average_every": 4, "compress": "int8", "quorum": 1}),  # quorum rounds count node-steps
-        (5, {"average_every": 4, "compress": "int8", "overlap": 2}),  # a round would be in flight at the end
+        (5, {"average_every": 4, "compress": "int8", "fragments": 2}),  # the final round syncs the whole model
     ],
 )
 def test_a_budget_is_refused_where_it_cannot_end_a_run(budget, lofi):

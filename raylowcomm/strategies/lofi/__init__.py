@@ -143,12 +143,12 @@ class Lofi(Strategy[LofiConfig]):
                 "resets the optimizer state when a whole model lands: it needs rounds (lofi.average_every "
                 "or sync: time) and lofi.fragments: 1",
             )
-        if cfg.optim.budget_s is not None and (o.overlap or o.fragments > 1):
+        if cfg.optim.budget_s is not None and o.fragments > 1:
             raise ConfigError(
                 "optim.budget_s",
                 cfg.optim.budget_s,
-                "a budget ends lo-fi where its time does, between rounds: not with lofi.overlap or "
-                "lofi.fragments > 1; remove the budget or set overlap: 0 and fragments: 1",
+                "a budget ends lo-fi where its time does, with one final round of the whole model: not with "
+                "lofi.fragments > 1; remove the budget or set fragments: 1",
             )
         if adapters and o.soup == "greedy":
             raise ConfigError("lofi.soup", o.soup, "not offered with model.lora: set it to uniform")
@@ -329,6 +329,12 @@ class Lofi(Strategy[LofiConfig]):
         train_s, trained, snapshots, began, round_s = 0.0, [], [], time.perf_counter(), 0.0
         for i, until in enumerate(plan.boundaries[first:], first):
             if budget is not None and trained and train_s >= budget:  # the last round took the rest
+                if landing := exchange.landing(plan, i):  # lofi.overlap: it lands where the nodes stand
+                    ledger.send("train", "control", landing[0][0], copies=n)
+                    waits = group.call("land_round", landing[0][0], phase="train")
+                    for stats, wait in zip(trained[-1], waits):  # beside the wait for the round before it
+                        stats["round_wait_at_stop_s"] = wait
+                    exchange.landed(group, plan.boundaries[i - 1], "train")
                 plan.stop_at(plan.boundaries[i - 1], i)  # the final round comes where that one did
                 break
             round_s = 0.0

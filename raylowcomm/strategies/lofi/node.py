@@ -179,7 +179,10 @@ class LofiNode(Node):
             group_seed=group_seed(self.cfg),
         )
         done = self.step + stats["steps"]
-        if done != until:  # stopped by time: the checkpoint `on_step` keeps for `until`
+        if landing is not None and landing[0] > self.rounds:  # stopped by time before its step: it lands here
+            self.save_state(done)
+            waited["round_wait_s"] = self.peer.land(landing[0], done)
+        elif done != until:  # stopped by time: the checkpoint `on_step` keeps for `until`
             self.save_state(done)
         self.step, restored, self.restored_from = done, self.restored_from, None
         return {
@@ -277,6 +280,15 @@ class LofiNode(Node):
 
     def adopt_round(self, path: str) -> int:
         return self.peer.adopt(path)
+
+    def land_round(self, round_: int) -> float:
+        """The exchange in flight lands where the node stands, with no step after it (`optim.budget_s`
+        spent by the round that sent it); returns how long it waited for it."""
+        if round_ <= self.rounds:
+            return 0.0
+        self.peer.expect_landing([round_, self.step])
+        self.save_state(self.step)
+        return self.peer.land(round_, self.step)
 
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
         self.peer.begin_round(round_, refs, weights, fragment)
