@@ -168,18 +168,17 @@ def test_overlap_without_fragments_lands_whole_rounds_late(ray_session, tmp_path
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
 
 
-@pytest.mark.parametrize("budget_s", [0.5, 1.5])
-def test_a_budget_ends_overlapping_rounds_with_the_round_in_flight_landed(ray_session, tmp_path, budget_s):
+def test_a_budget_ends_overlapping_rounds_with_the_round_in_flight_landed(ray_session, tmp_path):
     """optim.budget_s with lofi.overlap: with τ = H a round is in flight through every segment, so wherever
     the budget ends (inside a segment, or in the round that sent it) that round lands where the nodes stand
     before the final round: every round begun landed on every node (its wait is in the stats of the call
     it landed in, or of the last call where it landed after it), every node ends on one global model (the
     run's final hash check), and the record stops at its budget."""
     cfg = tiny_config(average_every=4, compress="int8", bn_recalibrate=False, overlap=4)
-    cfg.optim.budget_s = budget_s
+    cfg.optim.budget_s = 1.0
     _, rec = run_lofi(cfg, tmp_path)
     budget, details = rec["details"]["budget"], rec["details"]
-    assert budget["stopped_by"] == "budget" and budget["train_s"] >= budget_s
+    assert budget["stopped_by"] == "budget" and budget["train_s"] >= 1.0
     assert details["averaging_steps"][-1] == budget["steps"] == max(n["train"][-1]["step"] for n in rec["nodes"])
     begun = len(details["averaging_steps"]) - 1  # every boundary but the final one sent a round
     assert begun >= 1
