@@ -313,7 +313,11 @@ def test_a_node_that_keeps_training_never_waits_for_the_slow_node_and_ends_on_th
     assert globals_ and all(torch.equal(saved[k], v) for k, v in globals_.items())
 
 
-def test_keep_training_needs_quorum_rounds():
+def test_keep_training_needs_quorum_rounds_or_rounds_in_flight_and_mixes_nothing():
     with pytest.raises(ConfigError) as err:
         tiny_config(average_every=8, compress="int8", keep_training=True)
     assert err.value.field_name == "lofi.keep_training"
+    tiny_config(average_every=8, compress="int8", keep_training=True, overlap=2)
+    with pytest.raises(ConfigError) as err:
+        tiny_config(average_every=8, compress="int8", keep_training=True, overlap=2, mix=0.5)
+    assert err.value.field_name == "lofi.mix"

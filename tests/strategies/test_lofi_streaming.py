@@ -157,15 +157,42 @@ def test_two_fragments_book_one_fragment_per_sync_and_overlap_keeps_the_bytes_an
     assert '"fragment": -1' in _meta(tmp_path / "flying" / "state" / "lofi" / "checkpoints" / "node0_round.safetensors")
 
 
-def test_overlap_without_fragments_lands_whole_rounds_late(ray_session, tmp_path):
-    """τ = 2 with one fragment: every round (the whole model) lands two steps after it is sent; the nodes'
-    global models agree after each landing (checked by the run), the bytes are those of τ = 0."""
-    cfg = dict(average_every=8, compress="int4", bn_recalibrate=False)
-    _, plain = run_lofi(tiny_config(**cfg), tmp_path / "plain")
-    _, flying = run_lofi(tiny_config(**cfg, overlap=2), tmp_path / "flying")
-    assert flying["comm"]["by_kind"]["train/outer_gradients"] == plain["comm"]["by_kind"]["train/outer_gradients"]
-    a, b = load_file(plain["weights"]), load_file(flying["weights"])
+def test_overlap_without_fragments_lands_whole_rounds_late_and_keep_training_keeps_the_steps_in_flight(
+    ray_session, tmp_path
+):
+    """τ = 2 with one fragment: every round (the whole model) lands two steps after it is sent, with the bytes
+    of τ = 0 (3 rounds of int4 payloads to the peer, by the formula); the nodes' global models agree after
+    each landing (checked by the run). Dropping the τ steps (mix 0) and keeping them on top of the landed
+    model (`keep_training`) end on other models; a node that keeps them writes the parameters it sent from
+    into its round file (for a restart to merge again), one that drops them does not."""
+    cfg = dict(average_every=8, compress="int4", bn_recalibrate=False, overlap=2)
+    ctx, flying = run_lofi(tiny_config(**cfg), tmp_path / "flying")
+    _, kept = run_lofi(tiny_config(**cfg, keep_training=True), tmp_path / "kept")
+    for rec in (flying, kept):
+        assert rec["comm"]["by_kind"]["train/outer_gradients"] == 3 * 2 * payload_bytes(ctx, "int4")
+    a, b = load_file(flying["weights"]), load_file(kept["weights"])
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())
+    assert not any(k.startswith("sent.") for f in round_files(tmp_path / "flying" / "state") for k in f)
+    params = {k for k, _ in ctx.load_driver_weights().named_parameters()}
+    for f in round_files(tmp_path / "kept" / "state"):
+        assert {k[len("sent.") :] for k in f if k.startswith("sent.")} == params
+
+
+def test_keep_on_top_moves_the_parameters_onto_the_landed_model_and_takes_the_rest_as_landed():
+    """θ ← G' + (θ − θ_sent) in float64 on parameters, the global value elsewhere. Exact in two cases by
+    the arithmetic: θ = θ_sent gives G' bit for bit (G' + 0); G' = θ_sent gives θ bit for bit (the float32
+    difference of two values within a factor 2^29 of each other is exact in float64, so the sum is θ
+    exactly before its rounding to float32, which keeps it)."""
+    g = torch.Generator().manual_seed(0)
+    mine, sent, landed = ({k: torch.randn(64, generator=g) for k in ("w", "bn.running_mean")} for _ in range(3))
+    params = {"w"}
+    same = streaming.keep_on_top(sent, sent, landed, params)
+    assert torch.equal(same["w"], landed["w"]) and same["w"].dtype == torch.float32
+    back = streaming.keep_on_top(mine, sent, sent, params)
+    assert torch.equal(back["w"], mine["w"])
+    moved = streaming.keep_on_top(mine, sent, landed, params)
+    assert moved["bn.running_mean"] is landed["bn.running_mean"]
+    assert not torch.equal(moved["w"], landed["w"]) and not torch.equal(moved["w"], mine["w"])
 
 
 def test_a_budget_ends_overlapping_rounds_with_the_round_in_flight_landed(ray_session, tmp_path):

@@ -228,12 +228,12 @@ class Lofi(Strategy[LofiConfig]):
             )
             raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
         exchange_for(cfg).validate(cfg, o)
-        if o.keep_training and not on_quorum(o, cfg.nodes.elastic):
+        if o.keep_training and not on_quorum(o, cfg.nodes.elastic) and not o.overlap:
             raise ConfigError(
                 "lofi.keep_training",
                 o.keep_training,
-                "a node trains on while its payload waits for a quorum round: set lofi.quorum (or lofi.sync: "
-                "time), or false",
+                "a node keeps what it trains while its payload waits for a quorum round or its round is in "
+                "flight: set lofi.quorum (or lofi.sync: time) or lofi.overlap, or false",
             )
 
     @staticmethod

@@ -119,7 +119,10 @@ class LofiConfig:
     """Quorum rounds: a node whose payload waits for its round trains on instead of waiting (at most two
     of its payloads wait at once); when the round lands, its model moves onto the new global model with
     what it trained since on top (docs/strategies/lofi.md). False: it waits, and with every node on time
-    and `quorum` every node, the rounds are lockstep rounds bit for bit."""
+    and `quorum` every node, the rounds are lockstep rounds bit for bit. With `overlap`: when a round
+    lands, the τ steps a node trained while it was in flight stay on top of the new global model
+    (θ ← θ_global + (θ − θ_sent)) instead of being dropped (`mix` 0) or mixed; they cross in its next
+    payload. Not with model.lora."""
     join: list[JoinEvent] = field(default_factory=list)
     """Nodes that join quorum rounds, [{step}]: the i-th, node nodes.count + i, starts once the run has
     trained `step` steps (its node-steps over nodes.count), from the latest global model a node holds

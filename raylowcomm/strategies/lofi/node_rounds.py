@@ -26,7 +26,15 @@ from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import RoundMerging
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, floats
-from raylowcomm.strategies.lofi.round_file import GLOBAL, node_states, read_round, round_meta, round_path, write_round
+from raylowcomm.strategies.lofi.round_file import (
+    GLOBAL,
+    node_states,
+    read_round,
+    round_meta,
+    round_path,
+    sent_weights,
+    write_round,
+)
 
 
 class RoundHost(Protocol):
@@ -108,7 +116,7 @@ class NodeRounds:
         round lands in what trains); then what this node's round file holds, if it has one (a restart, or
         a resumed run)."""
         self.node, self.opts, self.seed, self.merging = node, opts, seed, merging
-        params = {k for k, _ in node.model.named_parameters()}
+        self.params = params = {k for k, _ in node.model.named_parameters()}
         self.codec = DeltaCodec(opts, initial, params, dense)
         self.global_state = crossing(initial, opts)  # the caller's copy, kept
         sizes = self.codec.sizes()
@@ -125,7 +133,10 @@ class NodeRounds:
             self.global_state = self.outer.state  # one copy, moved by the outer step
         self.payload: Payload | None = None
         self.in_flight: streaming.InFlightRound | None = None
-        self.pending = PendingProgress() if opts.keep_training else None
+        self.pending = PendingProgress() if opts.keep_training and not opts.overlap else None
+        self.keep_in_flight = opts.keep_training and opts.overlap > 0
+        self.sent: dict | None = None
+        """With `keep_in_flight`: the parameters this node sent its payload from, until its round lands."""
         if node.storage.exists(round_path(node.rank)):
             self._restore_round()
 
@@ -136,6 +147,7 @@ class NodeRounds:
         self.codec.load_residual(residual)
         if round_ > self.node.rounds:  # died after writing its round file, before its checkpoint: merge again
             meta = round_meta(storage, path)
+            self.sent = sent_weights(storage, path) or None
             if self.merging.merges_rounds:
                 self._merge_nodes(node_states(storage, path), meta["weights"], round_)
             else:
@@ -169,6 +181,9 @@ class NodeRounds:
         """Encode Δ (of one fragment, or all) and put it in the object store from here: ([its
         ObjectRef], its packed bytes); the ref travels in a list so that nobody resolves it on the way."""
         payload = self.encode_delta(fragment, final)
+        if self.keep_in_flight:
+            mine = self.node.weights()
+            self.sent = {k: mine[k].detach().clone() for k in self._names(fragment) if k in self.params}
         return [ray.put(payload)], payload.nbytes
 
     def apply_round(
@@ -319,9 +334,13 @@ class NodeRounds:
             self.global_state[k] = mine[k].clone()
 
     def _merge(self, fragment: int, mix: float, round_: int) -> None:
-        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global."""
+        """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global; where it
+        keeps what it trained while the round was in flight, θ ← θ_global + (θ − θ_sent) (`keep_on_top`)."""
         mine = self.node.weights()
-        if mix == 0.0:
+        if self.sent is not None:
+            landed = {k: self.global_state[k] for k in self._names(fragment)}
+            new, self.sent = streaming.keep_on_top(mine, self.sent, landed, self.params), None
+        elif mix == 0.0:
             new = {k: self.global_state[k] for k in self._names(fragment)}
         else:
             new = {
@@ -364,6 +383,7 @@ class NodeRounds:
             nodes,
             fragment=fragment,
             mix=mix,
+            sent=self.sent,
             **({"weights": weights} if weights else {}),
         )
 

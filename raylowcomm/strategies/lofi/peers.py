@@ -66,6 +66,20 @@ class PeerExchange:
                 "with model.lora a landed round restarts the adapters it merged, "
                 "which leaves nothing of the node's own to mix: set lofi.mix: 0",
             )
+        if o.keep_training and o.overlap and cfg.model.lora is not None:
+            raise ConfigError(
+                "lofi.keep_training",
+                o.keep_training,
+                "with model.lora a landed round restarts the adapters it merged, "
+                "which leaves nothing of the node's own to keep: set lofi.keep_training: false",
+            )
+        if o.keep_training and o.overlap and o.mix:
+            raise ConfigError(
+                "lofi.mix",
+                o.mix,
+                "with lofi.keep_training a landed round keeps all the node trained while it was in flight: "
+                "set lofi.mix: 0",
+            )
         if o.soup == "greedy":
             raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
 

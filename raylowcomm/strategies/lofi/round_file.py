@@ -26,16 +26,20 @@ def write_round(
     momentum: dict | None = None,
     residual: dict | None = None,
     nodes: list[dict] | None = None,
+    sent: dict | None = None,
     **meta,
 ) -> None:
     """A round's state as one safetensors file: `global.*`, `momentum.*` (with an outer step) and
     `residual.*` (a node's error feedback), per tensor, so per fragment too; with the round number
     (and `meta`: which fragment the round synced, how it was mixed in); `read_round` reads it back.
-    `nodes`: where rounds merge (LoRA), every node's decoded state of the round, `node_states` reads them."""
+    `nodes`: where rounds merge (LoRA), every node's decoded state of the round, `node_states` reads them.
+    `sent`: where a node keeps what it trained while its round was in flight (`lofi.keep_training` with
+    overlap), the parameters it sent from, so that a restart merges the round again exactly (`sent_weights`)."""
     parts = {
         "global": state,
         "momentum": momentum or {},
         "residual": residual or {},
+        "sent": sent or {},
         **{f"node{k}": values for k, values in enumerate(nodes or [])},
     }
     tensors = {f"{part}.{k}": v for part, values in parts.items() for k, v in values.items()}
@@ -66,3 +70,9 @@ def round_meta(storage, path: str) -> dict:
     """What `write_round` wrote besides the tensors: the round, the fragment it synced (ALL: every
     tensor) and the mix it was merged with."""
     return {"fragment": ALL, "mix": 0.0, **storage.load_tensors(path)[1]}
+
+
+def sent_weights(storage, path: str) -> dict:
+    """The parameters a node sent its round's payload from (`write_round`'s `sent`); empty where none."""
+    tensors = storage.load_tensors(path)[0]
+    return {k[len("sent.") :]: v for k, v in tensors.items() if k.startswith("sent.")}

@@ -13,13 +13,17 @@ Overlap τ: the fragment sent at step t lands at step t + τ (or at the next syn
 first): meanwhile the node trains on, a background thread fetching and averaging its peers'
 payloads (`InFlightRound`). When it lands the node takes the outer step on the global fragment, then
 mixes it into its own weights, θ_local ← α·θ_local + (1−α)·θ_global (α: `lofi.mix`), keeping part
-of the τ steps made in flight; with τ = 0 the node takes the global fragment as it is.
+of the τ steps made in flight; with τ = 0 the node takes the global fragment as it is. With
+`lofi.keep_training` it keeps all of them instead (`keep_on_top`): θ_local ← θ_global + (θ_local −
+θ_sent).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+
+import torch
 
 from raylowcomm.config import ConfigError
 from raylowcomm.strategies.lofi.config import LofiConfig, fixed_period
@@ -76,6 +80,22 @@ def landings(boundaries: list[int], overlap: int) -> list[int]:
     """The step at which the exchange sent at each boundary (but the last) lands: τ steps later, or at
     the next boundary if that comes first (no two exchanges are in flight at once)."""
     return [min(t + overlap, nxt) for t, nxt in zip(boundaries, boundaries[1:])]
+
+
+def keep_on_top(mine: dict, sent: dict, landed: dict, params: set[str]) -> dict:
+    """`lofi.keep_training` with overlap: the landed tensors' new values on a node. A parameter is its new
+    global value with what the node trained since it sent its payload on top, θ ← G' + (θ − θ_sent) in
+    float64, so the τ steps trained while the round was in flight are not dropped (they cross in the
+    node's next payload, which measures Δ from G'); another floating tensor (BatchNorm statistics, where
+    they cross) is the global one. A node that trained nothing since it sent (θ = θ_sent) gets G' bit for bit."""
+    out = {}
+    for k, g in landed.items():
+        if k in params:
+            on_top = mine[k].to(torch.float64) - sent[k].to(torch.float64)
+            out[k] = (g.to(torch.float64) + on_top).to(mine[k].dtype)
+        else:
+            out[k] = g
+    return out
 
 
 class InFlightRound:
