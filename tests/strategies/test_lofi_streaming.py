@@ -2,6 +2,7 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ from safetensors.torch import load_file
 from raylowcomm.actors import ActorDied
 from raylowcomm.core.compression import layout_of, make_codec
 from raylowcomm.models import state_dict_of
+from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.payload import floats
+from raylowcomm.strategies.lofi.round_file import round_path, write_round
 from tests.strategies.test_lofi import run_lofi, tiny_config
 from tests.strategies.test_lofi_rounds import bare_rounds, payload_bytes, round_files
 
@@ -213,3 +216,30 @@ def test_a_budget_ends_overlapping_rounds_with_the_round_in_flight_landed(ray_se
         landed = sum(("round_wait_s" in call) + ("round_wait_at_stop_s" in call) for call in node["train"])
         assert landed == begun, node["node"]
     assert {"id_accuracy", "shift_accuracy"} <= rec["metrics"].keys()
+
+
+def test_a_node_restarted_between_its_round_file_and_its_checkpoint_keeps_its_steps_in_flight_again(tmp_path):
+    """keep_training with overlap: a node that died after writing round 2's file, before the checkpoint after
+    it, restarts from the checkpoint made where the round landed (round 1) and merges round 2 again from the
+    file: the same G' + (θ − θ_sent) as the landing that died, from the parameters the file says it sent."""
+    g = torch.Generator().manual_seed(1)
+    mine, sent, landed = ({k: torch.randn(8, generator=g) for k in ("w", "b")} for _ in range(3))
+    storage, loaded = Storage(tmp_path), {}
+    write_round(storage, round_path(0), 2, landed, sent={"w": sent["w"]}, fragment=streaming.ALL, mix=0.0)
+    node = SimpleNamespace(
+        rank=0,
+        rounds=1,
+        step=10,
+        storage=storage,
+        weights=lambda: dict(mine),
+        load_global=lambda state, rounds: loaded.update(state),
+        save_state=lambda step: None,
+        log=lambda msg: None,
+    )
+    peer = bare_rounds(rank=0, rounds=1)
+    peer.node, peer.global_state, peer.outer, peer.params, peer.sent_from = node, {}, None, {"w"}, None
+    peer.codec, peer.merging = SimpleNamespace(load_residual=lambda r: None), SimpleNamespace(merges_rounds=False)
+    peer._restore_round()
+    expected = streaming.keep_on_top(mine, {"w": sent["w"]}, landed, {"w"})
+    assert node.rounds == 2 and loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected) and peer.sent_from is None

@@ -228,6 +228,19 @@ class Lofi(Strategy[LofiConfig]):
             )
             raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
         exchange_for(cfg).validate(cfg, o)
+        if not o.await_round and not on_quorum(o, cfg.nodes.elastic):
+            raise ConfigError(
+                "lofi.await_round",
+                o.await_round,
+                "only a quorum round's payload waits: set lofi.quorum (or lofi.sync: time), or true",
+            )
+        if not o.await_round and o.keep_training:
+            raise ConfigError(
+                "lofi.await_round",
+                o.await_round,
+                "a node either trains on from its own model (keep_training) or from the global one: "
+                "set lofi.keep_training: false or lofi.await_round: true",
+            )
         if o.keep_training and not on_quorum(o, cfg.nodes.elastic) and not o.overlap:
             raise ConfigError(
                 "lofi.keep_training",
@@ -427,6 +440,7 @@ class Lofi(Strategy[LofiConfig]):
             "exchange": exchange.name,
             **exchange.details(),
         }
+        curve_offset_s = collect_s  # the points' offset: the final collection, not the recalibration after it
         with watch("curve"):
             curve = final_phase.snapshot_curve(
                 group,
@@ -461,10 +475,14 @@ class Lofi(Strategy[LofiConfig]):
             )
         details["curve_note"] = (
             f"lo-fi points: averages of node snapshots made after training; time = slowest node's "
-            f"training time at the step + {collect_s:.2f} s, the measured time to collect and "
-            f"average the {n} final models"
-            + (" and recalibrate BN" if "average_without_bn_recalibration" in details else "")
-            + "; bytes include that collection"
+            f"training time at the step + {curve_offset_s:.2f} s, the measured time to collect and "
+            f"average the {n} final models; bytes include that collection"
+            + (
+                f"; the points before the last are not BN-recalibrated, the last (the result) is, "
+                f"its time + {collect_s - curve_offset_s:.2f} s more for it"
+                if "average_without_bn_recalibration" in details
+                else ""
+            )
         )
         final_phase.warn_if_worse(metric, metrics, node_metrics, details)
         infos = group.call("info", phase="final", what="node_info")  # last: peaks include node 0's save

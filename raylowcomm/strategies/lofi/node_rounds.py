@@ -135,7 +135,7 @@ class NodeRounds:
         self.in_flight: streaming.InFlightRound | None = None
         self.pending = PendingProgress() if opts.keep_training and not opts.overlap else None
         self.keep_in_flight = opts.keep_training and opts.overlap > 0
-        self.sent: dict | None = None
+        self.sent_from: dict | None = None
         """With `keep_in_flight`: the parameters this node sent its payload from, until its round lands."""
         if node.storage.exists(round_path(node.rank)):
             self._restore_round()
@@ -147,7 +147,7 @@ class NodeRounds:
         self.codec.load_residual(residual)
         if round_ > self.node.rounds:  # died after writing its round file, before its checkpoint: merge again
             meta = round_meta(storage, path)
-            self.sent = sent_weights(storage, path) or None
+            self.sent_from = sent_weights(storage, path) or None
             if self.merging.merges_rounds:
                 self._merge_nodes(node_states(storage, path), meta["weights"], round_)
             else:
@@ -183,7 +183,7 @@ class NodeRounds:
         payload = self.encode_delta(fragment, final)
         if self.keep_in_flight:
             mine = self.node.weights()
-            self.sent = {k: mine[k].detach().clone() for k in self._names(fragment) if k in self.params}
+            self.sent_from = {k: mine[k].detach().clone() for k in self._names(fragment) if k in self.params}
         return [ray.put(payload)], payload.nbytes
 
     def apply_round(
@@ -337,9 +337,9 @@ class NodeRounds:
         """The fragment's global tensors into this node's weights: θ ← mix·θ + (1 − mix)·θ_global; where it
         keeps what it trained while the round was in flight, θ ← θ_global + (θ − θ_sent) (`keep_on_top`)."""
         mine = self.node.weights()
-        if self.sent is not None:
+        if self.sent_from is not None:
             landed = {k: self.global_state[k] for k in self._names(fragment)}
-            new, self.sent = streaming.keep_on_top(mine, self.sent, landed, self.params), None
+            new, self.sent_from = streaming.keep_on_top(mine, self.sent_from, landed, self.params), None
         elif mix == 0.0:
             new = {k: self.global_state[k] for k in self._names(fragment)}
         else:
@@ -383,7 +383,7 @@ class NodeRounds:
             nodes,
             fragment=fragment,
             mix=mix,
-            sent=self.sent,
+            sent=self.sent_from,
             **({"weights": weights} if weights else {}),
         )
 
