@@ -313,28 +313,6 @@ def test_a_node_that_keeps_training_never_waits_for_the_slow_node_and_ends_on_th
     assert globals_ and all(torch.equal(saved[k], v) for k, v in globals_.items())
 
 
-@pytest.mark.slow
-def test_a_node_that_does_not_await_its_round_starts_again_from_the_global_model(ray_session, tmp_path):
-    cfg = rounds_config(quorum=2, await_round=False)
-    cfg.churn = ChurnConfig(slow=[SlowNode(node=1, factor=20)])
-    _, rec = run_lofi(cfg, tmp_path)
-    details, fast = rec["details"], rec["nodes"][0]["train"]
-    # the fast node sent a second payload while its first waited for the slow node's: one round holds both
-    assert any(sum(p["node"] == 0 for p in r) == 2 for r in details["round_log"])
-    # and that second segment started from the global model, not from where its first ended
-    assert fast[0]["from_global"] is False and fast[1]["from_global"] is True and fast[1]["base_round"] == 0
-    assert sum(t["steps"] for n in rec["nodes"] for t in n["train"]) == 2 * 16  # the budget of node-steps
-
-
-def test_await_round_is_for_quorum_rounds_and_excludes_keep_training():
-    with pytest.raises(ConfigError) as err:
-        tiny_config(average_every=8, compress="int8", await_round=False)
-    assert err.value.field_name == "lofi.await_round"
-    with pytest.raises(ConfigError) as err:
-        rounds_config(quorum=2, await_round=False, keep_training=True)
-    assert err.value.field_name == "lofi.await_round"
-
-
 def test_keep_training_needs_quorum_rounds_or_rounds_in_flight_and_mixes_nothing():
     with pytest.raises(ConfigError) as err:
         tiny_config(average_every=8, compress="int8", keep_training=True)

@@ -228,19 +228,6 @@ class Lofi(Strategy[LofiConfig]):
             )
             raise ConfigError(field, value, "quorum rounds are peer rounds: set lofi.exchange: peers (or a compress)")
         exchange_for(cfg).validate(cfg, o)
-        if not o.await_round and not on_quorum(o, cfg.nodes.elastic):
-            raise ConfigError(
-                "lofi.await_round",
-                o.await_round,
-                "only a quorum round's payload waits: set lofi.quorum (or lofi.sync: time), or true",
-            )
-        if not o.await_round and o.keep_training:
-            raise ConfigError(
-                "lofi.await_round",
-                o.await_round,
-                "a node either trains on from its own model (keep_training) or from the global one: "
-                "set lofi.keep_training: false or lofi.await_round: true",
-            )
         if o.keep_training and not on_quorum(o, cfg.nodes.elastic) and not o.overlap:
             raise ConfigError(
                 "lofi.keep_training",

@@ -123,12 +123,6 @@ class LofiConfig:
     lands, the τ steps a node trained while it was in flight stay on top of the new global model
     (θ ← θ_global + (θ − θ_sent)) instead of being dropped (`mix` 0) or mixed; they cross in its next
     payload. Not with model.lora."""
-    await_round: bool = True
-    """Quorum rounds: whether a node whose payload waits for its round waits too. false: it starts its
-    next segment at once from the latest global model (as FedBuff's clients do; at most two of its
-    payloads wait at once), and its waiting payload merges, staleness-weighted, into a later round: no
-    node idles at rounds, and no node's own progress rides on top of the global model (unlike
-    `keep_training`, which it excludes)."""
     join: list[JoinEvent] = field(default_factory=list)
     """Nodes that join quorum rounds, [{step}]: the i-th, node nodes.count + i, starts once the run has
     trained `step` steps (its node-steps over nodes.count), from the latest global model a node holds

@@ -273,7 +273,7 @@ class LofiNode(Node):
         if (token := self.peer.sent()) is not None:
             meta["token"] = token
         parts = {"land_s": t1 - t0, "train_call_s": t2 - t1, "encode_s": time.perf_counter() - t2}
-        return {**stats, **meta, "landed": landed, "from_global": reset, "segment_parts_s": parts}, payload
+        return {**stats, **meta, "landed": landed, "segment_parts_s": parts}, payload
 
     def catch_up(self, rounds: list, reset: bool = False, merged: list[str] = ()) -> int:
         return self.peer.catch_up(rounds, reset, merged)

@@ -17,9 +17,7 @@ A node whose payload waits for its round does not train on (its next Δ would co
 again): it starts its next segment from the round that merged it. With `keep_training` it trains on,
 its next Δ measured from where it sent (at most two of its payloads wait at once), and each round it
 lands moves its model onto the new global model with its unmerged progress on top
-(`node_rounds.PendingProgress`). With `await_round: false` it starts its next segment at once from
-the latest global model, its payload still waiting (at most two at once), as FedBuff's clients do:
-what that payload carries reaches its model when a round merges it. A node that dies leaves the quorum
+(`node_rounds.PendingProgress`). A node that dies leaves the quorum
 at once; it is restarted (`nodes.max_restarts`) from its checkpoint and round file, joins again at its
 next segment by landing the rounds it missed and starting from the latest global model: what it
 trained since its last round is lost. A node whose restarts are spent leaves the run.
@@ -564,12 +562,11 @@ class QuorumExchange(PeerExchange):
         self.pending.setdefault(k, []).append(arrival)
         node.idle_since = arrival.arrived_at
         if not self._leave_if_due(group, k) and len(self.pending[k]) < self._pending_cap():
-            node.reset = not self.opts.await_round  # from the latest global model, not its own
-            self._assign(group, plan, k)  # it trains on while its payload waits
+            self._assign(group, plan, k)  # keep_training: it trains on while its payload waits
 
     def _pending_cap(self) -> int:
         """How many of a node's payloads may wait for rounds before it waits too."""
-        return 2 if self.opts.keep_training or not self.opts.await_round else 1
+        return 2 if self.opts.keep_training else 1
 
     def _forget_landed(self) -> None:
         """Drop the rounds every node of the run has landed: nobody will fetch their payloads again, so
