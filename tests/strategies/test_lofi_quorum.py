@@ -4,6 +4,7 @@ preempted node leaves the quorum, restarts and ends identical to the others."""
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -13,8 +14,9 @@ from safetensors.torch import load_file
 from raylowcomm.config import ConfigError
 from raylowcomm.config.schema import ChurnConfig, KillAt, SlowNode
 from raylowcomm.runner import prepare
+from raylowcomm.storage import Storage
 from raylowcomm.strategies import from_dict
-from raylowcomm.strategies.lofi import Lofi, exchange_for
+from raylowcomm.strategies.lofi import Lofi, exchange_for, node_rounds
 from raylowcomm.strategies.lofi.config import node_slots
 from raylowcomm.strategies.lofi.node_rounds import PendingProgress
 from raylowcomm.strategies.lofi.plan import Plan
@@ -27,6 +29,7 @@ from raylowcomm.strategies.lofi.quorum import (
     tail_steps,
 )
 from tests.strategies.test_lofi import run_lofi, tiny_config
+from tests.strategies.test_lofi_rounds import bare_rounds
 
 
 def rounds_config(**lofi):
@@ -321,3 +324,46 @@ def test_keep_training_needs_quorum_rounds_or_rounds_in_flight_and_mixes_nothing
     with pytest.raises(ConfigError) as err:
         tiny_config(average_every=8, compress="int8", keep_training=True, overlap=2, mix=0.5)
     assert err.value.field_name == "lofi.mix"
+
+
+def test_a_landing_at_a_segments_start_keeps_that_checkpoint_and_a_restart_merges_the_round_again(
+    tmp_path, monkeypatch
+):
+    """Quorum rounds land at the start of a node's segment, right after the checkpoint its last segment
+    ended with (step 16): the node writes its round file and no second checkpoint. A process restored from
+    that checkpoint (round 1) and the round file (round 2) merges round 2 again and holds the model the
+    landing gave the live node, bit for bit."""
+    storage, saves, loaded = Storage(tmp_path), [], {}
+    start, mine = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, 1.5])}
+
+    def node_side():
+        peer = bare_rounds(rank=0, rounds=1)
+        peer.node = SimpleNamespace(
+            rank=0,
+            rounds=1,
+            step=16,
+            saved_step=16,
+            storage=storage,
+            weights=lambda: dict(mine),
+            load_global=lambda state, rounds: loaded.update(state),
+            save_state=saves.append,
+            log=lambda msg: None,
+        )
+        peer.global_state, peer.outer, peer.pending, peer.payload, peer.sent_from = dict(start), None, None, None, None
+        peer.merging = SimpleNamespace(merges_rounds=False)
+        peer.codec = SimpleNamespace(
+            average=lambda payloads, weights: {"w": torch.tensor([0.25, 0.25], dtype=torch.float64)},
+            residual=dict,
+            load_residual=lambda residual: None,
+        )
+        return peer
+
+    monkeypatch.setattr(node_rounds.ray, "get", lambda ref: ref)
+    live = node_side()
+    assert live.catch_up([(2, [["payload 0"], ["payload 1"]], [1.0, 1.0])]) == 1
+    landed = dict(loaded)
+    assert saves == [] and live.node.rounds == 2 and torch.equal(landed["w"], torch.tensor([0.75, 1.75]))
+    loaded.clear()
+    restarted = node_side()
+    restarted._restore_round()
+    assert saves == [16] and restarted.node.rounds == 2 and torch.equal(loaded["w"], landed["w"])

@@ -59,12 +59,15 @@ class LofiNode(Node):
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
         self.optimizer = make_optimizer(cfg.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
+        self.saved_step: int | None = None
+        """The step of this node's checkpoint in storage (model and optimizer as they were then)."""
         self.round_momentum = round_momentum  # lofi.round_momentum
         # peer rounds: what every node sends, as it starts (a copy: restoring a checkpoint overwrites it)
         start = {k: v.clone() for k, v in self.weights().items()} if rounds is not None else None
         if storage.exists(self.checkpoint):  # restarted, wherever Ray placed it, or a resumed run
             meta = load_checkpoint(storage, self.checkpoint, self.model, self.optimizer)
             self.step, self.rounds = meta["step"], meta["extra"].get("rounds", 0)
+            self.saved_step = self.step
             self.restored_from = self.step
             self.log(f"resuming from its checkpoint at step {self.step} ({storage.uri_of(self.checkpoint)})")
         self.churn = Churn.for_node(cfg, node, cfg.nodes.count, storage, "lofi")
@@ -127,6 +130,7 @@ class LofiNode(Node):
             extra={"rounds": self.rounds},
             trainable_only=self.fine_tune.trainable_only(base_moved=self.rounds > 0),
         )
+        self.saved_step = step
 
     def _snapshot_path(self, step: int) -> str:
         return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"

@@ -47,6 +47,7 @@ class RoundHost(Protocol):
     optimizer: torch.optim.Optimizer
     step: int
     rounds: int
+    saved_step: int | None
 
     def weights(self) -> dict:
         """What the node sends of what it has learned (`Node.weights`)."""
@@ -233,7 +234,8 @@ class NodeRounds:
             if self.pending is not None:
                 self.pending.clear()
             self._merge(streaming.ALL, 0.0, self.node.rounds)
-            self.node.save_state(self.node.step)
+            if latest is None or self.node.saved_step != self.node.step:
+                self.node.save_state(self.node.step)  # else its checkpoint here and the round file restore this
         return landed
 
     def adopt(self, path: str) -> int:
