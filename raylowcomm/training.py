@@ -69,8 +69,12 @@ class StepHooks:
     clock: TrainClock = field(default_factory=TrainClock)
     """The loop's `train_s`: what `on_step` does inside `clock.paused()` is not counted."""
     stop_after_s: float | None = None
-    """Stop after the step at which `clock` reaches this many seconds (a segment synced by time, a
-    budget), or at `stop`, whichever comes first."""
+    """Stop after the step at which `clock` reaches this many seconds (a budget: never short of it), or at
+    `stop`, whichever comes first."""
+    stop_nearest: bool = False
+    """With `stop_after_s`: stop at the step end nearest to it instead, judging the next step by the last
+    one's time on `clock` (a segment synced by time: nodes of every pace end within half a step of it, so
+    a slow node's long step does not make it the late one)."""
     stop: Callable[[], bool] | None = None
     """Asked after each step (after `on_step`): True stops the loop there (DDP's ranks vote on their
     budget, so that every rank stops at the same step)."""
@@ -109,7 +113,7 @@ def train_steps(
     grouped by length (see `batch_at`)."""
     hooks = hooks or StepHooks()
     model.train()
-    losses, step_s = [], 0.0
+    losses, step_s, before = [], 0.0, hooks.clock.elapsed()
     for step in range(start, stop):
         began = time.perf_counter()
         torch.manual_seed(step_seed(seed, step))
@@ -122,8 +126,13 @@ def train_steps(
         losses.append(loss.item())
         step_s = time.perf_counter() - began
         hooks.after(step + 1, stop, losses, step_s)
-        if hooks.stop_after_s is not None and hooks.clock.elapsed() >= hooks.stop_after_s:
-            break
+        if hooks.stop_after_s is not None:
+            elapsed = hooks.clock.elapsed()
+            if elapsed >= hooks.stop_after_s or (
+                hooks.stop_nearest and elapsed + (elapsed - before) / 2 > hooks.stop_after_s
+            ):
+                break
+            before = elapsed
         if hooks.stop is not None and hooks.stop():
             break
     return {

@@ -7,7 +7,7 @@ from torch import nn
 from raylowcomm.common.batches import batch_at
 from raylowcomm.config import OptimConfig
 from raylowcomm.tasks import ImageClassification
-from raylowcomm.training import make_optimizer, train_steps
+from raylowcomm.training import StepHooks, make_optimizer, train_steps
 
 
 def _setup() -> tuple[nn.Module, dict]:
@@ -77,3 +77,30 @@ def test_bf16_autocasts_forward_and_backward_but_keeps_fp32_weights():
     assert not torch.equal(bf16[1].weight, fp32[1].weight)
     again, _ = _run("bf16")
     assert torch.equal(again[1].weight, bf16[1].weight), "bf16 training is deterministic on one device"
+
+
+class ScriptedClock:
+    """A clock on which every step takes one second: `elapsed` is read once before the loop and once after
+    each step."""
+
+    def __init__(self) -> None:
+        self.reads = -1
+
+    def elapsed(self) -> float:
+        self.reads += 1
+        return float(self.reads)
+
+
+def _steps_until(seconds: float, nearest: bool) -> int:
+    model, shard = _setup()
+    optimizer = make_optimizer(OptimConfig(lr=0.1), model)
+    hooks = StepHooks(clock=ScriptedClock(), stop_after_s=seconds, stop_nearest=nearest)
+    return train_steps(model, ImageClassification(8), optimizer, shard, 0, 10, 16, seed=1, hooks=hooks)["steps"]
+
+
+def test_a_time_limit_stops_at_the_first_step_past_it_or_at_the_nearest_step_end():
+    """Steps of 1 s: a budget of 2.4 s stops after step 3 (never short of it); the nearest step end to 2.4 s
+    is step 2 (0.4 s early against 0.6 s late), to 2.6 s step 3, and a limit on a step end stops there."""
+    assert _steps_until(2.4, nearest=False) == 3 and _steps_until(2.6, nearest=False) == 3
+    assert _steps_until(2.4, nearest=True) == 2 and _steps_until(2.6, nearest=True) == 3
+    assert _steps_until(2.0, nearest=True) == 2 and _steps_until(2.0, nearest=False) == 2

@@ -96,10 +96,10 @@ class LofiConfig:
     Adam's moments) go on from its own steps; reset: they start afresh from the global model, as the
     other nodes' do: no node keeps pulling toward where its own steps went. Costs no byte."""
     sync: Literal["steps", "time"] = "steps"
-    """When a node sends its round's payload. steps: at the `average_every` boundaries; time: after
-    `sync_every_s` seconds of its own training, however many steps that is (a fast node is never held
-    back), each Δ weighted by the examples it trained on since its last round. Time sync runs on quorum
-    rounds (`quorum` null: every live node)."""
+    """When a node sends its round's payload. steps: at the `average_every` boundaries; time: at the step
+    end nearest to `sync_every_s` seconds of its own training, however many steps that is (a fast node is
+    never held back), each Δ weighted by the examples it trained on since its last round. Time sync runs
+    on quorum rounds (`quorum` null: every live node)."""
     sync_every_s: float | None = None
     """sync: time: the seconds of training between a node's payloads."""
     quorum: int | float | None = None

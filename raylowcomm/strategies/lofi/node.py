@@ -136,14 +136,20 @@ class LofiNode(Node):
         return f"lofi/snapshots/node{self.rank}_step{step}.safetensors"
 
     def train(
-        self, until: int, snapshot_at: list[int], landing: list | None = None, seconds: float | None = None
+        self,
+        until: int,
+        snapshot_at: list[int],
+        landing: list | None = None,
+        seconds: float | None = None,
+        nearest: bool = False,
     ) -> dict:
         """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
         training time so far in this call (saving the snapshot is not training). `landing`: [round,
         step] of the peer round in flight (lofi.overlap), landed at that step (after a checkpoint of
         the weights it merges into: a restart in between merges again from there); how long training
         waited for it is `round_wait_s` in what it returns. `seconds`: stop after the step that reaches
-        that much training time, if before `until` (`lofi.sync: time`), checkpointed there."""
+        that much training time, if before `until` (a budget), checkpointed there; `nearest`: at the step
+        end nearest to it (`lofi.sync: time`)."""
         clock, snaps, snapshot_s, waited = TrainClock(), set(snapshot_at), {}, {}
         if self.peer is not None:
             self.peer.expect_landing(landing)
@@ -167,6 +173,7 @@ class LofiNode(Node):
             clock=clock,
             pace=self.churn,
             stop_after_s=seconds,
+            stop_nearest=nearest,
         )
         stats = train_steps(
             self.model,
@@ -270,7 +277,7 @@ class LofiNode(Node):
         t0 = time.perf_counter()
         landed = self.peer.catch_up(rounds, reset, merged)
         t1 = time.perf_counter()
-        stats = self.train(until, [], seconds=seconds)
+        stats = self.train(until, [], seconds=seconds, nearest=True)
         t2 = time.perf_counter()
         payload = self.peer.encode_delta()
         meta = {"base_round": self.rounds, "base_hash": self.peer.global_hash(), "nbytes": payload.nbytes}
