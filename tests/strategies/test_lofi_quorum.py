@@ -29,7 +29,7 @@ from raylowcomm.strategies.lofi.quorum import (
     tail_steps,
 )
 from tests.strategies.test_lofi import run_lofi, tiny_config
-from tests.strategies.test_lofi_rounds import bare_rounds
+from tests.strategies.test_lofi_rounds import bare_rounds, host_on_storage
 
 
 def rounds_config(**lofi):
@@ -338,17 +338,7 @@ def test_a_landing_at_a_segments_start_keeps_that_checkpoint_and_a_restart_merge
 
     def node_side():
         peer = bare_rounds(rank=0, rounds=1)
-        peer.node = SimpleNamespace(
-            rank=0,
-            rounds=1,
-            step=16,
-            saved_step=16,
-            storage=storage,
-            weights=lambda: dict(mine),
-            load_global=lambda state, rounds: loaded.update(state),
-            save_state=saves.append,
-            log=lambda msg: None,
-        )
+        peer.node = host_on_storage(storage, mine, loaded, saves, step=16)
         peer.global_state, peer.outer, peer.pending, peer.payload, peer.sent_from = dict(start), None, None, None, None
         peer.merging = SimpleNamespace(merges_rounds=False)
         peer.codec = SimpleNamespace(

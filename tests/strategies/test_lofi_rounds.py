@@ -435,6 +435,23 @@ def bare_rounds(rank: int, rounds: int) -> NodeRounds:
     return peer
 
 
+def host_on_storage(storage, weights: dict, loaded: dict, saves: list, step: int) -> SimpleNamespace:
+    """A node for `bare_rounds` with its files in `storage`: it has landed round 1, trained to `step` and
+    checkpointed there; its model holds `weights`, what a round loads into it goes into `loaded`, the steps
+    it checkpoints at into `saves`."""
+    return SimpleNamespace(
+        rank=0,
+        rounds=1,
+        step=step,
+        saved_step=step,
+        storage=storage,
+        weights=lambda: dict(weights),
+        load_global=lambda state, rounds: loaded.update(state),
+        save_state=saves.append,
+        log=lambda msg: None,
+    )
+
+
 def test_a_payload_lost_with_its_node_mid_exchange_names_the_node_and_the_round(monkeypatch):
     """A node restarted between send_delta and apply_round holds no payload; a peer finds the payload's owner
     dead. Either way the round ends with ActorDied naming the node and the round, not a TypeError."""

@@ -17,7 +17,7 @@ from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.payload import floats
 from raylowcomm.strategies.lofi.round_file import round_path, write_round
 from tests.strategies.test_lofi import run_lofi, tiny_config
-from tests.strategies.test_lofi_rounds import bare_rounds, payload_bytes, round_files
+from tests.strategies.test_lofi_rounds import bare_rounds, host_on_storage, payload_bytes, round_files
 
 
 def fragment_bytes(ctx, fragments: int, codec: str = "int4") -> list[int]:
@@ -226,16 +226,7 @@ def test_a_node_restarted_between_its_round_file_and_its_checkpoint_keeps_its_st
     mine, sent, landed = ({k: torch.randn(8, generator=g) for k in ("w", "b")} for _ in range(3))
     storage, loaded = Storage(tmp_path), {}
     write_round(storage, round_path(0), 2, landed, sent={"w": sent["w"]}, fragment=streaming.ALL, mix=0.0)
-    node = SimpleNamespace(
-        rank=0,
-        rounds=1,
-        step=10,
-        storage=storage,
-        weights=lambda: dict(mine),
-        load_global=lambda state, rounds: loaded.update(state),
-        save_state=lambda step: None,
-        log=lambda msg: None,
-    )
+    node = host_on_storage(storage, mine, loaded, [], step=10)
     peer = bare_rounds(rank=0, rounds=1)
     peer.node, peer.global_state, peer.outer, peer.params, peer.sent_from = node, {}, None, {"w"}, None
     peer.codec, peer.merging = SimpleNamespace(load_residual=lambda r: None), SimpleNamespace(merges_rounds=False)
