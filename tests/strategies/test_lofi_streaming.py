@@ -185,9 +185,15 @@ def test_keep_on_top_moves_the_parameters_onto_the_landed_model_and_takes_the_re
     """θ ← G' + (θ − θ_sent) in float64 on parameters, the global value elsewhere. Exact in two cases by
     the arithmetic: θ = θ_sent gives G' bit for bit (G' + 0); G' = θ_sent gives θ bit for bit (the float32
     difference of two values within a factor 2^29 of each other is exact in float64, so the sum is θ
-    exactly before its rounding to float32, which keeps it)."""
+    exactly before its rounding to float32, which keeps it). The values are drawn with magnitudes in [1, 2),
+    within a factor 2 of each other, so that condition holds by construction."""
     g = torch.Generator().manual_seed(0)
-    mine, sent, landed = ({k: torch.randn(64, generator=g) for k in ("w", "bn.running_mean")} for _ in range(3))
+
+    def values():
+        sign = torch.randint(0, 2, (64,), generator=g) * 2 - 1
+        return sign * (1 + torch.rand(64, generator=g))
+
+    mine, sent, landed = ({k: values() for k in ("w", "bn.running_mean")} for _ in range(3))
     params = {"w"}
     same = streaming.keep_on_top(sent, sent, landed, params)
     assert torch.equal(same["w"], landed["w"]) and same["w"].dtype == torch.float32
