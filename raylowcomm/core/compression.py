@@ -152,8 +152,9 @@ def _round_up_to_scale_dtype(value: Tensor) -> Tensor:
 
 
 def _in_blocks(x: Tensor, block: int) -> Tensor:
-    """Flat x zero-padded to whole blocks, one block a row."""
-    return torch.nn.functional.pad(x, (0, _ceil_div(x.numel(), block) * block - x.numel())).view(-1, block)
+    """Flat x zero-padded to whole blocks, one block a row (a view of x where it fills them)."""
+    pad = _ceil_div(x.numel(), block) * block - x.numel()
+    return (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(-1, block)
 
 
 def _per_entry(scales: Tensor, block: int, n: int) -> Tensor:
@@ -167,14 +168,22 @@ def _quantize_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
     blocks = _in_blocks(x, block)
     scales = _round_up_to_scale_dtype(blocks.abs().amax(dim=1) / qmax)
     divisor = torch.where(scales > 0, scales.to(torch.float64), 1.0)
-    codes = torch.round(blocks / divisor[:, None]).clamp(-qmax, qmax).to(torch.int16)
+    codes = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int16)
     return codes.view(-1)[:n], scales
 
 
 def _dequantize_blocks(codes: Tensor, scales: Tensor, block: int) -> Tensor:
-    """q·scale in float64 (exact: a 7-bit code times an 8-bit bf16 significand)."""
-    per_entry = _per_entry(scales, block, codes.numel())
-    return codes.to(torch.float64) * per_entry
+    """q·scale in float64 (exact: a 7-bit code times an 8-bit bf16 significand). The whole blocks are
+    one broadcast product, without repeating each scale for its entries first (a round's decode runs
+    over every weight of the model, on every node)."""
+    n, whole = codes.numel(), codes.numel() // block
+    scales = scales.to(torch.float64)
+    out = torch.empty(n, dtype=torch.float64, device=codes.device)
+    head = whole * block
+    torch.mul(codes[:head].view(whole, block), scales[:whole, None], out=out[:head].view(whole, block))
+    if head < n:
+        torch.mul(codes[head:], scales[whole], out=out[head:])
+    return out
 
 
 def _pack_int4(codes: Tensor) -> Tensor:
@@ -206,6 +215,12 @@ class Codec:
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         raise NotImplementedError
+
+    def pack_decoded(self, x: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
+        """(`pack`, what `unpack` decodes it to): error feedback needs both; a codec that knows the
+        decoded values while packing skips decoding its own bytes."""
+        packed = self.pack(x, spec)
+        return packed, self._unpack(packed, spec)
 
     def unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         """Checks the buffer's size against the formula, then decodes it to flat float64."""
@@ -290,9 +305,16 @@ class BlockwiseInt(Codec):
         return 2 * _ceil_div(n, self.block_size) + self._code_nbytes(n)
 
     def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
-        codes, scales = _quantize_blocks(x, self.block_size, self.qmax)
+        return self._pack_codes(*_quantize_blocks(x, self.block_size, self.qmax))
+
+    def _pack_codes(self, codes: Tensor, scales: Tensor) -> Tensor:
         packed_codes = _as_bytes(codes.to(torch.int8)) if self.bits == 8 else _pack_int4(codes)
         return torch.cat([_as_bytes(scales), packed_codes])
+
+    def pack_decoded(self, x: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
+        """The codes and scales are the decoded values' factors: q·scale from them, the bytes unread."""
+        codes, scales = _quantize_blocks(x, self.block_size, self.qmax)
+        return self._pack_codes(codes, scales), _dequantize_blocks(codes, scales, self.block_size)
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         n, reader = spec.numel, _Reader(packed)
@@ -421,8 +443,8 @@ class ErrorFeedback:
                 if kept.shape != spec.shape:
                     raise ValueError(f"residual of {name!r} is {tuple(kept.shape)}, Δ is {tuple(spec.shape)}")
                 x = x + kept.to(x.device).reshape(-1)
-            payload[name] = self.codec.pack(x, spec)
-            self.residual[name] = (x - self.codec.unpack(payload[name], spec)).view(spec.shape)
+            payload[name], decoded = self.codec.pack_decoded(x, spec)
+            self.residual[name] = (x - decoded).view(spec.shape)
         return payload
 
     def forget(self, names) -> None:
@@ -440,6 +462,11 @@ class ErrorFeedback:
         if bad:
             raise ValueError(f"residuals must be float64 to stay exact; not so: {bad[:5]}")
         self.residual = {name: r.clone() for name, r in state.items()}
+
+
+def _weighted(decoded: Tensor, weight: float) -> Tensor:
+    """w·d; for w = 1 the product is d itself (exact in IEEE arithmetic), so no pass over it."""
+    return decoded if weight == 1.0 else decoded * weight
 
 
 def average_decoded(
@@ -466,9 +493,8 @@ def average_decoded(
     out = {}
     for name in names:
         spec = layout[name]
-        acc = codec.unpack(payloads[0][name], spec) * weights[0]
+        acc = _weighted(codec.unpack(payloads[0][name], spec), weights[0])
         for payload, weight in zip(payloads[1:], weights[1:]):
-            term = codec.unpack(payload[name], spec) * weight
-            acc = acc + term
+            acc = acc + _weighted(codec.unpack(payload[name], spec), weight)
         out[name] = (acc / total).to(dtype).view(spec.shape)
     return out

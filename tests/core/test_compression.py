@@ -172,6 +172,16 @@ def test_a_topk_offset_outside_its_chunk_is_refused():
         codec.decode(payload, layout_of({"x": x}))
 
 
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_decoded_returns_the_bytes_and_what_they_decode_to(name, n):
+    codec, x = make_codec(name, topk_fraction=0.1), _delta(n, torch.float64, seed=n)
+    spec = TensorSpec(x.shape, torch.float32)
+    packed, decoded = codec.pack_decoded(x, spec)
+    assert torch.equal(packed, codec.pack(x, spec))
+    assert decoded.dtype == torch.float64 and torch.equal(decoded, codec.unpack(packed, spec))
+
+
 def _exact_sum(tensors):
     """Per entry, the exact rational sum of the tensors' values."""
     columns = zip(*(t.double().reshape(-1).tolist() for t in tensors))
