@@ -54,6 +54,7 @@ SETTINGS: dict[str, list[str]] = {
     "H16_int8": [*_PEERS, "lofi.average_every=16", "lofi.compress=int8"],
     "H16_int4": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4"],
     "H32_int4": [*_PEERS, "lofi.average_every=32", "lofi.compress=int4"],
+    "H25_int4": [*_PEERS, "lofi.average_every=25", "lofi.compress=int4"],  # MiniLM 1ep: one round mid-run
     # every node's optimizer state starts afresh at each landed round (no byte)
     "H16_int4_mr": [*_PEERS, "lofi.average_every=16", "lofi.compress=int4", "lofi.round_momentum=reset"],
     "H8_int4_mr": [*_PEERS, "lofi.average_every=8", "lofi.compress=int4", "lofi.round_momentum=reset"],
