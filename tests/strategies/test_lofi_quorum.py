@@ -23,6 +23,7 @@ from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.quorum import (
     ROUNDS,
     boundary_after,
+    in_phase_s,
     pace_share,
     quorum_of,
     staleness_weight,
@@ -69,6 +70,15 @@ def test_under_sync_by_time_the_budget_left_is_shared_by_pace():
     assert pace_share(11, 1.0, [3.0, 1.0, 1.0, 1.0]) == 4  # 11 / (10/3) = 3.3
     assert pace_share(10, None, [None, 1.0, 1.0, 1.0]) == 3  # a pace not known yet: equal shares
     assert pace_share(5, 1.0, [1.0]) == 5
+
+
+def test_under_sync_by_time_a_node_starting_mid_period_ends_with_the_others():
+    assert in_phase_s(16.0, [], 0.0) == 16.0  # nobody else training: a period
+    # restarted while three others train, due in 3, 9 and 12 s: it ends with the median, less its 1 s overhead
+    assert in_phase_s(16.0, [12.0, 3.0, 9.0], 1.0) == 8.0
+    assert in_phase_s(16.0, [5.0], 1.0) == 20.0  # 4 s is under half a period: the round after
+    assert in_phase_s(16.0, [-20.0], 0.0) == 12.0  # long overdue: whole periods on (-20 + 2 x 16)
+    assert in_phase_s(16.0, [17.5, 17.5, 17.5], 1.5) == 16.0  # released with them: a period, as they train
 
 
 @pytest.mark.parametrize(

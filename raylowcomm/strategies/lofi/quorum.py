@@ -116,7 +116,8 @@ class NodeLog:
     reset: bool = False
     """Restarted: its next segment starts from its global model (what it trained since is lost)."""
     pace_s: float | None = None
-    """Its last segment's wall time, from the call to its arrival: when its next one should arrive."""
+    """Its last segment's wall time, from the call to its arrival: when its next one should arrive
+    (under `sync: time`, its training seconds and the rest of that wall time: `_expected`)."""
     step_s: float | None = None
     """That wall time per step it trained: what a segment of its costs (`tail_steps`)."""
     idle_since: float | None = None
@@ -158,6 +159,18 @@ def pace_share(left: int, step_s: float | None, free: list[float | None]) -> int
     if step_s is None or None in free:
         return math.ceil(left / max(1, len(free)))
     return math.ceil(left / step_s / sum(1 / s for s in free))
+
+
+def in_phase_s(period: float, others_left_s: list[float], overhead_s: float) -> float:
+    """Under `sync: time`, the training seconds of a node's next segment: it ends when the median of the
+    other nodes' segments in flight is expected to arrive (`others_left_s`, seconds from now), less its
+    own landing and encoding (`overhead_s`), so a node restarted or joining mid-period meets the others'
+    round instead of waiting most of a period for the next one; whole periods more where that leaves
+    under half of one, and a period where no other node trains with a known pace."""
+    if not others_left_s:
+        return period
+    left = sorted(others_left_s)[len(others_left_s) // 2] - overhead_s
+    return left if left >= period / 2 else left + period * math.ceil((period / 2 - left) / period)
 
 
 def book_catch_up(ledger, phase: str, k: int, rounds: list[LandedRound]) -> None:
@@ -473,15 +486,20 @@ class QuorumExchange(PeerExchange):
     def _expected(self, flight: tuple) -> float:
         """When a segment in flight should arrive: its start plus its node's last segment's wall time, per
         step where segments end by steps (at once, for a node with none yet: it is waited for)."""
-        k, _, start, until, sent_at = flight
+        k, _, start, until, sent_at, seconds = flight
         node = self.nodes[k]
         if node.pace_s is None:
             return sent_at
-        return sent_at + (node.pace_s if self.seconds is not None else node.step_s * (until - start))
+        return sent_at + (seconds + self._overhead(k) if seconds is not None else node.step_s * (until - start))
+
+    def _overhead(self, k: int) -> float:
+        """Node k's last segment's wall time outside training (landing, encoding, the calls): 0 before one."""
+        last = self.nodes[k].segments[-1] if self.nodes[k].segments else None
+        return last["wall_s"] - last["train_s"] if last else 0.0
 
     def _assign(self, group: NodeGroup, plan: Plan, k: int) -> None:
         """Node k's next segment, to its next boundary within the budget, with the rounds it has not landed."""
-        node = self.nodes[k]
+        node, seconds = self.nodes[k], None
         if self.seconds is None:
             until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
             until = node.step + self._tail_cut(k, until - node.step)
@@ -491,6 +509,7 @@ class QuorumExchange(PeerExchange):
                 self.nodes[j].step_s if j in self.nodes else None for j in group.keys() if j not in flying | starting
             ]
             until = node.step + pace_share(self.budget - self.assigned, node.step_s, free)
+            seconds = self._in_phase(k)
         until = min(until, self.leaves.get(k, until))
         if until <= node.step:
             return
@@ -498,13 +517,20 @@ class QuorumExchange(PeerExchange):
         merged = [a.token for r in missed for a in r.payloads if a.node == k and a.token is not None]
         group.ledger.send("train", "control", [until, merged] if merged else until)
         book_catch_up(group.ledger, "train", k, missed)
-        meta, payload = group[k].segment.remote([r.args() for r in missed], until, self.seconds, node.reset, merged)
+        meta, payload = group[k].segment.remote([r.args() for r in missed], until, seconds, node.reset, merged)
         node.reset = False
         if node.idle_since is not None:
             node.waiting_s += time.perf_counter() - node.idle_since
             node.idle_since = None
-        self.flights[meta] = (k, payload, node.step, until, time.perf_counter())
+        self.flights[meta] = (k, payload, node.step, until, time.perf_counter(), seconds)
         self.assigned += until - node.step
+
+    def _in_phase(self, k: int) -> float:
+        """Node k's training seconds for its next segment under `sync: time` (`in_phase_s`), from the other
+        nodes' segments in flight and its own last segment's time outside training."""
+        now = time.perf_counter()
+        others = [self._expected(f) - now for f in self.flights.values() if f[0] != k and self.nodes[f[0]].pace_s]
+        return in_phase_s(self.seconds, others, self._overhead(k))
 
     def _tail_cut(self, k: int, steps: int) -> int:
         """Node k's segment of `steps`, cut at the end of the run where it would outlast the others
@@ -533,7 +559,7 @@ class QuorumExchange(PeerExchange):
             self.nodes[k].reset = True
             self._assign(group, plan, k)
             return
-        k, payload, start, until, sent_at = self.flights.pop(ref)
+        k, payload, start, until, sent_at, _ = self.flights.pop(ref)
         node = self.nodes[k]
         try:
             meta = ray.get(ref)
