@@ -180,6 +180,10 @@ def test_pack_decoded_returns_the_bytes_and_what_they_decode_to(name, n):
     packed, decoded = codec.pack_decoded(x, spec)
     assert torch.equal(packed, codec.pack(x, spec))
     assert decoded.dtype == torch.float64 and torch.equal(decoded, codec.unpack(packed, spec))
+    if name == "int8":  # against the layout read by hand: [bf16 scales | int8 codes], code · its block's scale
+        blocks = -(-n // 64)
+        scales = packed[: 2 * blocks].view(torch.bfloat16).double().repeat_interleave(64)[:n]
+        assert torch.equal(decoded, packed[2 * blocks :].view(torch.int8).double() * scales)
 
 
 def _exact_sum(tensors):

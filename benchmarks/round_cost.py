@@ -1,0 +1,94 @@
+"""What a peer round costs a node's CPU, part by part, for a config's model: Δ in float64, its encoding
+with error feedback, the average of N decoded payloads, the outer step, the round file and the
+checkpoint. The link's time is not here (`raylowcomm plan` models it); this is the work a node does
+around it, which a slow CPU or a large model pays every round.
+
+    python -m benchmarks.round_cost [CONFIG] [--codec int8] [--nodes 2] [--classes 10] [--repeat 5]
+
+Times are the best of `--repeat` on one torch thread, a node's share of a CPU. Prints a table. A
+benchmark: it reports figures, it asserts none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from raylowcomm.models import load_base
+from raylowcomm.storage import Storage
+from raylowcomm.strategies import load_config
+from raylowcomm.strategies.lofi import Lofi
+from raylowcomm.strategies.lofi.payload import DeltaCodec, floats
+from raylowcomm.strategies.lofi.round_file import write_round
+
+ROOT = Path(__file__).resolve().parent.parent
+logger = logging.getLogger(__name__)
+
+
+def best_of(repeat: int, work) -> float:
+    """The shortest of `repeat` timed calls, after one untimed call."""
+    work()
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def measure(config: Path, codec: str, nodes: int, classes: int, repeat: int) -> dict[str, float]:
+    cfg = load_config(config, [f"lofi.compress={codec}"])
+    model = load_base(cfg.model, classes, cfg.seed)[0]
+    state = model.state_dict()
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
+    deltas = DeltaCodec(Lofi.opts(cfg), state, params)
+    weights = {k: v for k, v in floats(state).items() if k in params}
+    draw = torch.Generator().manual_seed(0)
+    moved = {k: v + 1e-3 * torch.randn(v.shape, generator=draw, dtype=v.dtype) for k, v in weights.items()}
+
+    def delta_of() -> dict:
+        return {k: w.to(torch.float64) - moved[k].to(torch.float64) for k, w in weights.items()}
+
+    def outer_step() -> dict:
+        return {k: (weights[k].to(torch.float64) - d).to(weights[k].dtype) for k, d in mean.items()}
+
+    delta = delta_of()
+    payloads = [deltas.encode(delta) for _ in range(nodes)]
+    mean = deltas.average(payloads, [1.0] * nodes)
+    residual = {k: v.clone() for part in deltas.feedback for k, v in part.residual.items()}
+    with tempfile.TemporaryDirectory(prefix="round_cost_") as folder:
+        storage = Storage(folder)
+        return {
+            "delta": best_of(repeat, delta_of),
+            "encode": best_of(repeat, lambda: deltas.encode(delta)),
+            f"average {nodes}": best_of(repeat, lambda: deltas.average(payloads, [1.0] * nodes)),
+            "outer step": best_of(repeat, outer_step),
+            "round file": best_of(repeat, lambda: write_round(storage, "round.st", 1, weights, None, residual)),
+            "checkpoint": best_of(repeat, lambda: storage.save_tensors("model.safetensors", dict(state))),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", type=Path, default=ROOT / "examples" / "wan_compare.yaml")
+    parser.add_argument("--codec", default="int8", help="lofi.compress: none | int8 | int4 | topk | sign")
+    parser.add_argument("--nodes", type=int, default=2, help="payloads a round averages")
+    parser.add_argument("--classes", type=int, default=10, help="the new head's outputs")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    parts = measure(args.config, args.codec, args.nodes, args.classes, args.repeat)
+    logger.info("%s, %s, %d nodes: seconds a round on one thread", args.config.name, args.codec, args.nodes)
+    for name, seconds in parts.items():
+        logger.info("  %-12s %.4f", name, seconds)
+    logger.info("  %-12s %.4f", "total", sum(parts.values()))
+
+
+if __name__ == "__main__":
+    main()
