@@ -484,8 +484,9 @@ class QuorumExchange(PeerExchange):
         return now >= deadline or not any(self._expected(f) <= deadline for f in awaited), quorum_at
 
     def _expected(self, flight: tuple) -> float:
-        """When a segment in flight should arrive: its start plus its node's last segment's wall time, per
-        step where segments end by steps (at once, for a node with none yet: it is waited for)."""
+        """When a segment in flight should arrive: its start plus, under `sync: time`, its training seconds
+        and its node's last segment's time outside training, or its node's last wall time per step times
+        its steps (at once, for a node with no segment yet: it is waited for)."""
         k, _, start, until, sent_at, seconds = flight
         node = self.nodes[k]
         if node.pace_s is None:
