@@ -5,7 +5,7 @@ around it, which a slow CPU or a large model pays every round.
 
     python -m benchmarks.round_cost [CONFIG] [--codec int8] [--nodes 2] [--classes 10] [--repeat 5]
 
-Times are the best of `--repeat` on one torch thread, a node's share of a CPU. Prints a table. A
+Times are the shortest of `--repeat` calls on one torch thread, a node's share of a CPU. Prints a table. A
 benchmark: it reports figures, it asserts none.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from raylowcomm.common.timing import best_of
 from raylowcomm.models import load_base
 from raylowcomm.storage import Storage
 from raylowcomm.strategies import load_config
@@ -28,17 +28,6 @@ from raylowcomm.strategies.lofi.round_file import write_round
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger(__name__)
-
-
-def best_of(repeat: int, work) -> float:
-    """The shortest of `repeat` timed calls, after one untimed call."""
-    work()
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def measure(config: Path, codec: str, nodes: int, classes: int, repeat: int) -> dict[str, float]:
@@ -64,12 +53,12 @@ def measure(config: Path, codec: str, nodes: int, classes: int, repeat: int) -> 
     with tempfile.TemporaryDirectory(prefix="round_cost_") as folder:
         storage = Storage(folder)
         return {
-            "delta": best_of(repeat, delta_of),
-            "encode": best_of(repeat, lambda: deltas.encode(delta)),
-            f"average {nodes}": best_of(repeat, lambda: deltas.average(payloads, [1.0] * nodes)),
-            "outer step": best_of(repeat, outer_step),
-            "round file": best_of(repeat, lambda: write_round(storage, "round.st", 1, weights, None, residual)),
-            "checkpoint": best_of(repeat, lambda: storage.save_tensors("model.safetensors", dict(state))),
+            "delta": best_of(delta_of, repeat),
+            "encode": best_of(lambda: deltas.encode(delta), repeat),
+            f"average {nodes}": best_of(lambda: deltas.average(payloads, [1.0] * nodes), repeat),
+            "outer step": best_of(outer_step, repeat),
+            "round file": best_of(lambda: write_round(storage, "round.st", 1, weights, None, residual), repeat),
+            "checkpoint": best_of(lambda: storage.save_tensors("model.safetensors", dict(state)), repeat),
         }
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from raylowcomm.common.timing import best_of
+
 MODEL = {"name": "SmolLM2-135M", "family": "hf_causal_lm"}
 DATA = {"name": "rotten_tomatoes", "train_size": 256, "test_size": 16, "max_length": 64}
 BATCH = 16
@@ -47,15 +49,6 @@ def _context(out: Path, **overrides):
     }
     raw.update(overrides)
     return prepare(from_dict(raw), out)
-
-
-def _best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _workload(threads: int):
@@ -94,8 +87,8 @@ def step_parts(samples: int, nodes: int, steps: int, threads: int) -> dict:
             pass
 
     row = {"samples": samples, "nodes": nodes, **{k: v / steps for k, v in rep.times.items()}}
-    row["z_gen_s"] = _best(lambda: all(True for _ in _z_chunks(tensors, 1, "rademacher")), 2)  # a pass drawing z only
-    row["restore_s"] = _best(park_and_restore, 3)
+    row["z_gen_s"] = best_of(lambda: all(True for _ in _z_chunks(tensors, 1, "rademacher")), 2)  # a pass drawing z only
+    row["restore_s"] = best_of(park_and_restore, 3)
     row["replay_per_update_s"] = row["replay_s"] / (nodes * samples)
     row["floor_s"] = row["forward_plus_s"] + row["forward_minus_s"] + row["replay_s"]
     row["step_s"] = sum(walls) / steps
@@ -114,12 +107,12 @@ def replay(threads: int, repeats: int) -> tuple[list[dict], int]:
     numel = sum(p.numel() for _, p in params)
     scratch = torch.empty(numel)
     gen = torch.Generator().manual_seed(0)
-    randn = _best(lambda: scratch.normal_(generator=gen), repeats)
+    randn = best_of(lambda: scratch.normal_(generator=gen), repeats)
     rows = []
     for kind in KINDS:
         for n in (1, 2, 4, 8):
             updates = [(1000 + i, 1e-3) for i in range(n)]
-            t = _best(lambda updates=updates, kind=kind: apply_step_(params, updates, 1e-9, kind=kind), repeats)
+            t = best_of(lambda updates=updates, kind=kind: apply_step_(params, updates, 1e-9, kind=kind), repeats)
             rows.append({"kind": kind, "N": n, "replay_s": t, "randn_fill_s": randn, "ratio": t / (n * randn)})
     return rows, numel
 

@@ -66,3 +66,14 @@ def peak_rss_bytes() -> int:
     gigabytes shows as this process's peak); ru_maxrss elsewhere."""
     peak = _status_bytes("VmHWM")
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def best_of(work, repeat: int) -> float:
+    """The shortest of `repeat` timed calls of `work`: what a benchmark reports for a piece of work whose
+    slower calls are the machine's noise (a first call's warm-up among them)."""
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return min(times)
