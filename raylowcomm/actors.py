@@ -21,6 +21,7 @@ import ray
 import torch
 
 from raylowcomm.catalog import TaskSpec
+from raylowcomm.common.cpu_quota import cap_cpu
 from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.common.timing import peak_rss_bytes, rss_bytes
@@ -36,9 +37,11 @@ from raylowcomm.training import dedupe_shared
 logger = logging.getLogger("raylowcomm")
 
 
-def start_process(cpus: float, gpus: float) -> str:
-    """What every node process does first: torch threads = its CPUs, log lines to stdout; returns
-    the device it computes on."""
+def start_process(cpus: float, gpus: float, cpu_quota: bool = False) -> str:
+    """What every node process does first: torch threads = its CPUs (and its CPU time held to them
+    where `churn.cpu_quota` asks), log lines to stdout; returns the device it computes on."""
+    if cpu_quota:
+        cap_cpu(cpus)
     setup_threads(cpus)
     log_to_stdout()
     return device_for(gpus)
@@ -78,7 +81,7 @@ class Node:
         self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec, weights: dict | ModelRecipe | None = None
     ):
         self.rank, self.cfg, self.spec = rank, cfg, spec
-        self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus)
+        self.device = start_process(cfg.nodes.cpus, cfg.nodes.gpus, cfg.churn.cpu_quota)
         self.rss_before_model = rss_bytes()  # the process's own share of its peak: imports, Ray's worker
         self.fine_tune = fine_tune_for(spec)
         if isinstance(weights, ModelRecipe):  # from model.path / the asset / the hub cache on this host

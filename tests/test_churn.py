@@ -88,6 +88,21 @@ def test_a_cpu_quota_puts_the_process_in_its_own_cgroup_and_clears_those_of_exit
     assert (mine / "cgroup.procs").read_text() == str(os.getpid())
 
 
+def test_every_node_process_takes_its_quota_first_when_asked(tmp_path, monkeypatch):
+    """`start_process`, which node actors, DDP workers and interlocking stages all call first: the quota
+    where churn.cpu_quota asks (with no churn events at all), none where it does not."""
+    from raylowcomm import actors
+
+    monkeypatch.setattr(cpu_quota, "CPU_CGROUP", tmp_path)
+    monkeypatch.setattr(actors, "setup_threads", lambda cpus: None)  # this test process keeps its threads
+    monkeypatch.setattr(actors, "log_to_stdout", lambda: None)
+    assert actors.start_process(0.5, 0) == "cpu" and not (tmp_path / GROUP).exists()
+    assert actors.start_process(0.5, 0, cpu_quota=True) == "cpu"
+    assert (tmp_path / GROUP / str(os.getpid()) / "cpu.cfs_quota_us").read_text() == str(PERIOD_US // 2)
+    quota_only = ChurnConfig(cpu_quota=True)
+    assert not quota_only.active, "a quota alone injects no events (interlocking runs under it)"
+
+
 def test_a_cpu_quota_where_no_cgroup_can_be_written_stops_the_config(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_quota, "CPU_CGROUP", tmp_path)  # no controller there
     cfg = tiny_config(average_every=8).to_dict()

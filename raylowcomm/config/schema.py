@@ -269,13 +269,15 @@ class ChurnConfig:
     seed: int | None = None
     """Seed of the victims of kill_every_s; None: the run's seed."""
     cpu_quota: bool = False
-    """Hold each node process to nodes.cpus of CPU time (a Linux cgroup v1 CPU quota; root), as if each
-    node ran on its own machine: without it, fractional-CPU nodes on one machine share its cores, and a
-    node that waits speeds the others up. For benchmarks on one machine."""
+    """Hold each node process (lo-fi and SPSA nodes, DDP workers, interlocking stages) to nodes.cpus of CPU
+    time (a Linux cgroup v1 CPU quota; root), as if each node ran on its own machine: without it,
+    fractional-CPU nodes on one machine share its cores, and a node that waits speeds the others up. For
+    benchmarks on one machine, with or without churn."""
 
     @property
     def active(self) -> bool:
-        return bool(self.slow or self.kill or self.kill_every_s or self.cpu_quota)
+        """Slow nodes or preemptions to inject and book (a CPU quota alone injects nothing)."""
+        return bool(self.slow or self.kill or self.kill_every_s)
 
 
 @dataclass

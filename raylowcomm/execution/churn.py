@@ -15,7 +15,6 @@ import random
 import time
 from dataclasses import dataclass
 
-from raylowcomm.common.cpu_quota import cap_cpu
 from raylowcomm.config.schema import ChurnConfig, RunConfig
 from raylowcomm.storage import Storage
 
@@ -72,13 +71,9 @@ class Churn:
     @classmethod
     def for_node(cls, cfg: RunConfig, node: int, nodes: int, storage: Storage, prefix: str) -> Churn | None:
         """Node `node`'s churn in strategy `prefix`'s run of `cfg`; None where the run has none."""
-        return cls(cfg.churn, node, nodes, cfg.seed, storage, prefix, cfg.nodes.cpus) if cfg.churn.active else None
+        return cls(cfg.churn, node, nodes, cfg.seed, storage, prefix) if cfg.churn.active else None
 
-    def __init__(
-        self, churn: ChurnConfig, node: int, nodes: int, seed: int, storage: Storage, prefix: str, cpus: float
-    ):
-        if churn.cpu_quota:
-            cap_cpu(cpus)
+    def __init__(self, churn: ChurnConfig, node: int, nodes: int, seed: int, storage: Storage, prefix: str):
         self.node, self.storage, self.folder = node, storage, f"{prefix}/{EVENTS}"
         self.factor = next((ev.factor for ev in churn.slow if ev.node == node), 1.0)
         mine = [p for p in preemptions(churn, nodes, seed) if p.node == node]

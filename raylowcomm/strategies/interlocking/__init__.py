@@ -322,7 +322,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             group.ledger.send("setup", what, data)
         for k in range(K):
             ref = group.put((modules[k], heads[k] if k < K - 1 else None), "setup", "stage_modules")
-            actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus)
+            actor = group.start(k, cfg.nodes.cpus, cfg.nodes.gpus, cfg.churn.cpu_quota)
             loaded.append(
                 actor.load.remote(
                     k,

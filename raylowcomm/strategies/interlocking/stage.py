@@ -129,8 +129,8 @@ class StageActor:
     """One stage on Ray: a `StageWorker` (its module, aux head and own optimizer) whose tensors go
     in and out through the object store; stage 0 builds the micro-batches from its `Source`."""
 
-    def __init__(self, cpus: float, gpus: float):
-        self.device, self.worker = start_process(cpus, gpus), None
+    def __init__(self, cpus: float, gpus: float, cpu_quota: bool = False):
+        self.device, self.worker = start_process(cpus, gpus, cpu_quota), None
 
     def load(
         self,
