@@ -53,10 +53,11 @@ def check_wan_prerequisites() -> None:
             "`raylowcomm bench wan` makes network namespaces and shapes their link with tc: it needs root "
             "(run it with sudo). `raylowcomm bench local CONFIG` runs the same harness without root, unshaped."
         )
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "nsenter") if shutil.which(tool) is None]
     if missing:
         raise FileNotFoundError(
-            f"`raylowcomm bench wan` needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2"
+            f"`raylowcomm bench wan` needs iproute2 and util-linux ({', '.join(missing)} not found): "
+            "apt-get install iproute2 util-linux"
         )
 
 
@@ -111,7 +112,7 @@ def measure_link(cluster, nbytes: int = LINK_PROBE_BYTES, port: int = 5999) -> d
     import subprocess
 
     server = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.hosts[0], sys.executable, "-c", _PROBE_SERVER, cluster.addresses[0], str(port)],
+        cluster.in_host(0, [sys.executable, "-c", _PROBE_SERVER, cluster.addresses[0], str(port)]),
         stdout=subprocess.PIPE,
         text=True,
     )

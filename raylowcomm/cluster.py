@@ -3,7 +3,9 @@
 Each host is a network namespace with its own address on a private /24; the hosts hang off a
 bridge in a switch namespace, so they talk over real (virtual) Ethernet links that `tc` can
 shape (`shape`). The Ray head runs on host 0, one worker on each other host, all from this
-Python's `ray`. Needs root and iproute2.
+Python's `ray`. Needs root, iproute2 and nsenter. A host's processes enter only its network namespace
+(`in_host`): they keep the machine's mounts, so a node can hold itself to its CPU share there
+(`churn.cpu_quota`'s cgroup, which `ip netns exec`'s fresh /sys would hide).
 
 Token authentication is always on: each cluster makes its own token (256 random bits, as
 `ray get-auth-token --generate` makes them) in a 0600 file in its temp dir, and every process it
@@ -173,8 +175,8 @@ class NamespaceCluster:
         self.stop()
 
     def start(self) -> None:
-        if os.geteuid() != 0 or shutil.which("ip") is None:
-            raise ClusterError("a namespace cluster needs root and iproute2 (ip)")
+        if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+            raise ClusterError("a namespace cluster needs root, iproute2 (ip) and util-linux (nsenter)")
         self._make_network()
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self._make_token()
@@ -293,6 +295,10 @@ class NamespaceCluster:
 
     # --- running things ------------------------------------------------------------------------
 
+    def in_host(self, host: int, args: list[str]) -> list[str]:
+        """`args` as a command on a host: in its network namespace, with the machine's mounts."""
+        return ["nsenter", f"--net=/run/netns/{self.hosts[host]}", "--", *args]
+
     def run(
         self,
         host: int,
@@ -308,7 +314,7 @@ class NamespaceCluster:
         the cluster's token (`auth`: see `env`)."""
         full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})}, auth=auth)
         return _sh(
-            ["ip", "netns", "exec", self.hosts[host], *args],
+            self.in_host(host, args),
             check=check,
             timeout=timeout,
             capture=capture,
@@ -320,7 +326,7 @@ class NamespaceCluster:
         """Start a command on a host without waiting (a driver a test kills or watches); its
         output, stdout and stderr together, is the returned process's `stdout`."""
         return subprocess.Popen(
-            ["ip", "netns", "exec", self.hosts[host], *args],
+            self.in_host(host, args),
             env=self.env({"RAY_ADDRESS": self.address, **(env or {})}),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -47,7 +47,10 @@ except urllib.error.HTTPError as err:
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None,
+        reason="needs root, iproute2 and nsenter",
+    ),
 ]
 
 
