@@ -20,13 +20,13 @@ from raylowcomm.storage import Storage
 CONFIG = {
     "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
     "data": {"name": "mnist", "train_size": 512, "test_size": 100, "image_size": 16},
-    "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 4},
+    "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 3},
     "nodes": {"count": 2, "cpus": 1},
     "strategies": ["lofi", "spsa"],
     "checkpoint_every": 8,
     "log_every": 1000,
     "lofi": {"bn_recalibrate": False, "average_every": 24},
-    "spsa": {"steps": 100, "lr": 1e-4},
+    "spsa": {"steps": 48, "lr": 1e-4},
 }
 
 

@@ -122,5 +122,7 @@ def costs_of(records: list[dict], link: Link | None = None) -> list[Cost]:
             on_link = predict(cost, n, link or Link()).link_s
             cost.round_s = max(0.0, (measured - cost.steps * cost.compute_s - on_link) / cost.rounds)
             cost.round_nodes = n
+        if cost.topology == "pipeline":  # what the run took beyond its stages' median calls and messages
+            cost.overhead_s = max(0.0, (rec["train_s"] - predict(cost, n, link or Link()).total_s) / cost.steps)
         out.append(cost)
     return out

@@ -73,6 +73,9 @@ class Cost:
     plan: list = field(default_factory=list)
     """pipeline: the routing plan (`routing.message_plan`)."""
     micro_batches: int = 1
+    overhead_s: float = 0.0
+    """pipeline: each batch's time outside the stages' calls and their messages (the driver's dispatch, the
+    first calls, the curve's points), what the calibrating run took beyond its modelled schedule."""
     params: float = 0.0
     """The model's parameters where calibrated (bytes and compute scale from them)."""
     trainable: float = 0.0
@@ -175,8 +178,8 @@ def _pipeline(cost: Cost, link: Link, batches: int = 12) -> Prediction:
         max(s.activation_bytes, s.gradient_bytes * sum(len(h) for h in cost.plan[k])) * cost.micro_batches
         for k, s in enumerate(cost.stages)
     )
-    step = max(timeline.step_time_s, wire / link.bytes_per_s)
-    compute = cost.steps * max(ideal.busy_s) / batches
+    step = max(timeline.step_time_s, wire / link.bytes_per_s) + cost.overhead_s
+    compute = cost.steps * (max(ideal.busy_s) / batches + cost.overhead_s)
     return Prediction(cost.label, len(cost.stages), compute, max(0.0, cost.steps * step - compute), step)
 
 

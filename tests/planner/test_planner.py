@@ -51,6 +51,28 @@ def test_a_pipeline_by_hand():
     assert (slow.step_s, slow.link_s) == (4.0, 60.0) and slow.bound == "link 3.0x"
 
 
+def test_a_pipeline_calibrated_from_its_run_predicts_that_run_and_adds_its_overhead_to_every_batch():
+    """Stage calls of 1 s and 0.5 s a batch (the busiest sets the pace), 10 batches, 1 MB activations a
+    batch; the run took 12 s: 0.2 s a batch beyond its stages' calls, which every prediction carries."""
+    rec = {
+        "strategy": "interlocking",
+        "metrics": {"id_accuracy": 0.5},
+        "train_s": 12.0,
+        "comm": {"by_kind": {"train/activations": 10_000_000}},
+        "details": {"stages": 2, "batches": 10, "micro_batches": 1, "n": 1, "rule": "farthest"},
+        "nodes": [
+            {"median_call_s": {"forward": 1.0, "backward": None, "step": 0.0}},
+            {"median_call_s": {"forward": 0.5, "backward": None, "step": 0.0}},
+        ],
+    }
+    [cost] = costs_of([rec], Link(bytes_per_s=2e6))  # 0.5 s of wire a batch: hidden behind the 1 s stage
+    assert cost.overhead_s == (12.0 - 10 * 1.0) / 10
+    same = predict(cost, 2, Link(bytes_per_s=2e6))
+    assert same.total_s == 10 * (1.0 + cost.overhead_s) and same.link_s == 0.0
+    slow = predict(cost, 2, Link(bytes_per_s=0.25e6))  # 4 s of wire a batch: the link's pace, plus the overhead
+    assert slow.step_s == 4.0 + cost.overhead_s and slow.total_s == 10 * slow.step_s
+
+
 def ddp_record(steps=8, grad=4_000_000, train_s=4.0):
     return {
         "strategy": "ddp",

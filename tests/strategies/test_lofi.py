@@ -139,7 +139,7 @@ def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
 @pytest.mark.slow
 def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     cfg = tiny_config(bn_recalibrate=False)
-    cfg.optim.epochs, cfg.eval_every = 6, 16
+    cfg.optim.epochs, cfg.eval_every = 3, 16
     _, clean = run_lofi(cfg, tmp_path / "clean")
     killed: list = []
     killer = threading.Thread(
@@ -157,7 +157,7 @@ def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len(rec["nodes"]) == 2
     # the curve survives the restart: every point, scored from the same snapshots as the clean run's
-    assert [p["step"] for p in rec["curve"]] == [16, 32, 48, 64, 80, 96]
+    assert [p["step"] for p in rec["curve"]] == [16, 32, 48]
     assert [p["id_accuracy"] for p in rec["curve"]] == [p["id_accuracy"] for p in clean["curve"]]
 
 

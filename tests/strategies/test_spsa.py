@@ -282,7 +282,7 @@ def test_progress_every_step_and_a_learning_curve_every_eval_every_steps(ray_ses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("density", [1.0, 1 / 256])
+@pytest.mark.parametrize("density", [pytest.param(1.0, marks=pytest.mark.heavy), 1 / 256])  # dense: the heavy tier
 def test_one_sided_batch_with_the_normalised_step_keeps_replicas_identical_through_a_leave_and_a_join(
     ray_session, tmp_path, density
 ):
