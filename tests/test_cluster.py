@@ -6,6 +6,7 @@ the jobs below are submitted with it, and a client without it is refused."""
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -80,6 +81,20 @@ def make_cluster():
         assert not any(Path("/var/run/netns", ns).exists() for ns in cluster.hosts + [cluster.switch])
 
 
+@pytest.fixture(scope="module")
+def two_hosts():
+    """One 2-host cluster of 2 CPUs a host for this file's 2-host tests (a start and a teardown are ~20 s)."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    cluster = NamespaceCluster(hosts=2, cpus=2)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cluster.stop()
+    assert not any(Path("/var/run/netns", ns).exists() for ns in cluster.hosts + [cluster.switch])
+
+
 @pytest.mark.heavy
 def test_sweep_submitted_as_a_job_writes_results(make_cluster, tmp_path):
     cluster = make_cluster(hosts=1, cpus=2)
@@ -107,9 +122,9 @@ def test_sweep_submitted_as_a_job_writes_results(make_cluster, tmp_path):
     assert "best id_accuracy" in proc.stdout and (store / "job" / "sweep.png").exists()
 
 
-def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
+def test_two_host_run_places_node_actors_on_both_hosts(two_hosts, tmp_path):
     # 2 CPUs per host: both actors would fit on one host, so SPREAD is what puts them apart.
-    cluster = make_cluster(hosts=2, cpus=2)
+    cluster = two_hosts
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump({**TINY, "nodes": {"count": 2, "cpus": 1, "placement": "SPREAD"}}))
     proc = cluster.submit(
@@ -128,11 +143,17 @@ def test_two_host_run_places_node_actors_on_both_hosts(make_cluster, tmp_path):
     assert "setup/model_recipe" in kinds and "setup/initial_weights" not in kinds, sorted(kinds)
 
 
-def test_a_client_without_the_token_is_refused(make_cluster, tmp_path):
+def test_a_client_without_the_token_is_refused(two_hosts, tmp_path):
     """On the 2-host cluster, the jobs API and the GCS refuse a client without the cluster's token
     or with another one, through Ray's CLI and through a request made by hand from the other host;
     nothing runs; with the token it does."""
-    cluster = make_cluster(hosts=2, cpus=1)
+    cluster = two_hosts
+
+    def jobs() -> set[str]:
+        listed = cluster.run(0, [cluster.ray, "job", "list", f"--address={cluster.dashboard}"])
+        return set(re.findall(r"raysubmit_\w+", listed.stdout + listed.stderr))
+
+    before = jobs()  # the file's other tests share the cluster
     job_dir, marker = tmp_path / "job", tmp_path / "ran"
     job_dir.mkdir()
     touch = ["python", "-c", f"open({str(marker)!r}, 'w')"]
@@ -151,8 +172,7 @@ def test_a_client_without_the_token_is_refused(make_cluster, tmp_path):
     assert by_hand.stdout.split() == ["401"], by_hand.stdout
     gcs = cluster.run(1, [cluster.ray, "status", f"--address={cluster.address}"], check=False, auth=False)
     assert gcs.returncode != 0 and "InvalidAuthToken" in gcs.stderr, gcs.stderr[-2000:]
-    listed = cluster.run(0, [cluster.ray, "job", "list", f"--address={cluster.dashboard}"])
-    assert "raysubmit_" not in listed.stdout + listed.stderr and not marker.exists(), "a refused job ran"
+    assert jobs() == before and not marker.exists(), "a refused job ran"
 
     accepted = cluster.submit(touch, working_dir=job_dir, timeout=300)
     assert "succeeded" in accepted.stdout and marker.exists(), accepted.stdout[-3000:]

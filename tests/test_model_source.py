@@ -214,6 +214,7 @@ def test_lofi_lora_average_is_merged_and_saved_on_a_node_when_the_driver_holds_n
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI has DDP over LoRA adapters (test_ddp) and bf16 bases under SPSA and lo-fi (above)
 def test_ddp_lora_on_a_bf16_base_keeps_both_ranks_identical_over_8_steps(ray_session, tmp_path):
     """DDP over adapters on a bf16 MiniLM base, each rank loading the base itself: 8 steps of
     all-reduced fp32 adapter gradients leave both ranks with one parameter hash."""
