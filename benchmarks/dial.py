@@ -111,6 +111,16 @@ SETTINGS: dict[str, list[str]] = {
     ],
     "H6_none": [*_PEERS, "lofi.average_every=6"],
     "H4_none": [*_PEERS, "lofi.average_every=4"],
+    "H8_none": [*_PEERS, "lofi.average_every=8"],
+    # ternary rounds (int2, 2.25 bits a weight): every 8 steps is about 1/105 of DDP's bytes at 62 steps
+    "H8_int2": [*_PEERS, "lofi.average_every=8", "lofi.compress=int2"],
+    "H8_int2_dv": [
+        *_PEERS,
+        "lofi.average_every=8",
+        "lofi.compress=int2",
+        "lofi.compress_block=128",
+        "lofi.dense=[head,vectors]",
+    ],
     "H1_none": [*_PEERS, "lofi.average_every=1"],
     "H2_topk3": [*_PEERS, "lofi.average_every=2", "lofi.compress=topk", "lofi.topk_fraction=0.03"],
     # the new head (dh) or the head and every 1-D parameter (dv) cross whole, int8, in every round

@@ -65,7 +65,7 @@ def measure(config: Path, codec: str, nodes: int, classes: int, repeat: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", type=Path, default=ROOT / "examples" / "wan_compare.yaml")
-    parser.add_argument("--codec", default="int8", help="lofi.compress: none | int8 | int4 | topk | sign")
+    parser.add_argument("--codec", default="int8", help="lofi.compress: none | int8 | int4 | int2 | topk | sign")
     parser.add_argument("--nodes", type=int, default=2, help="payloads a round averages")
     parser.add_argument("--classes", type=int, default=10, help="the new head's outputs")
     parser.add_argument("--repeat", type=int, default=5)

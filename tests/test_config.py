@@ -37,7 +37,7 @@ def test_defaults_and_overrides(tmp_path):
             "lofi.soup",
         ),  # val rows stay on the nodes
         ({"lofi": {"average_every": 0}}, "lofi.average_every"),
-        ({"lofi": {"compress": "int2"}}, "lofi.compress"),
+        ({"lofi": {"compress": "int3"}}, "lofi.compress"),
         ({"lofi": {"compress": "int4", "exchange": "driver"}}, "lofi.exchange"),  # compressed rounds go node to node
         ({"lofi": {"compress": "topk", "topk_fraction": 0}}, "lofi.topk_fraction"),
         ({"lofi": {"compress": "int8", "compress_block": 0}}, "lofi.compress_block"),

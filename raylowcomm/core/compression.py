@@ -10,23 +10,25 @@ offsets, int32 counts) are in the machine's byte order, little-endian on every p
 | none  | n · itemsize                                                             | 0                            |
 | int8  | 2·⌈n/b⌉ scales + n codes                                                 | ≤ scale/2 of its block       |
 | int4  | 2·⌈n/b⌉ scales + ⌈n/2⌉ codes                                             | ≤ scale/2 of its block       |
+| int2  | 2·⌈n/b⌉ scales + ⌈n/4⌉ codes                                             | ≤ scale/2 of its block       |
 | topk  | 2·⌈k/b⌉ scales + index bytes (below) + ⌈k/2⌉ codes                      | kept ≤ scale/2; dropped: all |
 | sign  | 2·⌈n/b⌉ scales + ⌈n/8⌉ sign bits                                         | |x − sign(x)·s|, s = mean |x| |
 
-Scales are bf16 (2 bytes like fp16, but fp32's range: a fine-tuning Δ of 1e-6 would underflow
-fp16 scales), rounded up to the next bf16 ≥ absmax/qmax, so no code clips and the error bound is
-scale/2 ≤ absmax/(2·qmax)·(1 + 2⁻⁷). Codes are symmetric: int8 in [−127, 127], int4 in [−7, 7]
-stored as q + 8, two per byte (even entry in the low nibble). Top-k keeps round(fraction·n) entries
-(at least one) of largest |x|, sorted by index; an index is stored as its chunk (a count of kept
-entries per chunk, the last one implied) and its offset inside the chunk. Two index layouts, the
-smaller for the tensor's n and k (every node computes which from the layout alone): chunks of 255
-with a 1-byte offset and a 1-byte count, (⌈n/255⌉ − 1) + k bytes, about 1.13 bytes per kept entry at
-3% and 1.39 at 1%; or, for sparser tensors (below about 0.4%), chunks of 65,536 with a 2-byte offset
-and a 4-byte count, 4·(⌈n/65536⌉ − 1) + 2·k. The kept values are int4 in blocks of b. Sign
-(scaled sign, as error-feedback signSGD) moves every entry every round by its block's mean |x| (the
-scale that minimises the block's squared error), bf16 rounded to nearest; a bit per entry, entry i in
-byte i // 8 at bit i % 8, set for x ≥ 0: 1.25 bits a weight at b = 64, where top-k 3% spends 0.27
-on 3% of the entries.
+Scales are bf16 (2 bytes like fp16, but fp32's range: a fine-tuning Δ of 1e-6 would underflow fp16
+scales), rounded up to the next bf16 ≥ absmax/qmax, so no code clips and the error bound is scale/2
+≤ absmax/(2·qmax)·(1 + 2⁻⁷). Codes are symmetric: int8 in [−127, 127], int4 in [−7, 7] stored as q +
+8, two per byte (even entry in the low nibble), int2 in [−1, 1] (ternary: an entry below half its
+block's absmax sends 0) stored as q + 2, four per byte (entry i at bits 2·(i mod 4)). Top-k keeps
+round(fraction·n) entries (at least one) of largest |x|, sorted by index; an index is stored as its
+chunk (a count of kept entries per chunk, the last one implied) and its offset inside the chunk. Two
+index layouts, the smaller for the tensor's n and k (every node computes which from the layout
+alone): chunks of 255 with a 1-byte offset and a 1-byte count, (⌈n/255⌉ − 1) + k bytes, about 1.13
+bytes per kept entry at 3% and 1.39 at 1%; or, for sparser tensors (below about 0.4%), chunks of
+65,536 with a 2-byte offset and a 4-byte count, 4·(⌈n/65536⌉ − 1) + 2·k. The kept values are int4 in
+blocks of b. Sign (scaled sign, as error-feedback signSGD) moves every entry every round by its
+block's mean |x| (the scale that minimises the block's squared error), bf16 rounded to nearest; a
+bit per entry, entry i in byte i // 8 at bit i % 8, set for x ≥ 0: 1.25 bits a weight at b = 64,
+where top-k 3% spends 0.27 on 3% of the entries.
 
 Why decoding is bit-identical everywhere: a decoded entry is q·scale with |q| ≤ 127 (7 bits) and a
 bf16 scale (8 significant bits), a 15-bit product that float32 and float64 hold exactly, so there is
@@ -55,7 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-CODECS = ("none", "int8", "int4", "topk", "sign")
+CODECS = ("none", "int8", "int4", "int2", "topk", "sign")
 SCALE_DTYPE = torch.bfloat16
 
 
@@ -200,6 +202,30 @@ def _unpack_int4(packed: Tensor, n: int) -> Tensor:
     return nibbles.to(torch.int16) - 8
 
 
+_CRUMB_SHIFTS = (0, 2, 4, 6)
+
+
+def _pack_int2(codes: Tensor) -> Tensor:
+    """Codes in [−1, 1] → ⌈n/4⌉ bytes, q + 2 per 2-bit field, entry i at bits 2·(i mod 4)."""
+    fields = (codes + 2).to(torch.uint8)
+    pad = -fields.numel() % 4
+    if pad:
+        fields = torch.cat([fields, fields.new_full((pad,), 2)])
+    quads = fields.view(-1, 4)
+    packed = quads[:, 0].clone()
+    for i in (1, 2, 3):
+        packed |= quads[:, i] << _CRUMB_SHIFTS[i]
+    return packed
+
+
+def _unpack_int2(packed: Tensor, n: int) -> Tensor:
+    fields = torch.stack([(packed >> shift) & 0x03 for shift in _CRUMB_SHIFTS], dim=1).view(-1)[:n]
+    return fields.to(torch.int16) - 2
+
+
+_PACKERS = {8: (lambda codes: _as_bytes(codes.to(torch.int8))), 4: _pack_int4, 2: _pack_int2}
+
+
 class Codec:
     """Packs one flat float64 tensor into a uint8 buffer and back; encodes and decodes whole Δ dicts.
 
@@ -286,11 +312,11 @@ class NoCompression(Codec):
 
 
 class BlockwiseInt(Codec):
-    """Blockwise absmax-scaled int8 (bits=8) or int4 (bits=4): [bf16 scales | codes]."""
+    """Blockwise absmax-scaled int8, int4 or int2 (bits 8, 4, 2): [bf16 scales | codes]."""
 
     def __init__(self, bits: int, block_size: int = 64):
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if bits not in _PACKERS:
+            raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
         if block_size < 1:
             raise ValueError(f"block_size must be ≥ 1, got {block_size}")
         self.bits, self.block_size = bits, block_size
@@ -298,7 +324,7 @@ class BlockwiseInt(Codec):
         self.name = f"int{bits}"
 
     def _code_nbytes(self, n: int) -> int:
-        return n if self.bits == 8 else _ceil_div(n, 2)
+        return _ceil_div(n * self.bits, 8)
 
     def packed_nbytes(self, spec: TensorSpec) -> int:
         n = spec.numel
@@ -308,8 +334,7 @@ class BlockwiseInt(Codec):
         return self._pack_codes(*_quantize_blocks(x, self.block_size, self.qmax))
 
     def _pack_codes(self, codes: Tensor, scales: Tensor) -> Tensor:
-        packed_codes = _as_bytes(codes.to(torch.int8)) if self.bits == 8 else _pack_int4(codes)
-        return torch.cat([_as_bytes(scales), packed_codes])
+        return torch.cat([_as_bytes(scales), _PACKERS[self.bits](codes)])
 
     def pack_decoded(self, x: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
         """The codes and scales are the decoded values' factors: q·scale from them, the bytes unread."""
@@ -321,8 +346,10 @@ class BlockwiseInt(Codec):
         scales = reader.take(_ceil_div(n, self.block_size), SCALE_DTYPE)
         if self.bits == 8:
             codes = reader.take(n, torch.int8).to(torch.int16)
-        else:
+        elif self.bits == 4:
             codes = _unpack_int4(reader.take(self._code_nbytes(n), torch.uint8), n)
+        else:
+            codes = _unpack_int2(reader.take(self._code_nbytes(n), torch.uint8), n)
         return _dequantize_blocks(codes, scales, self.block_size)
 
 
@@ -413,10 +440,10 @@ class ScaledSign(Codec):
 
 
 def make_codec(name: str, block_size: int = 64, topk_fraction: float = 0.01) -> Codec:
-    """The codec `lofi.compress` names: none | int8 | int4 | topk | sign."""
+    """The codec `lofi.compress` names: none | int8 | int4 | int2 | topk | sign."""
     if name == "none":
         return NoCompression()
-    if name in ("int8", "int4"):
+    if name in ("int8", "int4", "int2"):
         return BlockwiseInt(int(name[3:]), block_size)
     if name == "topk":
         return TopK(topk_fraction, block_size)

@@ -62,7 +62,7 @@ def test_none_is_exact_and_sends_the_tensors_own_bytes(dtype):
     assert payload.nbytes == sum(t.numel() * t.element_size() for t in delta.values())
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
@@ -112,6 +112,8 @@ def _formula(name, n, block, itemsize, codec):
         return n + 2 * blocks(n)
     if name == "int4":
         return -(-n // 2) + 2 * blocks(n)
+    if name == "int2":
+        return -(-n // 4) + 2 * blocks(n)
     if name == "sign":
         return -(-n // 8) + 2 * blocks(n)
     k = codec.kept(n)
@@ -120,7 +122,7 @@ def _formula(name, n, block, itemsize, codec):
     return min(narrow, wide) + -(-k // 2) + 2 * blocks(k)
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "int2", "topk", "sign"])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("n", SIZES + [255, 256, 511, WIDE, WIDE + 1, 2 * WIDE + 3])
 @pytest.mark.parametrize("fraction", [0.03, 0.001])
@@ -172,7 +174,7 @@ def test_a_topk_offset_outside_its_chunk_is_refused():
         codec.decode(payload, layout_of({"x": x}))
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "int2", "topk", "sign"])
 @pytest.mark.parametrize("n", SIZES)
 def test_pack_decoded_returns_the_bytes_and_what_they_decode_to(name, n):
     codec, x = make_codec(name, topk_fraction=0.1), _delta(n, torch.float64, seed=n)
@@ -192,7 +194,7 @@ def _exact_sum(tensors):
     return [sum(map(Fraction, column), Fraction(0)) for column in columns]
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "int2", "topk", "sign"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 def test_error_feedback_sent_plus_kept_equals_the_true_deltas_exactly(name, dtype):
     codec = make_codec(name, block_size=64, topk_fraction=0.05)
@@ -241,7 +243,7 @@ def _bits(tensors):
     return {k: v.reshape(-1).view(torch.uint8).clone() for k, v in tensors.items()}
 
 
-@pytest.mark.parametrize("name", ["none", "int8", "int4", "topk", "sign"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4", "int2", "topk", "sign"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_independent_decoders_average_to_the_same_bits(name, dtype):
     nodes = [_model_delta(dtype, seed=100 + k) for k in range(3)]
@@ -268,7 +270,7 @@ def test_two_independent_decoders_average_to_the_same_bits(name, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("name", ["int8", "int4", "topk", "sign"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "topk", "sign"])
 def test_gpu_and_cpu_decoders_agree_bit_for_bit(name):
     nodes = [_model_delta(seed=200 + k) for k in range(3)]
     codec = make_codec(name, topk_fraction=0.1)
@@ -305,7 +307,7 @@ def test_sign_moves_every_entry_by_its_blocks_mean_magnitude(block, dtype, n):
 def test_bad_inputs_are_refused_with_clear_errors():
     codec = make_codec("int8")
     with pytest.raises(ValueError, match="unknown compression"):
-        make_codec("int2")
+        make_codec("int3")
     with pytest.raises(ValueError, match="float tensors"):
         codec.encode({"steps": torch.tensor([3])})
     with pytest.raises(ValueError, match="non-finite"):
@@ -322,3 +324,15 @@ def test_bad_inputs_are_refused_with_clear_errors():
         average_decoded(codec, [a, a], layout, [1.0, 0.0])
     with pytest.raises(ValueError, match="bits"):
         BlockwiseInt(3)
+
+
+def test_int2_is_ternary_on_half_the_block_absmax_and_packs_four_codes_a_byte():
+    x = torch.tensor([1.0, 0.4, -0.6, 0.0, -0.25])  # one block: scale 1.0, codes 1, 0, −1, 0, 0
+    codec = make_codec("int2")
+    payload = codec.encode({"x": x})
+    scale, codes = payload["x"][:2].view(torch.bfloat16), payload["x"][2:]
+    assert scale.item() == 1.0
+    # q + 2, entry i at bits 2·(i mod 4); the last byte's three unused fields padded as q = 0
+    assert codes.tolist() == [(1 + 2) | (0 + 2) << 2 | (-1 + 2) << 4 | (0 + 2) << 6, 2 | 2 << 2 | 2 << 4 | 2 << 6]
+    decoded = codec.decode(payload, layout_of({"x": x}), torch.float64)["x"]
+    assert decoded.tolist() == [1.0, 0.0, -1.0, 0.0, 0.0]

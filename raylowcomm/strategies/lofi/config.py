@@ -50,9 +50,10 @@ class LofiConfig:
     and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
     driver. With model.lora the adapters' and head's Δ cross and every node merges the exact
     average into its own base. Not with soup: greedy."""
-    compress: Literal["none", "int8", "int4", "topk", "sign"] = "none"
-    """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8 or int4 (blockwise
-    absmax-scaled), topk (the topk_fraction largest entries per tensor, int4 values, an index in about
+    compress: Literal["none", "int8", "int4", "int2", "topk", "sign"] = "none"
+    """Codec of the outer gradients in peer rounds: none (their float32 bytes), int8, int4 or int2 (blockwise
+    absmax-scaled; int2 is ternary, 2.25 bits a weight at compress_block 64), topk (the topk_fraction
+    largest entries per tensor, int4 values, an index in about
     1 + 1/(255·topk_fraction) bytes, 2 in tensors sparser than 0.4%), sign (every entry ± its block's
     mean |Δ|: a bit a weight and a bf16 scale a block, 1.25 bits a weight at compress_block 64)."""
     topk_fraction: float = 0.01
@@ -62,10 +63,10 @@ class LofiConfig:
     head), `vectors` (every 1-D parameter: biases and norm weights), or shell patterns on parameter names
     (`classifier.*`). Top-k moves each tensor by its largest few percent a round; a new head learns most
     early, so a short run's rounds leave it behind. Costs those tensors' dense bytes every round."""
-    dense_codec: Literal["none", "int8", "int4"] = "int8"
+    dense_codec: Literal["none", "int8", "int4", "int2"] = "int8"
     """The codec of `dense`'s tensors (with error feedback like the rest)."""
     compress_block: int = 64
-    """Entries per bf16 scale for int8/int4/topk/sign values (at most 65536)."""
+    """Entries per bf16 scale for int8/int4/int2/topk/sign values (at most 65536)."""
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
