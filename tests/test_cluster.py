@@ -4,6 +4,7 @@ actors land on both hosts. Each cluster lives in its own namespaces, so it canno
 the session's loopback Ray. Every cluster runs with token authentication and a token of its own:
 the jobs below are submitted with it, and a client without it is refused."""
 
+import contextlib
 import json
 import os
 import re
@@ -59,9 +60,9 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-@pytest.fixture
-def make_cluster():
-    """Start clusters; the finalizer tears every one down, also when a test or a start fails."""
+@contextlib.contextmanager
+def _clusters():
+    """Starts clusters on demand and tears every one down at exit, also when a test or a start fails."""
     made = []
 
     def make(**kwargs) -> NamespaceCluster:
@@ -76,23 +77,23 @@ def make_cluster():
         yield make
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for cluster in made:
+            cluster.stop()
     for cluster in made:
-        cluster.stop()
         assert not any(Path("/var/run/netns", ns).exists() for ns in cluster.hosts + [cluster.switch])
+
+
+@pytest.fixture
+def make_cluster():
+    with _clusters() as make:
+        yield make
 
 
 @pytest.fixture(scope="module")
 def two_hosts():
     """One 2-host cluster of 2 CPUs a host for this file's 2-host tests (a start and a teardown are ~20 s)."""
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    cluster = NamespaceCluster(hosts=2, cpus=2)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        cluster.stop()
-    assert not any(Path("/var/run/netns", ns).exists() for ns in cluster.hosts + [cluster.switch])
+    with _clusters() as make:
+        yield make(hosts=2, cpus=2)
 
 
 @pytest.mark.heavy
