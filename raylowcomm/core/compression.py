@@ -224,6 +224,7 @@ def _unpack_int2(packed: Tensor, n: int) -> Tensor:
 
 
 _PACKERS = {8: (lambda codes: _as_bytes(codes.to(torch.int8))), 4: _pack_int4, 2: _pack_int2}
+_UNPACKERS = {8: (lambda packed, n: packed.view(torch.int8).to(torch.int16)), 4: _unpack_int4, 2: _unpack_int2}
 
 
 class Codec:
@@ -344,12 +345,7 @@ class BlockwiseInt(Codec):
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         n, reader = spec.numel, _Reader(packed)
         scales = reader.take(_ceil_div(n, self.block_size), SCALE_DTYPE)
-        if self.bits == 8:
-            codes = reader.take(n, torch.int8).to(torch.int16)
-        elif self.bits == 4:
-            codes = _unpack_int4(reader.take(self._code_nbytes(n), torch.uint8), n)
-        else:
-            codes = _unpack_int2(reader.take(self._code_nbytes(n), torch.uint8), n)
+        codes = _UNPACKERS[self.bits](reader.take(self._code_nbytes(n), torch.uint8), n)
         return _dequantize_blocks(codes, scales, self.block_size)
 
 

@@ -135,7 +135,9 @@ def validate(o: LofiConfig, peers: bool) -> None:
             continue
         if not peers:
             raise ConfigError(
-                field, value, "needs peer rounds: set lofi.compress (int8, int4, int2, topk, sign) or exchange: peers"
+                field,
+                value,
+                "needs peer rounds: set lofi.compress (int8, int4, int2, topk, sign) or lofi.exchange: peers",
             )
         if o.average_every is None or o.average_unit != "steps":
             raise ConfigError(
