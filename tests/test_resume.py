@@ -15,7 +15,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from raylowcomm.config import ConfigError
+from raylowcomm.resume import check_resumable
+from raylowcomm.runner import run
 from raylowcomm.storage import Storage
+from raylowcomm.strategies import from_dict
 
 CONFIG = {
     "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
@@ -71,9 +75,6 @@ def _finish(proc: subprocess.Popen) -> str:
 
 @pytest.mark.slow
 def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path):
-    from raylowcomm.runner import run
-    from raylowcomm.strategies import from_dict
-
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
     run(from_dict(CONFIG), tmp_path / "clean", bar=False)  # the uninterrupted run, on the session's Ray
@@ -119,10 +120,6 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_p
 
 
 def test_resuming_with_another_config_names_what_changed(tmp_path):
-    from raylowcomm.config import ConfigError
-    from raylowcomm.resume import check_resumable
-    from raylowcomm.strategies import from_dict
-
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(from_dict({**CONFIG, "out_dir": "elsewhere"}).to_dict()))
     check_resumable(from_dict({**CONFIG, "out_dir": str(tmp_path)}), tmp_path)  # OUT may be spelled differently
     changed = from_dict({**CONFIG, "optim": {**CONFIG["optim"], "lr": 0.1}})
@@ -136,9 +133,6 @@ def test_resuming_with_another_config_names_what_changed(tmp_path):
 def test_a_kept_strategy_after_the_last_one_run_stays_in_the_results(ray_session, tmp_path):
     """Resuming a run whose first strategy failed reruns it and keeps the finished second one in
     results.json, although no strategy runs after it (it was lost when the kept one came last)."""
-    from raylowcomm.runner import run
-    from raylowcomm.strategies import from_dict
-
     cfg = from_dict(
         {
             **CONFIG,
