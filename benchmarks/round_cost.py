@@ -41,10 +41,10 @@ def measure(config: Path, codec: str, nodes: int, classes: int, repeat: int) -> 
     moved = {k: v + 1e-3 * torch.randn(v.shape, generator=draw, dtype=v.dtype) for k, v in weights.items()}
 
     def delta_of() -> dict:
-        return {k: w.to(torch.float64) - moved[k].to(torch.float64) for k, w in weights.items()}
+        return {k: w.to(torch.float64, copy=True).sub_(moved[k]) for k, w in weights.items()}  # as `NodeRounds._delta`
 
     def outer_step() -> dict:
-        return {k: (weights[k].to(torch.float64) - d).to(weights[k].dtype) for k, d in mean.items()}
+        return {k: weights[k].to(torch.float64, copy=True).sub_(d).to(weights[k].dtype) for k, d in mean.items()}
 
     delta = delta_of()
     payloads = [deltas.encode(delta) for _ in range(nodes)]
