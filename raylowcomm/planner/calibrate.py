@@ -117,7 +117,7 @@ def costs_of(records: list[dict], link: Link | None = None) -> list[Cost]:
         n = len(rec["nodes"])
         if link is not None and cost.topology in ("allreduce", "spsa"):  # step times include the link's
             cost.compute_s = max(0.0, cost.compute_s - predict(cost, n, link).link_s / cost.steps)
-        if cost.topology == "peers":  # what the rounds took beyond the nodes' training and their transfers
+        if cost.topology in ("peers", "star"):  # what the rounds took beyond the nodes' training and transfers
             measured = rec["train_s"] + rec["details"].get("phases_s", {}).get("collect", 0.0)
             on_link = predict(cost, n, link or Link()).link_s
             cost.round_s = max(0.0, (measured - cost.steps * cost.compute_s - on_link) / cost.rounds)

@@ -131,6 +131,22 @@ def test_costs_are_calibrated_from_what_the_record_says():
     assert (longer.steps, longer.rounds, longer.curve, longer.compute_s) == (80, 31, [], 0.25)
 
 
+def test_the_stars_rounds_carry_the_drivers_work_calibrated_from_the_run_and_growing_with_the_nodes():
+    """Two averages through the driver of 1000-byte states at 1000 B/s: each 1 s up and 1 s back; the run
+    took 7 s of training plus 1 s collecting the final average, 2 s of it the nodes' steps."""
+    rec = lofi_record(7.0, {"collect": 1.0})
+    rec["details"].update(exchange="driver", averaging_steps=[4, 8])
+    rec["comm"]["by_kind"] = {"final/node_weights": 2 * 1000}
+    [star] = costs_of([rec], Link(bytes_per_s=1000))
+    assert (star.topology, star.rounds, star.round_bytes, star.compute_s) == ("star", 2, 1000, 0.25)
+    assert star.round_s == (7.0 + 1.0 - 2.0 - 2 * 2.0) / 2 and star.round_nodes == 2
+    same = predict(star, 2, Link(bytes_per_s=1000))
+    assert same.total_s == 8.0  # the calibrating run itself
+    # at 4 nodes the driver averages 4 states, not 2: the rounds' work twice over; the link's time the same
+    four = predict(star, 4, Link(bytes_per_s=1000))
+    assert (four.compute_s, four.link_s) == (2.0 + 2 * 1.0 * 2, 4.0)
+
+
 def test_another_model_scales_bytes_with_what_crosses_and_compute_with_the_flops():
     ddp = costs_of([ddp_record()])[0]
     shape = MODELS["llama-3-8b"]
