@@ -146,10 +146,15 @@ class Prediction:
 
     @property
     def bound(self) -> str:
-        """Which of the two sets the time, and by how much: 'link 3.2x' is 3.2 times the compute."""
+        """Which of the two sets the time, and by how much: 'link 3.2x' is 3.2 times the compute; past
+        1000x the other is noise beside it ('compute >1000x')."""
         if self.link_s > self.compute_s:
-            return f"link {self.link_s / self.compute_s:.1f}x" if self.compute_s else "link"
-        return f"compute {self.compute_s / self.link_s:.1f}x" if self.link_s else "compute"
+            return _times("link", self.link_s / self.compute_s) if self.compute_s else "link"
+        return _times("compute", self.compute_s / self.link_s) if self.link_s else "compute"
+
+
+def _times(name: str, ratio: float) -> str:
+    return f"{name} {ratio:.1f}x" if ratio < 1000 else f"{name} >1000x"
 
 
 def predict(cost: Cost, n: int, link: Link) -> Prediction:

@@ -34,6 +34,8 @@ def test_all_gather_with_overlap_by_hand():
         Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=5, round_bytes=3e6, overlap_steps=7), 3, LINK
     )
     assert hidden.link_s == 0.0 and hidden.bound == "compute"
+    tiny = predict(Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=1, round_bytes=1.0), 2, Link(bytes_per_s=1e6))
+    assert tiny.link_s == 1e-6 and tiny.bound == "compute >1000x"  # not 'compute 10000000.0x'
     # fragments: twice the syncs, each of half the payload (3 s + 0.5 s), none hidden
     halves = Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=5, round_bytes=3e6, fragments=2)
     assert predict(halves, 3, LINK).link_s == 10 * 3.5
