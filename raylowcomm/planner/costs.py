@@ -63,7 +63,7 @@ class Cost:
     round_s: float = 0.0
     """peers: a round's own work on a node besides its transfer (encoding, decoding and averaging the peers'
     payloads, the round's calls) at `round_nodes` nodes; it grows with the n − 1 payloads a node lands
-    (EfficientNet-Lite0, top-k 3%: 0.6 s a round at N = 2, a CPU a node, 1.9 s at N = 4, half a CPU).
+    (EfficientNet-Lite0, top-k 3%: 0.8 s a round at N = 2, a CPU a node, 2.0 s at N = 4, half a CPU).
     star: the driver's averaging of the n states, its round file and the nodes' loading of the average;
     it grows with the n states the driver averages."""
     round_nodes: int = 2
