@@ -246,12 +246,14 @@ class Codec:
 
     def pack_decoded(self, x: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
         """(`pack`, what `unpack` decodes it to): error feedback needs both; a codec that knows the
-        decoded values while packing skips decoding its own bytes."""
+        decoded values while packing skips decoding its own bytes. The decoded tensor is new and the
+        caller's: error feedback overwrites it with the residual."""
         packed = self.pack(x, spec)
         return packed, self._unpack(packed, spec)
 
     def unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
-        """Checks the buffer's size against the formula, then decodes it to flat float64."""
+        """Checks the buffer's size against the formula, then decodes it to flat float64: a new tensor,
+        the caller's (`average_decoded` sums into it in place)."""
         expected = self.packed_nbytes(spec)
         if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
             raise ValueError(
@@ -283,8 +285,8 @@ class Codec:
 
 def _flat_float64(tensor: Tensor, name: str) -> Tensor:
     x = tensor.detach().reshape(-1).to(torch.float64)
-    # A sum is finite when every entry is (the entry-wise check, 14 times slower, only confirms a
-    # non-finite sum: finite entries can overflow it).
+    # A sum is finite when every entry is; the entry-wise check (a pass and a bool tensor more) only
+    # confirms a non-finite sum, since finite entries can overflow it.
     if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
         raise ValueError(f"outer gradient {name!r} has non-finite entries")
     return x
