@@ -104,3 +104,39 @@ def test_a_time_limit_stops_at_the_first_step_past_it_or_at_the_nearest_step_end
     assert _steps_until(2.4, nearest=False) == 3 and _steps_until(2.6, nearest=False) == 3
     assert _steps_until(2.4, nearest=True) == 2 and _steps_until(2.6, nearest=True) == 3
     assert _steps_until(2.0, nearest=True) == 2 and _steps_until(2.0, nearest=False) == 2
+
+
+def test_a_channels_last_model_resumed_under_a_fused_optimizer_takes_the_same_steps(tmp_path):
+    """A checkpoint holds the momentum contiguous; a fused SGD step over a channels_last weight and
+    a contiguous buffer would pair entries in memory order. Resumed from the file, the run must end
+    bit for bit where the uninterrupted one does."""
+    import timm
+
+    from raylowcomm.storage import Storage
+    from raylowcomm.training import load_checkpoint, save_checkpoint
+
+    cfg = OptimConfig(name="sgd", lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.rand(8, 3, 16, 16, generator=gen), torch.randint(0, 10, (8,), generator=gen)) for _ in range(4)]
+
+    def model():
+        torch.manual_seed(0)
+        return timm.create_model("test_efficientnet", num_classes=10).to(memory_format=torch.channels_last)
+
+    def train(net, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+    straight = model()
+    train(straight, make_optimizer(cfg, straight), batches)
+    first = model()
+    opt = make_optimizer(cfg, first)
+    train(first, opt, batches[:2])
+    save_checkpoint(Storage(tmp_path), "state.safetensors", first, opt, 2)
+    resumed = model()
+    opt = make_optimizer(cfg, resumed)
+    load_checkpoint(Storage(tmp_path), "state.safetensors", resumed, opt)
+    train(resumed, opt, batches[2:])
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
