@@ -28,7 +28,7 @@ from raylowcomm.common.timing import peak_rss_bytes, rss_bytes
 from raylowcomm.config import RunConfig
 from raylowcomm.execution import Gang, node_bundle
 from raylowcomm.finetune import ModelRecipe, fine_tune_for
-from raylowcomm.models import ModelSpec, build_architecture
+from raylowcomm.models import ModelSpec, build_architecture, place
 from raylowcomm.runtime import actor_options, device_for, log_to_stdout, setup_threads
 from raylowcomm.storage import Storage
 from raylowcomm.tasks import make_task, score_sets
@@ -76,6 +76,8 @@ class Node:
     and the evaluation sets it fetches once, at its first evaluation."""
 
     label = "node"
+    keeps_contiguous = False
+    """Whether the model keeps torch's contiguous layout whatever model.memory_format says."""
 
     def __init__(
         self, rank: int, cfg: RunConfig, spec: ModelSpec, task: TaskSpec, weights: dict | ModelRecipe | None = None
@@ -85,9 +87,9 @@ class Node:
         self.rss_before_model = rss_bytes()  # the process's own share of its peak: imports, Ray's worker
         self.fine_tune = fine_tune_for(spec)
         if isinstance(weights, ModelRecipe):  # from model.path / the asset / the hub cache on this host
-            self.model = weights.load().to(self.device)
+            self.model = place(weights.load(), spec, self.device, self.keeps_contiguous)
         else:
-            self.model = self.fine_tune.wrap(build_architecture(spec)).to(self.device)
+            self.model = place(self.fine_tune.wrap(build_architecture(spec)), spec, self.device, self.keeps_contiguous)
             if weights is not None:
                 self.model.load_state_dict(weights)
         self.task = make_task(task, self.device)
@@ -120,7 +122,7 @@ class Node:
         with self.fine_tune.computing(self.model, state) as model:
             if model is None:
                 if self._scratch is None:
-                    self._scratch = build_architecture(self.spec).to(self.device)
+                    self._scratch = place(build_architecture(self.spec), self.spec, self.device, self.keeps_contiguous)
                 self._scratch.load_state_dict(state)
                 model = self._scratch
             return score_sets(self.task, model, chosen, self.cfg.eval_rows)

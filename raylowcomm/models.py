@@ -32,6 +32,8 @@ class ModelSpec:
     """Train these LoRA adapters on the frozen architecture (`finetune.fine_tune_for` wraps it)."""
     dtype: torch.dtype = torch.float32
     """The weights' dtype (model.dtype); under LoRA the frozen base's only."""
+    memory_format: str = "auto"
+    """model.memory_format: resolved on each actor's device by `place`."""
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -270,7 +272,9 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
                 model = timm.create_model(arch, pretrained=False, num_classes=num_classes)
         else:
             model = _timm_model(cfg, arch, num_classes, source)
-        spec = ModelSpec("timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora, dtype=dtype)
+        spec = ModelSpec(
+            "timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora, dtype=dtype, memory_format=cfg.memory_format
+        )
         return model.to(dtype), spec, None
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -297,7 +301,14 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
     else:
         model = auto.from_pretrained(source, dtype=dtype, **labels)
     model.config.pad_token_id = tokenizer.pad_token_id
-    spec = ModelSpec(cfg.family, num_classes=num_classes, hf_config=model.config, lora=cfg.lora, dtype=dtype)
+    spec = ModelSpec(
+        cfg.family,
+        num_classes=num_classes,
+        hf_config=model.config,
+        lora=cfg.lora,
+        dtype=dtype,
+        memory_format=cfg.memory_format,
+    )
     return model, spec, tokenizer
 
 
@@ -337,6 +348,21 @@ def build_architecture(spec: ModelSpec) -> nn.Module:
         auto = AutoModelForSequenceClassification if spec.family == "hf_classifier" else AutoModelForCausalLM
         model = auto.from_config(spec.hf_config, dtype=spec.dtype)
     return model.to(spec.dtype)
+
+
+def channels_last(spec: ModelSpec, device: str) -> bool:
+    """Whether a model of `spec` computes in channels_last on `device` (model.memory_format)."""
+    if spec.memory_format == "auto":
+        return spec.family == "timm" and device == "cpu"
+    return spec.memory_format == "channels_last"
+
+
+def place(model: nn.Module, spec: ModelSpec, device: str, keep_contiguous: bool = False) -> nn.Module:
+    """`model` on `device` in the memory format it computes fastest in there (`channels_last`);
+    `keep_contiguous` keeps torch's default (for code that walks weights in memory order).
+    Only 4-D tensors change layout; their values, and every state dict taken from them, do not."""
+    model = model.to(device)
+    return model.to(memory_format=torch.channels_last) if not keep_contiguous and channels_last(spec, device) else model
 
 
 def state_dict_of(model: nn.Module) -> dict[str, torch.Tensor]:

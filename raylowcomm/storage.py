@@ -168,8 +168,12 @@ class Storage:
         """safetensors (never pickle); `metadata` travels as JSON in the header. Returns the size. A
         local or mounted file is written tensor by tensor (safetensors' save_file) beside its target
         and renamed, with no serialised copy of every tensor in memory (a 3B model's weights are 6 GB
-        more otherwise); an object store gets the serialised bytes."""
+        more otherwise); an object store gets the serialised bytes. Tensors of another memory format
+        (a channels_last weight, its momentum) are written in torch's contiguous order, as safetensors
+        needs."""
         from safetensors.torch import save, save_file
+
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
 
         header = {"raylowcomm": json.dumps(metadata or {})}
         if not self.is_local:

@@ -37,7 +37,7 @@ from raylowcomm.core.interlock.splitting import (
 )
 from raylowcomm.data import TrainSource
 from raylowcomm.execution import node_bundle
-from raylowcomm.models import ASSET_TIMM_ARCH, state_dict_of
+from raylowcomm.models import ASSET_TIMM_ARCH, ModelSpec, state_dict_of
 from raylowcomm.strategies.base import (
     RunContext,
     RunRecord,
@@ -243,7 +243,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             NodeGroup(StageActor, cfg, Ledger(), bundles=self.bundles(cfg)) as group,
             group.stop_on_death("interlocking stage", "each stage holds layers no other has"),
         ):
-            self._load(group, modules, heads, source, ctx.data.train, cfg, family)
+            self._load(group, modules, heads, source, ctx.data.train, cfg, ctx.spec)
             trained, stage_losses, busy, curve = self._train(ctx, group, source)
             per_set, eval_bytes = evaluate_chained(
                 group.handles(), source.eval_sets, cfg.eval_rows, group.fetch, LOSS_OF_FAMILY[family]
@@ -313,7 +313,7 @@ class Interlocking(Strategy[InterlockingConfig]):
         source: Source,
         recipe: TrainSource,
         cfg: RunConfig,
-        family: str,
+        spec: ModelSpec,
     ) -> None:
         """One stage actor per module, its aux head beside it; stage 0 also gets the evaluation sets
         and how to read the training data (not the data)."""
@@ -330,10 +330,11 @@ class Interlocking(Strategy[InterlockingConfig]):
                     opts.width,
                     opts.rule,
                     ref,
-                    LOSS_OF_FAMILY[family],
+                    LOSS_OF_FAMILY[spec.family],
                     cfg.optim,
                     opts.micro_batches,
                     *((source, recipe) if k == 0 else ()),
+                    spec=spec,
                 )
             )
         ray.get(loaded)

@@ -18,7 +18,7 @@ from raylowcomm.config import OptimConfig
 from raylowcomm.core.interlock.heads import LOSSES
 from raylowcomm.core.interlock.routing import InterlockStage
 from raylowcomm.data import TrainSource
-from raylowcomm.models import state_dict_of
+from raylowcomm.models import ModelSpec, place, state_dict_of
 from raylowcomm.tasks import CausalLM, ImageClassification
 from raylowcomm.training import make_optimizer
 
@@ -144,12 +144,15 @@ class StageActor:
         micro_batches: int,
         source: Source | None = None,
         recipe: TrainSource | None = None,
+        spec: ModelSpec | None = None,
     ) -> None:
         """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is
-        reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host."""
+        reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host. `spec`: the
+        model's, for the memory format its layers compute in here (None: torch's default)."""
         if recipe is not None:
             source.train = recipe.load(0, 1)
-        module, head = (m.to(self.device) if m is not None else None for m in payload)
+        at = (lambda m: m.to(self.device)) if spec is None else (lambda m: place(m, spec, self.device))
+        module, head = (at(m) if m is not None else None for m in payload)
         stage = InterlockStage(
             index,
             num_stages,

@@ -32,6 +32,7 @@ class SpsaNode(Node):
     """One replica (`Replica`) on its shard: it publishes its step's bytes and replays everyone's."""
 
     label = "spsa node"
+    keeps_contiguous = True  # perturbations walk each weight in memory order (core/zo/perturb.py)
 
     def __init__(
         self,
