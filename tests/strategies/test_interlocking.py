@@ -57,10 +57,18 @@ def test_message_plan_matches_routing():
     assert message_plan(3, 3, "farthest") == [[set(), set()], [set(), {2}], [{2}]]
 
 
-@pytest.mark.parametrize("n,rule", [(n, rule) for n in (1, 2, 3) for rule in ("farthest", "sum")])
-def test_ray_stages_apply_reference_update(three_actors, n, rule):
+LAYOUTS = {None: None, "channels_last": ModelSpec("timm", memory_format="channels_last")}
+
+
+@pytest.mark.parametrize(
+    "n,rule,layout",
+    [(n, rule, None) for n in (1, 2, 3) for rule in ("farthest", "sum")]
+    + [(2, "farthest", "channels_last"), (3, "sum", "channels_last")],
+)
+def test_ray_stages_apply_reference_update(three_actors, n, rule, layout):
     """K = 3 actors, 2 micro-batches, one SGD step: every stage's and aux head's new weights
-    equal w - lr * (gradient of its n-way objective on the whole batch, one autograd graph)."""
+    equal w - lr * (gradient of its n-way objective on the whole batch, one autograd graph), the
+    stages' convolutions in torch's layout or in channels_last (`layout`, the model's spec)."""
     K, M = 3, 2
     g = torch.Generator().manual_seed(3)
     split = {
@@ -87,6 +95,7 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
                 optim,
                 M,
                 source if k == 0 else None,
+                spec=LAYOUTS[layout],
             )
             for k, a in enumerate(actors)
         ]
@@ -127,11 +136,12 @@ def test_ray_stages_apply_reference_update(three_actors, n, rule):
     assert h.shape[0] == 4 and torch.equal(targets, batch_at(split, 1, 8, 0)["labels"][:4])
 
 
-@pytest.mark.parametrize("rule", ["farthest", "sum"])
-def test_ray_stages_that_overlap_batches_equal_the_pipeline_in_process(three_actors, rule):
+@pytest.mark.parametrize("rule,layout", [("farthest", None), ("sum", None), ("farthest", "channels_last")])
+def test_ray_stages_that_overlap_batches_equal_the_pipeline_in_process(three_actors, rule, layout):
     """K = 3, n = 2, 2 batches a stage, 3 batches: the actors' weights equal `run_pipeline`'s, which a
     core test checks against the gradients of the weights each forward ran with; the driver still
-    reads only small dicts, and each stage that waits for messages stashed its weights."""
+    reads only small dicts, and each stage that waits for messages stashed its weights. In
+    channels_last (`layout`) the actors' fused momentum steps walk weights and gradients laid out alike."""
     K, M, n, steps = 3, 2, 2, 3
     g = torch.Generator().manual_seed(5)
     split = {
@@ -145,7 +155,9 @@ def test_ray_stages_that_overlap_batches_equal_the_pipeline_in_process(three_act
     payloads = [(modules[k], heads[k] if k < K - 1 else None) for k in range(K)]
     ray.get(
         [
-            a.load.remote(k, K, n, rule, payloads[k], "cross_entropy", optim, M, source if k == 0 else None)
+            a.load.remote(
+                k, K, n, rule, payloads[k], "cross_entropy", optim, M, source if k == 0 else None, spec=LAYOUTS[layout]
+            )
             for k, a in enumerate(three_actors)
         ]
     )
