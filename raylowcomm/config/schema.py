@@ -66,10 +66,10 @@ class ModelConfig:
     adapters and head fp32. Without: SPSA only (lo-fi, DDP and interlocking update every weight,
     which needs fp32). See docs/models.md for what each combination keeps exact."""
     memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
-    """How an image model's 4-D weights and activations lie in memory where it trains. channels_last:
-    pixels with their channels side by side, where oneDNN runs depthwise and grouped convolutions
-    (EfficientNet, MobileNet) about twice as fast on a CPU (docs/models.md); contiguous: torch's
-    default; auto: channels_last for timm models on CPU,
+    """How an image model's 4-D weights (and so the activations its convolutions produce) lie in
+    memory where it trains. channels_last: pixels with their channels side by side, where oneDNN runs
+    depthwise and grouped convolutions (EfficientNet, MobileNet) about twice as fast on a CPU
+    (docs/models.md); contiguous: torch's default; auto: channels_last for timm models on CPU,
     contiguous elsewhere (GPUs: not measured here). The same values cross and are counted; results
     differ from contiguous only in float rounding. SPSA's nodes stay contiguous (they perturb each
     weight in memory order, the same order on every replica)."""
