@@ -132,7 +132,7 @@ class Node:
         (None) this node's own model, saved at `rel` in `storage` by this node, which holds the model
         the driver does not."""
         state = self.fine_tune.plain_state(payload, self.model)
-        storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in state.items()}))
+        storage.save_tensors(rel, dedupe_shared(state))
 
     def hold_out(self, data, count: int) -> None:
         """With data.eval_on_nodes, keep this node's own held-out rows (read here) as its test set."""

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from raylowcomm.common.batches import Split, batch_at, steps_per_epoch
+from raylowcomm.common.layout import laid_out_like
 from raylowcomm.common.seeding import step_seed
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, OptimConfig
@@ -204,18 +205,11 @@ def load_checkpoint(storage: Storage, rel: str, model: nn.Module, optimizer: tor
             pid, key = k.split(".", 1)
             state.setdefault(int(pid), {})[key] = v
         optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        match_parameter_layouts(optimizer)
+        for param, state in optimizer.state.items():  # the file's contiguous buffers, as their weights lie
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    state[key] = laid_out_like(param, value)
     return meta
-
-
-def match_parameter_layouts(optimizer: torch.optim.Optimizer) -> None:
-    """Lay each state tensor of a parameter's shape (momentum, Adam's moments) out in memory as its
-    parameter is: a file holds them contiguous, and a fused step walks a channels_last parameter and
-    a contiguous buffer in memory order, pairing the wrong entries without an error."""
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
-                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def save_weights(path: Path, state: dict) -> str:

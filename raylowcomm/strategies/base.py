@@ -308,7 +308,7 @@ def finish_record(
     rel = f"{name}/model.safetensors"
     if weights is not None:  # None: a node saved them there, where the base they need is
         details.update(ctx.fine_tune.save_result(weights, ctx.architecture, ctx.out_dir / name, ctx.cfg.model.merge))
-        ctx.storage.save_tensors(rel, dedupe_shared({k: v.contiguous() for k, v in weights.items()}))
+        ctx.storage.save_tensors(rel, dedupe_shared(weights))
     details.setdefault("phases_s", {})["save"] = round(time.perf_counter() - saving, 3)
     weights_path = ctx.storage.uri_of(rel)
     return RunRecord(

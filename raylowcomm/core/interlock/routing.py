@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raylowcomm.common.layout import laid_out_like
 from raylowcomm.core.interlock.schedule import submission_order
 
 Rule = Literal["farthest", "sum"]
@@ -250,7 +251,7 @@ class InterlockStage:
         if batch == self._current:
             for p, g in zip((self.params + self.head_params)[offset:], grads):
                 if g is not None:
-                    p.grad = _laid_out_like(p, g if p.grad is None else p.grad + g)
+                    p.grad = laid_out_like(p, g if p.grad is None else p.grad + g)
             return
         sums = self._ahead[batch].grads
         for i, g in enumerate(grads, start=offset):
@@ -280,7 +281,7 @@ class InterlockStage:
             waiting = self._ahead.pop(self._current)
             self._completed = waiting.completed
             for p, g in zip(self.params + self.head_params, waiting.grads):
-                p.grad = g if g is None else _laid_out_like(p, g)
+                p.grad = g if g is None else laid_out_like(p, g)
 
     def _stash(self) -> None:
         """Move the stage onto fresh copies of its parameters, the optimizer's state with them, so
@@ -443,10 +444,3 @@ def reference_gradients(
     ]
     head_grads = [grads(losses[j], heads[j]) for j in range(K - 1)]
     return stage_grads, head_grads
-
-
-def _laid_out_like(param: Tensor, grad: Tensor) -> Tensor:
-    """`grad` in `param`'s memory layout. `.backward()` lays a gradient out as its parameter is;
-    `autograd.grad` promises nothing, and a fused optimizer step walks both in memory order (a
-    channels_last weight beside a contiguous gradient would pair the wrong entries)."""
-    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)

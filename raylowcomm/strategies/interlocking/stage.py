@@ -151,8 +151,9 @@ class StageActor:
         model's, for the memory format its layers compute in here (None: torch's default)."""
         if recipe is not None:
             source.train = recipe.load(0, 1)
-        at = (lambda m: m.to(self.device)) if spec is None else (lambda m: place(m, spec, self.device))
-        module, head = (at(m) if m is not None else None for m in payload)
+        module, head = (
+            None if m is None else m.to(self.device) if spec is None else place(m, spec, self.device) for m in payload
+        )
         stage = InterlockStage(
             index,
             num_stages,
