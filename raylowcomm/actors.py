@@ -36,6 +36,9 @@ from raylowcomm.training import dedupe_shared
 
 logger = logging.getLogger("raylowcomm")
 
+STREAM_POLL_S = 0.05
+"""How often `NodeGroup.stream` looks for results that have landed while it fetches them."""
+
 
 def start_process(cpus: float, gpus: float, cpu_quota: bool = False) -> str:
     """What every node process does first: torch threads = its CPUs (and its CPU time held to them
@@ -322,19 +325,25 @@ class NodeGroup:
         fetch: DriverFetches | None = None,
     ):
         """Yield (key, result) of `method(*args)` on the actors as each arrives, booked by `fetch`
-        (the group's; none without `what`); an actor that dies is restarted and asked again."""
+        (the group's; none without `what`); an actor that dies is restarted and asked again.
+
+        Every pending result is fetched at once, each over its own host's link: a `ray.wait` for one
+        result pulls only that one, so three nodes' states came in two waves, one alone and then the
+        other two (measured: docs/planning.md)."""
         fetch = fetch or self.fetch
         pending = {getattr(self.actors[k], method).remote(*args): k for k in (self.keys() if keys is None else keys)}
         while pending:
-            [ready], _ = ray.wait(list(pending), num_returns=1)
-            key = pending.pop(ready)
-            try:
-                value = ray.get(ready)
-            except ray.exceptions.RayActorError as err:
-                self._restart(key, err)
-                pending[getattr(self.actors[key], method).remote(*args)] = key
-                continue
-            yield key, (fetch.book(value, phase, what) if what else value)
+            ray.wait(list(pending), num_returns=1, fetch_local=False)  # until one result exists, anywhere
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=STREAM_POLL_S)
+            for ref in ready:
+                key = pending.pop(ref)
+                try:
+                    value = ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    self._restart(key, err)
+                    pending[getattr(self.actors[key], method).remote(*args)] = key
+                    continue
+                yield key, (fetch.book(value, phase, what) if what else value)
 
     def call(
         self, method: str, *args, phase: str = "final", what: str | None = None, keys: list[int] | None = None

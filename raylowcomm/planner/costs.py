@@ -33,13 +33,21 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
     return link.latency_s + (n - 1) * nbytes / link.bytes_per_s
 
 
-def star_s(nbytes: float, n: int, link: Link) -> float:
-    """Every node sends `nbytes` to the driver, each over its own link at once, and the average goes back:
-    Ray's object store relays it between the nodes that already hold it, so the driver's link does not
-    carry n − 1 copies (measured: a round at N = 4 takes what one at N = 2 does, docs/planning.md)."""
+def star_up_s(nbytes: float, n: int, link: Link) -> float:
+    """Every node sends its `nbytes` state to the driver, each over its own link at once (the driver's
+    own host's node sends nothing)."""
     if n < 2:
         return 0.0
-    return 2 * (link.latency_s + nbytes / link.bytes_per_s)
+    return link.latency_s + nbytes / link.bytes_per_s
+
+
+def star_down_s(nbytes: float, n: int, link: Link) -> float:
+    """The average goes back from the driver's host over its one link, a copy to each of the n − 1 other
+    hosts: Ray's object store does not relay it between nodes that already hold it (measured at N = 4:
+    three copies from the driver's host, docs/planning.md)."""
+    if n < 2:
+        return 0.0
+    return link.latency_s + (n - 1) * nbytes / link.bytes_per_s
 
 
 @dataclass
@@ -169,8 +177,10 @@ def predict(cost: Cost, n: int, link: Link) -> Prediction:
     elif cost.topology == "peers":
         sync = all_gather_s(cost.round_bytes / cost.fragments, n, link)
         comm = cost.rounds * cost.fragments * max(0.0, sync - cost.overlap_steps * cost.compute_s)
-    elif cost.topology == "star":
-        comm = cost.rounds * star_s(cost.round_bytes, n, link)
+    elif cost.topology == "star":  # the final average stays on the driver: every round but the last comes back
+        comm = cost.rounds * star_up_s(cost.round_bytes, n, link) + max(0, cost.rounds - 1) * star_down_s(
+            cost.round_bytes, n, link
+        )
     elif cost.topology == "spsa":  # every node's bytes to the driver and everyone's back: two latencies a step
         comm = cost.steps * (2 * link.latency_s + (n - 1) * cost.step_bytes / link.bytes_per_s) if n > 1 else 0.0
     else:

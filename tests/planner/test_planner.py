@@ -9,7 +9,7 @@ from raylowcomm.cli import main
 from raylowcomm.core.interlock.schedule import Link, StageCost
 from raylowcomm.planner import MODELS, Target, plan
 from raylowcomm.planner.calibrate import costs_of
-from raylowcomm.planner.costs import Cost, all_gather_s, predict, ring_allreduce_s, star_s
+from raylowcomm.planner.costs import Cost, all_gather_s, predict, ring_allreduce_s, star_down_s, star_up_s
 
 LINK = Link(latency_s=0.5, bytes_per_s=1e6)
 
@@ -39,8 +39,10 @@ def test_all_gather_with_overlap_by_hand():
     # fragments: twice the syncs, each of half the payload (3 s + 0.5 s), none hidden
     halves = Cost("lofi", "peers", steps=10, compute_s=1.0, rounds=5, round_bytes=3e6, fragments=2)
     assert predict(halves, 3, LINK).link_s == 10 * 3.5
-    # the star: every node's 1 MB to the driver at once, and the average relayed back: 2 x (0.5 + 1)
-    assert star_s(1e6, 3, LINK) == star_s(1e6, 2, LINK) == 3.0
+    # the star: every node's 1 MB to the driver at once (0.5 + 1), and the average back from the driver's
+    # host, beside node 0, to each other node over its one link: 0.5 + (N - 1) x 1
+    assert star_up_s(1e6, 3, LINK) == star_up_s(1e6, 2, LINK) == 1.5
+    assert (star_down_s(1e6, 2, LINK), star_down_s(1e6, 4, LINK), star_down_s(1e6, 1, LINK)) == (1.5, 3.5, 0.0)
 
 
 def test_a_pipeline_by_hand():
@@ -134,19 +136,21 @@ def test_costs_are_calibrated_from_what_the_record_says():
 
 
 def test_the_stars_rounds_carry_the_drivers_work_calibrated_from_the_run_and_growing_with_the_nodes():
-    """Two averages through the driver of 1000-byte states at 1000 B/s: each 1 s up and 1 s back; the run
-    took 7 s of training plus 1 s collecting the final average, 2 s of it the nodes' steps."""
+    """Two averages through the driver of 1000-byte states at 1000 B/s: each 1 s up, and the first 1 s back
+    (the final average stays on the driver); the run took 7 s of training plus 1 s collecting the final
+    average, 2 s of it the nodes' steps."""
     rec = lofi_record(7.0, {"collect": 1.0})
     rec["details"].update(exchange="driver", averaging_steps=[4, 8])
     rec["comm"]["by_kind"] = {"final/node_weights": 2 * 1000}
     [star] = costs_of([rec], Link(bytes_per_s=1000))
     assert (star.topology, star.rounds, star.round_bytes, star.compute_s) == ("star", 2, 1000, 0.25)
-    assert star.round_s == (7.0 + 1.0 - 2.0 - 2 * 2.0) / 2 and star.round_nodes == 2
+    assert star.round_s == (7.0 + 1.0 - 2.0 - 3.0) / 2 and star.round_nodes == 2
     same = predict(star, 2, Link(bytes_per_s=1000))
     assert same.total_s == 8.0  # the calibrating run itself
-    # at 4 nodes the driver averages 4 states, not 2: the rounds' work twice over; the link's time the same
+    # at 4 nodes the driver averages 4 states, not 2: the rounds' work twice over; the uploads take as long,
+    # and the one average that comes back goes out three times over the driver's link
     four = predict(star, 4, Link(bytes_per_s=1000))
-    assert (four.compute_s, four.link_s) == (2.0 + 2 * 1.0 * 2, 4.0)
+    assert (four.compute_s, four.link_s) == (2.0 + 2 * 1.5 * 2, 2 * 1.0 + 3.0)
 
 
 def test_another_model_scales_bytes_with_what_crosses_and_compute_with_the_flops():
