@@ -18,9 +18,10 @@ from raylowcomm.training import total_steps
 def gather_nodes(
     group: NodeGroup, plan: Plan, phase: str, method: str = "weights", *args, fetch: DriverFetches | None = None
 ):
-    """The nodes' `method(*args)` states, streamed in as they are ready and gathered by the run's
-    average: full weights into one running sum (one incoming copy at a time), adapters kept (with
-    their weights, for the driver to combine on its base or a node to merge on its own)."""
+    """The nodes' `method(*args)` states, fetched at once (`NodeGroup.stream`) and gathered by the run's
+    average as each lands: full weights into one running sum (one state deserialised at a time, while
+    the driver's object store holds the others), adapters kept (with their weights, for the driver to
+    combine on its base or a node to merge on its own)."""
     stream = group.stream(method, *args, phase=phase, what=plan.average.what, fetch=fetch)
     return plan.average.gather(stream, plan.weights)
 

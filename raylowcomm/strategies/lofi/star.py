@@ -1,7 +1,8 @@
 """lo-fi's star (`lofi.exchange: driver`): every averaging round the nodes send their states to the
-driver, which averages them (one incoming copy at a time), takes the outer step where there is one,
-writes the global model to storage (`round_file.GLOBAL`, what a resumed run starts from) and sends
-it back to every node. The final average is gathered the same way, or as a greedy soup."""
+driver, which fetches them at once and sums them one at a time, takes the outer step where there is
+one, writes the global model to storage (`round_file.GLOBAL`, what a resumed run starts from) and
+sends it back to every node (a copy to each other host, over the driver's link). The final average
+is gathered the same way, or as a greedy soup."""
 
 from __future__ import annotations
 
