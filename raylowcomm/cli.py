@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan_p.add_argument("--tokens-per-step", type=float, help="tokens (or samples) per node and step")
     plan_p.add_argument("--steps", type=int, help="the run's steps per node (default: the calibrating run's)")
     plan_p.add_argument("--calibrate-steps", type=int, default=8, help="steps of the short run (a config)")
+    plan_p.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="check the calibration: predict these measured runs (repeatable; repeats count as their median)",
+    )
     plan_p.add_argument("--out", help="folder for plan.json and plan.png (default: none written)")
     assets_p = sub.add_parser("assets", help="list or fetch the bundled pretrained models and datasets")
     assets_p.add_argument("action", choices=["list", "fetch"])
@@ -172,10 +179,13 @@ def _plan_models() -> list[str]:
 def _plan(args) -> int:
     from raylowcomm.config import ConfigError
     from raylowcomm.planner import as_json, plan, plot, table
+    from raylowcomm.planner.calibrate import merge_repeats
 
     try:
         nodes, links, target = _plan_inputs(args)
-        costs = _plan_costs(args)
+        costs = merge_repeats(_plan_costs(args))
+        if args.against:
+            return _plan_check(args, costs)
         rows = plan(costs, nodes, links, args.latency, target)
     except (ConfigError, ValueError) as err:
         return _fail(err)
@@ -186,6 +196,44 @@ def _plan(args) -> int:
         (out / "plan.json").write_text(json.dumps(as_json(rows), indent=2))
         plot(rows, out / "plan.png")
         print(f"plan: {out / 'plan.json'}, {out / 'plan.png'}")
+    return 0
+
+
+def _plan_check(args, costs: list) -> int:
+    """`plan --against`: the calibration's predictions beside the measured runs, over the link they met
+    (`--link`, or the rate their `bench wan` folder was shaped to)."""
+    from raylowcomm.bench import rate_bits
+    from raylowcomm.config import ConfigError
+    from raylowcomm.planner import bench_run, check, check_table, link_of, load_source
+
+    for flag, value in (("--params", args.params), ("--model", args.model), ("--steps", args.steps)):
+        if value is not None:
+            raise ConfigError(flag, value, "--against checks the runs as they ran: leave it out")
+    runs, rates = [], set()
+    for name in args.against:
+        folder = Path(name)
+        try:
+            runs += load_source(folder)
+        except (FileNotFoundError, KeyError) as err:
+            raise ConfigError("--against", name, f"cannot read a run from it: {err}") from None
+        rates.add(bench_run(folder).get("rate"))
+    if len(args.link) > 1:
+        raise ConfigError("--link", ",".join(args.link), "--against checks runs over one link: give it once")
+    if args.link:
+        rate = args.link[0]
+    elif len(rates) == 1 and None not in rates:
+        rate = rates.pop()  # the rate their `bench wan` shaped
+    else:
+        raise ConfigError("--link", None, "give the rate the --against runs met, e.g. --link 100mbit")
+    rows = check(costs, runs, link_of(rate_bits(rate), args.latency))
+    if not rows:
+        raise ConfigError("--against", ",".join(args.against), "no run there ran as a calibrating run did")
+    print(check_table(rows, rate))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "check.json").write_text(json.dumps(rows, indent=2))
+        print(f"plan: {out / 'check.json'}")
     return 0
 
 

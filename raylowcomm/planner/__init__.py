@@ -4,7 +4,9 @@ A run folder (results.json, from `raylowcomm run` or `bench`) or a config (run b
 what each strategy's step costs in compute and what its steps and rounds send (`calibrate`); the
 time model (`costs`) predicts the run's wall time for N nodes on a link of a given rate and latency,
 for this model or another size (bytes scale with the parameters that cross, compute with the
-parameters or with the FLOPs you state), and says what bounds it: the link or the compute.
+parameters or with the FLOPs you state), and says what bounds it: the link or the compute. Repeats of a
+run calibrate once, on their median; `check` sets the predictions beside runs measured elsewhere (another
+rate, other nodes), the way docs/planning.md checks the planner.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
-from raylowcomm.planner.calibrate import costs_of
+from raylowcomm.core.interlock.schedule import Link
+from raylowcomm.planner.calibrate import costs_of, repeats_of, same_run
 from raylowcomm.planner.costs import Cost, Prediction, link_of, predict, time_to_target
 
 logger = logging.getLogger(__name__)
@@ -71,19 +75,62 @@ class Target:
         return passes * per_forward / self.device_flops
 
 
+def bench_run(source: Path) -> dict:
+    """What a `bench wan` rate folder's bench.json says of its run (its rate, the link it measured);
+    empty elsewhere."""
+    bench = source.parent / "bench.json"
+    runs = json.loads(bench.read_text()).get("runs", []) if bench.exists() else []
+    return next((run for run in runs if run.get("dir") == source.name), {})
+
+
 def load_source(source: Path) -> list[Cost]:
     """Costs from a run folder's results.json; in a `bench wan` rate folder, the link its bench.json measured
     comes out of the step times."""
     results = source / "results.json"
     if not results.exists():
         raise FileNotFoundError(f"{source} has no results.json: give a folder written by `raylowcomm run` or `bench`")
-    link = None
-    bench = source.parent / "bench.json"
-    if bench.exists():
-        for run in json.loads(bench.read_text()).get("runs", []):
-            if run.get("dir") == source.name and run.get("link"):
-                link = link_of(run["link"]["mbit_per_s"] * 1e6)
+    measured = bench_run(source).get("link")
+    link = link_of(measured["mbit_per_s"] * 1e6) if measured else None
     return costs_of(json.loads(results.read_text()), link)
+
+
+def check(calibrated: list[Cost], runs: list[Cost], link: Link) -> list[dict]:
+    """The planner against measured runs: each run (the median of its repeats) beside the prediction of the
+    calibration that ran it the same way (`same_run`), at the run's own nodes on `link`."""
+    rows = []
+    for group in repeats_of(runs):
+        run = group[0]
+        cost = next((c for c in calibrated if same_run(c, run)), None)
+        if cost is None:
+            logger.warning("plan --against: no calibrating run ran %s as this run did; left out", run.label)
+            continue
+        measured = median(c.measured_s for c in group)
+        predicted = predict(cost, run.nodes, link).total_s
+        rows.append(
+            {
+                "strategy": run.label,
+                "nodes": run.nodes,
+                "predicted_s": predicted,
+                "measured_s": measured,
+                "runs_s": [c.measured_s for c in group],
+                "error": predicted / measured - 1,
+            }
+        )
+    return rows
+
+
+def check_table(rows: list[dict], link: str) -> str:
+    lines = [
+        "| strategy | N | link | predicted | measured (median) | runs | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        runs = ", ".join(f"{s:.1f}" for s in r["runs_s"])
+        lines.append(
+            f"| {r['strategy']} | {r['nodes']} | {link} | {r['predicted_s']:.1f} s | {r['measured_s']:.1f} s | "
+            f"{runs} | {100 * r['error']:+.1f}% |"
+        )
+    return "\n".join(lines)
 
 
 def plan(costs: list[Cost], nodes: list[int], links: list[tuple[str, float]], latency_ms: float, target: Target):

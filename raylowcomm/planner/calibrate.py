@@ -4,6 +4,9 @@ link's time in its step times: `link` (the rate it measured) takes the modelled 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from statistics import median
+
 from raylowcomm.core.interlock.schedule import Link, StageCost
 from raylowcomm.planner.costs import Cost, predict
 
@@ -103,6 +106,13 @@ def interlocking_cost(rec: dict) -> Cost:
 CALIBRATORS = {"ddp": ddp_cost, "lofi": lofi_cost, "spsa": spsa_cost, "interlocking": interlocking_cost}
 
 
+def measured_s(rec: dict) -> float:
+    """A run's time as the time model counts it: its training, and for lo-fi the final collection of the
+    nodes' states (its last round)."""
+    collect = rec["details"].get("phases_s", {}).get("collect", 0.0) if rec["strategy"] == "lofi" else 0.0
+    return rec["train_s"] + collect
+
+
 def costs_of(records: list[dict], link: Link | None = None) -> list[Cost]:
     """Every strategy a results.json holds (those that finished), with its curve of ID accuracy (or loss);
     `link`: the link the run met, whose modelled time comes out of the measured step times."""
@@ -114,15 +124,72 @@ def costs_of(records: list[dict], link: Link | None = None) -> list[Cost]:
         cost = make(rec)
         metric = "id_accuracy" if "id_accuracy" in rec["metrics"] else "id_loss"
         cost.curve = [(p["step"], p[metric]) for p in rec.get("curve", []) if metric in p and p.get("step")]
-        n = len(rec["nodes"])
+        n = cost.nodes = len(rec["nodes"])
+        cost.measured_s = measured_s(rec)
         if link is not None and cost.topology in ("allreduce", "spsa"):  # step times include the link's
             cost.compute_s = max(0.0, cost.compute_s - predict(cost, n, link).link_s / cost.steps)
         if cost.topology in ("peers", "star"):  # what the rounds took beyond the nodes' training and transfers
-            measured = rec["train_s"] + rec["details"].get("phases_s", {}).get("collect", 0.0)
             on_link = predict(cost, n, link or Link()).link_s
-            cost.round_s = max(0.0, (measured - cost.steps * cost.compute_s - on_link) / cost.rounds)
-            cost.round_nodes = n
+            cost.round_s = max(0.0, (cost.measured_s - cost.steps * cost.compute_s - on_link) / cost.rounds)
         if cost.topology == "pipeline":  # what the run took beyond its stages' median calls and messages
             cost.overhead_s = max(0.0, (rec["train_s"] - predict(cost, n, link or Link()).total_s) / cost.steps)
         out.append(cost)
     return out
+
+
+TIMINGS = ("compute_s", "round_s", "overhead_s", "measured_s")
+STAGE_TIMINGS = ("forward_s", "backward_s", "step_s")
+
+
+def _shape(cost: Cost, nodes: int | None = None) -> Cost:
+    """What repeats of one run share: the cost without its timings and curve (at `nodes`, where given)."""
+    return replace(
+        cost,
+        **dict.fromkeys(TIMINGS, 0.0),
+        curve=[],
+        nodes=cost.nodes if nodes is None else nodes,
+        stages=[replace(s, **dict.fromkeys(STAGE_TIMINGS, 0.0)) for s in cost.stages],
+    )
+
+
+def repeats_of(costs: list[Cost]) -> list[list[Cost]]:
+    """The costs grouped into repeats of one run: the same strategy at the same nodes, steps, rounds and
+    bytes, in the order they first appear."""
+    groups: list[list[Cost]] = []
+    for cost in costs:
+        group = next((g for g in groups if _shape(g[0]) == _shape(cost)), None)
+        if group is None:
+            groups.append([cost])
+        else:
+            group.append(cost)
+    return groups
+
+
+def median_of(repeats: list[Cost]) -> Cost:
+    """One cost from repeats of a run: the median of each timing, and of the curve's metric at each step
+    they all reached. A shared machine computes the same run at different speeds from one run to the next
+    (docs/planning.md): the median of several is steadier than any one of them."""
+    first = repeats[0]
+    if len(repeats) == 1:
+        return first
+    curves = [dict(c.curve) for c in repeats]
+    return replace(
+        first,
+        **{name: median(getattr(c, name) for c in repeats) for name in TIMINGS},
+        stages=[
+            replace(stage, **{name: median(getattr(c.stages[k], name) for c in repeats) for name in STAGE_TIMINGS})
+            for k, stage in enumerate(first.stages)
+        ],
+        curve=[(step, median(c[step] for c in curves)) for step, _ in first.curve if all(step in c for c in curves)],
+    )
+
+
+def merge_repeats(costs: list[Cost]) -> list[Cost]:
+    """Every run calibrated once: repeats of one run (`repeats_of`) as their median (`median_of`)."""
+    return [median_of(group) for group in repeats_of(costs)]
+
+
+def same_run(calibrated: Cost, run: Cost) -> bool:
+    """Whether `run` is the calibrated run made at its own node count: the same strategy, steps, rounds and
+    bytes."""
+    return _shape(calibrated, run.nodes) == _shape(run)

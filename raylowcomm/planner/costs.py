@@ -70,12 +70,14 @@ class Cost:
     """peers: steps of compute a round's transfer hides behind (lofi.overlap)."""
     round_s: float = 0.0
     """peers: a round's own work on a node besides its transfer (encoding, decoding and averaging the peers'
-    payloads, the round's calls) at `round_nodes` nodes; it grows with the n − 1 payloads a node lands
+    payloads, the round's calls) at `nodes` nodes; it grows with the n − 1 payloads a node lands
     (EfficientNet-Lite0, top-k 3%: 0.8 s a round at N = 2, a CPU a node, 2.0 s at N = 4, half a CPU).
     star: the driver's averaging of the n states, its round file and the nodes' loading of the average;
     it grows with the n states the driver averages."""
-    round_nodes: int = 2
-    """peers / star: the nodes of the run that measured `round_s`."""
+    nodes: int = 2
+    """The calibrating run's nodes (stages, for the pipeline), at which it measured `round_s`."""
+    measured_s: float = 0.0
+    """The calibrating run's own time as `predict` counts it (`calibrate.measured_s`): what a check compares."""
     fragments: int = 1
     """peers: fragments (Streaming DiLoCo): rounds × fragments syncs of 1/fragments of the payload."""
     stages: list[StageCost] = field(default_factory=list)
@@ -168,9 +170,9 @@ def _times(name: str, ratio: float) -> str:
 def predict(cost: Cost, n: int, link: Link) -> Prediction:
     """The run's time for n nodes on `link` (interlocking: K = its stages, one per host; n is ignored)."""
     if cost.topology == "star":  # the driver averages n states
-        grows = n / cost.round_nodes
+        grows = n / cost.nodes
     else:  # a node lands n − 1 payloads
-        grows = max(1, n - 1) / max(1, cost.round_nodes - 1)
+        grows = max(1, n - 1) / max(1, cost.nodes - 1)
     compute = cost.steps * cost.compute_s + cost.rounds * cost.round_s * grows
     if cost.topology == "allreduce":
         comm = cost.steps * ring_allreduce_s(cost.step_bytes, n, link)

@@ -7,8 +7,8 @@ import pytest
 
 from raylowcomm.cli import main
 from raylowcomm.core.interlock.schedule import Link, StageCost
-from raylowcomm.planner import MODELS, Target, plan
-from raylowcomm.planner.calibrate import costs_of
+from raylowcomm.planner import MODELS, Target, check, plan
+from raylowcomm.planner.calibrate import costs_of, merge_repeats
 from raylowcomm.planner.costs import Cost, all_gather_s, predict, ring_allreduce_s, star_down_s, star_up_s
 
 LINK = Link(latency_s=0.5, bytes_per_s=1e6)
@@ -77,15 +77,15 @@ def test_a_pipeline_calibrated_from_its_run_predicts_that_run_and_adds_its_overh
     assert slow.step_s == 4.0 + cost.overhead_s and slow.total_s == 10 * slow.step_s
 
 
-def ddp_record(steps=8, grad=4_000_000, train_s=4.0):
+def ddp_record(steps=8, grad=4_000_000, train_s=4.0, nodes=2, halfway=0.5):
     return {
         "strategy": "ddp",
         "metrics": {"id_accuracy": 0.8},
         "comm": {"by_kind": {"final/model_checkpoint": grad}},
         "train_s": train_s,
         "details": {"steps_per_worker": steps},
-        "nodes": [{"allreduce_bytes": grad * steps}, {"allreduce_bytes": grad * steps}],
-        "curve": [{"step": 4, "id_accuracy": 0.5}, {"step": 8, "id_accuracy": 0.8}],
+        "nodes": [{"allreduce_bytes": grad * steps}] * nodes,
+        "curve": [{"step": 4, "id_accuracy": halfway}, {"step": 8, "id_accuracy": 0.8}],
     }
 
 
@@ -144,13 +144,43 @@ def test_the_stars_rounds_carry_the_drivers_work_calibrated_from_the_run_and_gro
     rec["comm"]["by_kind"] = {"final/node_weights": 2 * 1000}
     [star] = costs_of([rec], Link(bytes_per_s=1000))
     assert (star.topology, star.rounds, star.round_bytes, star.compute_s) == ("star", 2, 1000, 0.25)
-    assert star.round_s == (7.0 + 1.0 - 2.0 - 3.0) / 2 and star.round_nodes == 2
+    assert star.round_s == (7.0 + 1.0 - 2.0 - 3.0) / 2 and star.nodes == 2
     same = predict(star, 2, Link(bytes_per_s=1000))
     assert same.total_s == 8.0  # the calibrating run itself
     # at 4 nodes the driver averages 4 states, not 2: the rounds' work twice over; the uploads take as long,
     # and the one average that comes back goes out three times over the driver's link
     four = predict(star, 4, Link(bytes_per_s=1000))
     assert (four.compute_s, four.link_s) == (2.0 + 2 * 1.5 * 2, 2 * 1.0 + 3.0)
+
+
+def test_repeats_of_a_run_calibrate_once_on_their_median_and_other_runs_stay_apart():
+    """Three runs of one config at 4, 12 and 6 s (0.5, 1.5 and 0.75 s a step), a fourth whose gradient is
+    twice the size: the three become one cost at the median, the fourth stays its own."""
+    records = [
+        ddp_record(train_s=4.0, halfway=0.5),
+        ddp_record(train_s=12.0, halfway=0.7),
+        ddp_record(train_s=6.0, halfway=0.6),
+        ddp_record(grad=8_000_000, train_s=1.0),
+    ]
+    merged, other = merge_repeats(costs_of(records))
+    assert (merged.compute_s, merged.measured_s, merged.curve) == (0.75, 6.0, [(4, 0.6), (8, 0.8)])
+    assert (other.step_bytes, other.compute_s) == (8e6, 0.125)
+    # a run at other nodes is another run, not a repeat
+    assert len(merge_repeats(costs_of([ddp_record(), ddp_record(nodes=4)]))) == 2
+
+
+def test_the_check_predicts_each_measured_run_at_its_own_nodes_against_the_median_of_its_repeats():
+    """Calibrated at 0.5 s a step with no link; measured over 1 MB/s: at N = 2 a step's ring all-reduce of
+    4 MB is 2 x 1 x 2 MB (4 s), 8 x 4.5 = 36 s predicted, against repeats of 30, 40 and 32 s (median 32 s,
+    +12.5%); at N = 4 it is 2 x 3 x 1 MB (6 s), 8 x 6.5 = 52 s, against one run of 52 s."""
+    calibrated = merge_repeats(costs_of([ddp_record()]))
+    runs = costs_of([ddp_record(train_s=t) for t in (30.0, 40.0, 32.0)] + [ddp_record(train_s=52.0, nodes=4)])
+    two, four = check(calibrated, runs, Link(bytes_per_s=1e6))
+    assert (two["nodes"], two["predicted_s"], two["measured_s"], two["runs_s"]) == (2, 36.0, 32.0, [30.0, 40.0, 32.0])
+    assert two["error"] == 0.125
+    assert (four["nodes"], four["predicted_s"], four["error"]) == (4, 52.0, 0.0)
+    # a run the calibration did not make (another gradient) is left out, not predicted from another run
+    assert check(calibrated, costs_of([ddp_record(grad=8_000_000)]), Link(bytes_per_s=1e6)) == []
 
 
 def test_another_model_scales_bytes_with_what_crosses_and_compute_with_the_flops():
@@ -178,3 +208,26 @@ def test_plan_command(tmp_path, capsys):
     assert main(["plan", str(run), "--link", "fast"]) == 2
     assert main(["plan", str(tmp_path), "--nodes", "2"]) == 2  # no results.json there
     assert "error:" in capsys.readouterr().err
+
+
+def test_plan_against_checks_the_calibration_on_runs_over_the_rate_their_bench_shaped(tmp_path, capsys):
+    """Two repeats calibrate (0.5 and 1.0 s a step over no link: 0.75 s); the bench's 8 Mbit/s run took
+    8 x (0.75 + 4) = 38 s, as predicted."""
+    for name, train_s in (("a", 4.0), ("b", 8.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps([ddp_record(train_s=train_s)]))
+    bench = tmp_path / "bench"
+    (bench / "8mbit").mkdir(parents=True)
+    (bench / "8mbit" / "results.json").write_text(json.dumps([ddp_record(train_s=38.0)]))
+    (bench / "bench.json").write_text(json.dumps({"runs": [{"dir": "8mbit", "rate": "8mbit"}]}))
+    calibrating = [str(tmp_path / "a"), str(tmp_path / "b")]
+    against = ["--against", str(bench / "8mbit"), "--out", str(tmp_path / "check")]
+    assert main(["plan", *calibrating, *against]) == 0
+    assert "| ddp | 2 | 8mbit | 38.0 s | 38.0 s | 38.0 | +0.0% |" in capsys.readouterr().out
+    [row] = json.loads((tmp_path / "check" / "check.json").read_text())
+    assert (row["predicted_s"], row["measured_s"], row["error"]) == (38.0, 38.0, 0.0)
+    assert main(["plan", *calibrating, "--against", str(tmp_path / "a")]) == 2  # no bench: which rate?
+    assert "--link" in capsys.readouterr().err
+    assert main(["plan", *calibrating, *against, "--link", "1gbit", "--link", "8mbit"]) == 2
+    assert main(["plan", *calibrating, *against, "--model", "llama-3-8b"]) == 2
+    assert main(["plan", *calibrating, "--against", str(tmp_path / "nothing"), "--link", "8mbit"]) == 2
