@@ -178,37 +178,48 @@ def _plan_models() -> list[str]:
 
 def _plan(args) -> int:
     from raylowcomm.config import ConfigError
-    from raylowcomm.planner import as_json, plan, plot, table
+    from raylowcomm.planner import as_json, check, check_table, link_of, plan, plot, table
     from raylowcomm.planner.calibrate import merge_repeats
 
     try:
         nodes, links, target = _plan_inputs(args)
+        against = _against_inputs(args) if args.against else None  # before a config's short run starts Ray
         costs = merge_repeats(_plan_costs(args))
-        if args.against:
-            return _plan_check(args, costs)
-        rows = plan(costs, nodes, links, args.latency, target)
+        if against is not None:
+            runs, (rate, bits) = against
+            rows = check(costs, runs, link_of(bits, args.latency))
+            if not rows:
+                raise ConfigError("--against", ",".join(args.against), "no run there ran as a calibrating run did")
+        else:
+            rows = plan(costs, nodes, links, args.latency, target)
     except (ConfigError, ValueError) as err:
         return _fail(err)
-    print(table(rows))
+    print(check_table(rows, rate) if against is not None else table(rows))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(as_json(rows), indent=2))
-        plot(rows, out / "plan.png")
-        print(f"plan: {out / 'plan.json'}, {out / 'plan.png'}")
+        if against is not None:
+            (out / "check.json").write_text(json.dumps(rows, indent=2))
+            print(f"plan: {out / 'check.json'}")
+        else:
+            (out / "plan.json").write_text(json.dumps(as_json(rows), indent=2))
+            plot(rows, out / "plan.png")
+            print(f"plan: {out / 'plan.json'}, {out / 'plan.png'}")
     return 0
 
 
-def _plan_check(args, costs: list) -> int:
-    """`plan --against`: the calibration's predictions beside the measured runs, over the link they met
-    (`--link`, or the rate their `bench wan` folder was shaped to)."""
+def _against_inputs(args) -> tuple[list, tuple[str, float]]:
+    """`plan --against`: the measured runs' costs and the link they met (`--link`, or the rate their
+    `bench wan` folder was shaped to), or a ConfigError naming the flag."""
     from raylowcomm.bench import rate_bits
     from raylowcomm.config import ConfigError
-    from raylowcomm.planner import bench_run, check, check_table, link_of, load_source
+    from raylowcomm.planner import bench_run, load_source
 
     for flag, value in (("--params", args.params), ("--model", args.model), ("--steps", args.steps)):
         if value is not None:
             raise ConfigError(flag, value, "--against checks the runs as they ran: leave it out")
+    if len(args.link) > 1:
+        raise ConfigError("--link", ",".join(args.link), "--against checks runs over one link: give it once")
     runs, rates = [], set()
     for name in args.against:
         folder = Path(name)
@@ -217,24 +228,13 @@ def _plan_check(args, costs: list) -> int:
         except (FileNotFoundError, KeyError) as err:
             raise ConfigError("--against", name, f"cannot read a run from it: {err}") from None
         rates.add(bench_run(folder).get("rate"))
-    if len(args.link) > 1:
-        raise ConfigError("--link", ",".join(args.link), "--against checks runs over one link: give it once")
     if args.link:
         rate = args.link[0]
     elif len(rates) == 1 and None not in rates:
         rate = rates.pop()  # the rate their `bench wan` shaped
     else:
         raise ConfigError("--link", None, "give the rate the --against runs met, e.g. --link 100mbit")
-    rows = check(costs, runs, link_of(rate_bits(rate), args.latency))
-    if not rows:
-        raise ConfigError("--against", ",".join(args.against), "no run there ran as a calibrating run did")
-    print(check_table(rows, rate))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "check.json").write_text(json.dumps(rows, indent=2))
-        print(f"plan: {out / 'check.json'}")
-    return 0
+    return runs, (rate, rate_bits(rate))
 
 
 def _plan_inputs(args):

@@ -2,12 +2,13 @@
 exact in binary floating point), calibrates from what a record says, and runs as `raylowcomm plan`."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from raylowcomm.cli import main
 from raylowcomm.core.interlock.schedule import Link, StageCost
-from raylowcomm.planner import MODELS, Target, check, plan
+from raylowcomm.planner import MODELS, Target, check, plan, short_run
 from raylowcomm.planner.calibrate import costs_of, merge_repeats
 from raylowcomm.planner.costs import Cost, all_gather_s, predict, ring_allreduce_s, star_down_s, star_up_s
 
@@ -210,7 +211,7 @@ def test_plan_command(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_plan_against_checks_the_calibration_on_runs_over_the_rate_their_bench_shaped(tmp_path, capsys):
+def test_plan_against_checks_the_calibration_on_runs_over_the_rate_their_bench_shaped(tmp_path, capsys, monkeypatch):
     """Two repeats calibrate (0.5 and 1.0 s a step over no link: 0.75 s); the bench's 8 Mbit/s run took
     8 x (0.75 + 4) = 38 s, as predicted."""
     for name, train_s in (("a", 4.0), ("b", 8.0)):
@@ -230,4 +231,8 @@ def test_plan_against_checks_the_calibration_on_runs_over_the_rate_their_bench_s
     assert "--link" in capsys.readouterr().err
     assert main(["plan", *calibrating, *against, "--link", "1gbit", "--link", "8mbit"]) == 2
     assert main(["plan", *calibrating, *against, "--model", "llama-3-8b"]) == 2
+    # refused before a config's short run would start Ray to calibrate
+    monkeypatch.setattr(short_run, "calibrate_config", lambda *a: pytest.fail("the short run started"))
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "wan_compare.yaml")
+    assert main(["plan", example, *against, "--link", "1gbit", "--link", "8mbit"]) == 2
     assert main(["plan", *calibrating, "--against", str(tmp_path / "nothing"), "--link", "8mbit"]) == 2
