@@ -9,6 +9,7 @@ failure or Ctrl-C.
 
     raylowcomm bench wan examples/wan_compare.yaml --rate 100mbit --rate 1gbit --out runs/wan
     raylowcomm bench wan examples/wan_compare.yaml --hosts 4 --set nodes.count=4 --set interlocking.stages=4
+    raylowcomm bench wan examples/wan_compare.yaml --rate 1gbit --rate 100mbit --repeats 2  # 1g 100m 100m 1g
     raylowcomm bench local examples/wan_compare.yaml --out runs/wan_local
 """
 
@@ -38,6 +39,22 @@ def rate_bits(rate: str) -> float:
         return tc_rate_bits(rate)
     except ValueError as err:
         raise ConfigError("--rate", rate, str(err)) from None
+
+
+def wan_runs(rates: list[str], repeats: int = 1) -> list[dict]:
+    """The runs of a wan bench, in order: each repeat runs every rate once, every other repeat in reverse
+    (1gbit 100mbit | 100mbit 1gbit | ...), so the repeats of one rate sit around the other's and a drift
+    in the machine's speed falls on both alike. A rate's first run is in folder RATE, its k-th in RATE_k."""
+    if len(set(rates)) != len(rates):
+        raise ConfigError("--rate", rates, "each rate once: run a rate several times with --repeats")
+    if repeats < 1:
+        raise ConfigError("--repeats", repeats, "give 1 or more runs of each rate")
+    runs = []
+    for k in range(repeats):
+        for rate in rates if k % 2 == 0 else rates[::-1]:
+            name = rate if k == 0 else f"{rate}_{k + 1}"
+            runs.append({"label": rate if repeats == 1 else f"{rate} #{k + 1}", "rate": rate, "dir": name})
+    return runs
 
 
 def tbf_burst(rate: str) -> str:
@@ -168,10 +185,12 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budget_from_ddp: bool = False) -> dict:
-    """Each rate: cluster up, link shaped and measured, `raylowcomm run` on the head host, cluster down.
-    `budget_from_ddp` (`--budget-s ddp`): the slowest rate goes first, DDP alone runs there before the
-    others, and its time to finish becomes every strategy's budget at every rate."""
+def bench_wan(
+    cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budget_from_ddp: bool = False, repeats: int = 1
+) -> dict:
+    """Each run of `wan_runs`: cluster up, link shaped and measured, `raylowcomm run` on the head host,
+    cluster down. `budget_from_ddp` (`--budget-s ddp`): the slowest rate goes first, DDP alone runs there
+    before the others, and its time to finish becomes every strategy's budget at every rate."""
     from raylowcomm.cluster import NamespaceCluster
     from raylowcomm.config.checks import check_storage
     from raylowcomm.data import describe_data
@@ -180,6 +199,9 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budge
     check_wan_prerequisites()
     for rate in rates:
         rate_bits(rate)
+    if budget_from_ddp:
+        rates = sorted(rates, key=rate_bits)
+    runs = wan_runs(rates, repeats)
     cfg = wan_config(cfg, hosts)
     describe_data(cfg)  # bad data and missing assets fail here, before any namespace or cluster exists,
     model_source(cfg.model)  # without loading model and data twice: the run on the cluster loads them
@@ -191,12 +213,12 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budge
         _write_config(cfg, config_path)
     meta = {"mode": "wan", "hosts": hosts, "config": cfg.to_dict(), "runs": []}
     if budget_from_ddp:
-        rates = sorted(rates, key=rate_bits)
         _write_config(ddp_alone(cfg), out / "config_ddp_time.yaml")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
     try:
-        for rate in rates:
-            print(f"=== {rate}: starting a {hosts}-host cluster ===", flush=True)
+        for run in runs:
+            rate = run["rate"]
+            print(f"=== {run['label']}: starting a {hosts}-host cluster ===", flush=True)
             started = time.time()
             with NamespaceCluster(hosts=hosts, cpus=cfg.nodes.cpus) as cluster:
                 cluster.shape(rate, burst=tbf_burst(rate))
@@ -210,12 +232,10 @@ def bench_wan(cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budge
                     _run_on_head(cluster, out / "config_ddp_time.yaml", out / "ddp_time")
                     cfg = _budget_from_ddp(cfg, out, meta, rate)
                     _write_config(cfg, config_path)
-                proc = _run_on_head(cluster, config_path, out / rate)
+                proc = _run_on_head(cluster, config_path, out / run["dir"])
             meta["runs"].append(
                 {
-                    "label": rate,
-                    "rate": rate,
-                    "dir": rate,
+                    **run,
                     "link": link,
                     "returncode": proc.returncode,
                     "wall_s": round(time.time() - started, 1),

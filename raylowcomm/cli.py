@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_p.add_argument(
         "--hosts", type=int, default=2, help="wan: hosts, one node actor, DDP worker or stage each (default 2)"
     )
+    bench_p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="wan: run every rate this many times, every other repeat in reverse order (1g 100m 100m 1g), "
+        "so that a rate's repeats and their median meet the machine at the same times as the other rate's",
+    )
     _add_overrides(bench_p, "override a config field (repeatable)")
     bench_p.add_argument("--out", help="output directory (default: the config's out_dir)")
     report_p = sub.add_parser(
@@ -310,7 +317,7 @@ def _assets(args) -> int:
 
 def _bench(args) -> int:
     from raylowcomm import assets
-    from raylowcomm.bench import BenchError, bench_local, bench_wan, check_wan_prerequisites, rate_bits
+    from raylowcomm.bench import BenchError, bench_local, bench_wan, check_wan_prerequisites, rate_bits, wan_runs
     from raylowcomm.cluster import ClusterError
     from raylowcomm.config import ConfigError
     from raylowcomm.strategies import load_config
@@ -322,8 +329,11 @@ def _bench(args) -> int:
             raise ConfigError("--hosts", args.hosts, "only `bench wan` makes hosts; drop --hosts for `bench local`")
         if args.hosts < 2:
             raise ConfigError("--hosts", args.hosts, "a link needs two hosts at least: give 2 or more")
+        if args.mode == "local" and args.repeats != 1:
+            raise ConfigError("--repeats", args.repeats, "only `bench wan` repeats its rates; drop --repeats")
         for rate in args.rates:
             rate_bits(rate)
+        wan_runs(args.rates, args.repeats)
         from_ddp = args.budget_s == "ddp"
         budget = [] if args.budget_s is None else [f"optim.budget_s={1.0 if from_ddp else _seconds(args.budget_s)}"]
         cfg = load_config(args.config, args.overrides + budget)  # a budget's refusals apply to ddp's too
@@ -333,7 +343,7 @@ def _bench(args) -> int:
         check_out_dir(out, "--out" if args.out else "out_dir")
         if args.mode == "wan":
             check_wan_prerequisites()
-            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out), args.hosts, from_ddp)
+            meta = bench_wan(cfg, args.rates or ["100mbit"], Path(out), args.hosts, from_ddp, args.repeats)
         else:
             meta = bench_local(cfg, Path(out), from_ddp)
     except (ConfigError, assets.AssetError, PermissionError, FileNotFoundError) as err:

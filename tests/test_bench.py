@@ -10,8 +10,9 @@ import pytest
 import timm
 import yaml
 
-from raylowcomm.bench import BenchError, ddp_budget
+from raylowcomm.bench import BenchError, ddp_budget, wan_runs
 from raylowcomm.cli import main
+from raylowcomm.config import ConfigError
 from raylowcomm.report import summarize_run
 
 TINY = {
@@ -110,6 +111,24 @@ def test_local_bench_at_equal_time_writes_the_same_report_and_stops_every_strate
     assert ddp["comm"]["by_kind"]["train/budget_votes"] == 4 * 2 * steps  # one float32 per rank and step
 
 
+def test_repeats_interleave_the_rates_each_in_its_own_folder():
+    """ABBA: each rate's two runs sit around the other rate's, so their medians meet the same minutes."""
+    runs = wan_runs(["1gbit", "100mbit"], repeats=3)
+    assert [(r["rate"], r["dir"], r["label"]) for r in runs] == [
+        ("1gbit", "1gbit", "1gbit #1"),
+        ("100mbit", "100mbit", "100mbit #1"),
+        ("100mbit", "100mbit_2", "100mbit #2"),
+        ("1gbit", "1gbit_2", "1gbit #2"),
+        ("1gbit", "1gbit_3", "1gbit #3"),
+        ("100mbit", "100mbit_3", "100mbit #3"),
+    ]
+    assert wan_runs(["100mbit"]) == [{"label": "100mbit", "rate": "100mbit", "dir": "100mbit"}]  # as before repeats
+    with pytest.raises(ConfigError, match="--repeats"):
+        wan_runs(["1gbit", "1gbit"])  # one folder per rate and repeat: a rate given twice would overwrite its run
+    with pytest.raises(ConfigError, match="--repeats"):
+        wan_runs(["1gbit"], repeats=0)
+
+
 def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({**TINY, "nodes": {"count": 3, "cpus": 1}}))
@@ -128,6 +147,11 @@ def test_wan_bench_refuses_bad_input_before_starting_anything(tmp_path, capsys):
     assert "'--hosts' = 1" in capsys.readouterr().err
     assert main(["bench", "local", str(config), "--hosts", "4", "--out", str(tmp_path / "x")]) == 2
     assert "only `bench wan` makes hosts" in capsys.readouterr().err
+    assert main(["bench", "local", str(config), "--repeats", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "only `bench wan` repeats" in capsys.readouterr().err
+    for rates in (["--rate", "1gbit", "--rate", "1gbit"], ["--repeats", "0"]):
+        assert main(["bench", "wan", str(config), *rates, "--out", str(tmp_path / "x")]) == 2
+        assert "--repeats" in capsys.readouterr().err
     for budget in ("-3", "inf", "soon"):
         assert main(["bench", "local", str(config), "--budget-s", budget, "--out", str(tmp_path / "x")]) == 2
         assert "'--budget-s'" in capsys.readouterr().err

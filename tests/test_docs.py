@@ -218,12 +218,13 @@ def _raylowcomm(argv: list[str]) -> None:
 
         load_sweep(args.sweep, args.overrides)
     elif args.command == "bench":
-        from raylowcomm.bench import rate_bits, wan_config
+        from raylowcomm.bench import rate_bits, wan_config, wan_runs
         from raylowcomm.strategies import load_config
 
         cfg = load_config(args.config, args.overrides)
         if args.mode == "wan":
             wan_config(cfg, args.hosts)
+            wan_runs(args.rates, args.repeats)
         for rate in args.rates:
             rate_bits(rate)
     elif args.command == "assets":
