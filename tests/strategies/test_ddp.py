@@ -23,20 +23,31 @@ from tests.strategies.test_lofi import tiny_config
 from tests.test_data_sources import LABELS, reviews, write
 
 
-@pytest.mark.slow
-def test_ddp_counts_the_gradients_it_all_reduces(ray_session, tmp_path):
+def _restart_config(max_restarts: int):
+    """32 steps per worker, evaluated and checkpointed every 8. Few reports: each waits until Ray
+    Train's controller has taken the one before (it polls every 0.5 s: `env.JOB_DEFAULTS`)."""
     cfg = tiny_config()
-    cfg.strategies, cfg.eval_every, cfg.checkpoint_every = ["ddp"], 10, 10  # few reports: see _restart_config
-    ctx = prepare(cfg, tmp_path)
-    rec = Ddp().run(ctx).to_dict()
+    cfg.strategies, cfg.eval_every, cfg.checkpoint_every, cfg.nodes.max_restarts = ["ddp"], 8, 8, max_restarts
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    return Ddp().run(prepare(_restart_config(2), tmp_path_factory.mktemp("plain"))).to_dict()
+
+
+@pytest.mark.slow
+def test_ddp_counts_the_gradients_it_all_reduces(ray_session, uninterrupted, tmp_path):
+    cfg = _restart_config(2)  # the run of `uninterrupted`, evaluated every 8 steps
+    ctx, rec = prepare(cfg, tmp_path), uninterrupted
     steps = rec["details"]["steps_per_worker"]
     grad_bytes = sum(p.numel() * p.element_size() for p in ctx.load_driver_weights().parameters() if p.requires_grad)
     # every step each of the 2 ranks hands every gradient to all-reduce, once
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == steps * 2 * grad_bytes
     # the curve's bytes are the setup plus the gradients all-reduced up to each point
     curve, setup = rec["curve"], rec["comm"]["by_phase"]["setup"]
-    assert [p["step"] for p in curve] == [10, 20, 30, steps]
-    assert [p["bytes"] for p in curve[:-1]] == [setup + s * 2 * grad_bytes for s in (10, 20, 30)]
+    assert [p["step"] for p in curve] == [8, 16, 24, steps] and steps == 32
+    assert [p["bytes"] for p in curve[:-1]] == [setup + s * 2 * grad_bytes for s in (8, 16, 24)]
     assert (
         curve[-1]["bytes"] == rec["comm"]["total_bytes"] and curve[-1]["id_accuracy"] == rec["metrics"]["id_accuracy"]
     )
@@ -173,19 +184,6 @@ def _assert_same_run(rec, plain) -> None:
     assert rec["comm"]["by_kind"]["train/gradient_allreduce"] == plain["comm"]["by_kind"]["train/gradient_allreduce"]
     mine, theirs = _weights(rec), _weights(plain)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)  # bit-exact on CPU gloo
-
-
-def _restart_config(max_restarts: int):
-    """32 steps per worker, evaluated and checkpointed every 8. Few reports: each waits until Ray
-    Train's controller has taken the one before (it polls every 2 s)."""
-    cfg = tiny_config()
-    cfg.strategies, cfg.eval_every, cfg.checkpoint_every, cfg.nodes.max_restarts = ["ddp"], 8, 8, max_restarts
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(ray_session, tmp_path_factory):
-    return Ddp().run(prepare(_restart_config(2), tmp_path_factory.mktemp("plain"))).to_dict()
 
 
 @pytest.mark.slow
