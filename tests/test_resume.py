@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,27 +78,32 @@ def _finish(proc: subprocess.Popen) -> str:
 def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path):
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
-    run(from_dict(CONFIG), tmp_path / "clean", bar=False)  # the uninterrupted run, on the session's Ray
     out = tmp_path / "run"
     state = out / "state"
+    # the uninterrupted run, on the session's Ray, while the CLI runs go on their own (every run is deterministic)
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(run, from_dict(CONFIG), tmp_path / "clean", bar=False)
 
-    # killed in lo-fi's second averaging round, after a checkpoint past the first average
-    first = _cli(str(config), "--out", str(out))
-    _kill_when(
-        first,
-        lambda: min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32,
-    )
-    assert not (out / "results.json").exists()
+        # killed in lo-fi's second averaging round, after a checkpoint past the first average
+        first = _cli(str(config), "--out", str(out))
+        _kill_when(
+            first,
+            lambda: (
+                min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32
+            ),
+        )
+        assert not (out / "results.json").exists()
 
-    # resumed: lo-fi finishes from its checkpoints; killed again in SPSA past a checkpoint
-    second = _cli(str(config), "--resume", str(out))
-    _kill_when(
-        second,
-        lambda: (
-            (state / "spsa" / "driver.json").exists()
-            and json.loads((state / "spsa" / "driver.json").read_text())["step"] >= 16
-        ),
-    )
+        # resumed: lo-fi finishes from its checkpoints; killed again in SPSA past a checkpoint
+        second = _cli(str(config), "--resume", str(out))
+        _kill_when(
+            second,
+            lambda: (
+                (state / "spsa" / "driver.json").exists()
+                and json.loads((state / "spsa" / "driver.json").read_text())["step"] >= 16
+            ),
+        )
+        uninterrupted.result()
     lofi = json.loads((out / "results.json").read_text())
     assert [r["strategy"] for r in lofi] == ["lofi"] and "error" not in lofi[0]
     restored = [t["restored_from"] for n in lofi[0]["nodes"] for t in n["train"] if t["restored_from"] is not None]
