@@ -44,7 +44,10 @@ def rate_bits(rate: str) -> float:
 def wan_runs(rates: list[str], repeats: int = 1) -> list[dict]:
     """The runs of a wan bench, in order: each repeat runs every rate once, every other repeat in reverse
     (1gbit 100mbit | 100mbit 1gbit | ...), so the repeats of one rate sit around the other's and a drift
-    in the machine's speed falls on both alike. A rate's first run is in folder RATE, its k-th in RATE_k."""
+    in the machine's speed falls on both alike. A rate's first run is in folder RATE, its k-th in RATE_k.
+    Checks every rate, and the repeats, before any namespace or cluster is made."""
+    for rate in rates:
+        rate_bits(rate)
     if len(set(rates)) != len(rates):
         raise ConfigError("--rate", rates, "each rate once: run a rate several times with --repeats")
     if repeats < 1:
@@ -197,11 +200,7 @@ def bench_wan(
     from raylowcomm.models import model_source
 
     check_wan_prerequisites()
-    for rate in rates:
-        rate_bits(rate)
-    if budget_from_ddp:
-        rates = sorted(rates, key=rate_bits)
-    runs = wan_runs(rates, repeats)
+    runs = wan_runs(sorted(rates, key=rate_bits) if budget_from_ddp else rates, repeats)
     cfg = wan_config(cfg, hosts)
     describe_data(cfg)  # bad data and missing assets fail here, before any namespace or cluster exists,
     model_source(cfg.model)  # without loading model and data twice: the run on the cluster loads them

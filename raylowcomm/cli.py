@@ -317,7 +317,7 @@ def _assets(args) -> int:
 
 def _bench(args) -> int:
     from raylowcomm import assets
-    from raylowcomm.bench import BenchError, bench_local, bench_wan, check_wan_prerequisites, rate_bits, wan_runs
+    from raylowcomm.bench import BenchError, bench_local, bench_wan, check_wan_prerequisites, wan_runs
     from raylowcomm.cluster import ClusterError
     from raylowcomm.config import ConfigError
     from raylowcomm.strategies import load_config
@@ -331,9 +331,7 @@ def _bench(args) -> int:
             raise ConfigError("--hosts", args.hosts, "a link needs two hosts at least: give 2 or more")
         if args.mode == "local" and args.repeats != 1:
             raise ConfigError("--repeats", args.repeats, "only `bench wan` repeats its rates; drop --repeats")
-        for rate in args.rates:
-            rate_bits(rate)
-        wan_runs(args.rates, args.repeats)
+        wan_runs(args.rates, args.repeats)  # every --rate, and --repeats
         from_ddp = args.budget_s == "ddp"
         budget = [] if args.budget_s is None else [f"optim.budget_s={1.0 if from_ddp else _seconds(args.budget_s)}"]
         cfg = load_config(args.config, args.overrides + budget)  # a budget's refusals apply to ddp's too
