@@ -53,6 +53,16 @@ options. Any field can be overridden on the command line with a dotted key,
 starts; a bad value stops the run with exit code 2 and one line naming the field, the value and
 what is allowed ([getting started: configs and errors](getting-started.md#configs-and-errors)).
 
+A setting must take effect in the run it is written for. A field set away from its default that
+this run would ignore is refused the same way, with what it needs: `lofi.sync_every_s` without
+`lofi.sync: time`, `lofi.grace_s` without `lofi.quorum`, `lofi.dense_codec` without `lofi.dense`,
+`interlocking.time_budget_s` beside `optim.budget_s`, `nodes.max_restarts` in a run of SPSA alone,
+a `churn.kill` past the run's last step or after its node leaves, a warm-up as long as the run. A
+field left at its default is never asked. Where a shared field is honoured by one strategy of the
+run and not by another (`nodes.max_restarts` with lofi and spsa), or a strategy's section is
+present but the strategy does not run, the run goes on and says so in one warning line. A key
+written twice in the YAML file, and an empty or comment-only file, are errors too.
+
 Each table gives the YAML key, its type (`null` where the field may be left empty), its
 default, and what it does.
 """

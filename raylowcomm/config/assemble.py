@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from raylowcomm.config.applicability import check_applicability
 from raylowcomm.config.checks import validate
 from raylowcomm.config.loading import build_dataclass, read_yaml
 from raylowcomm.config.schema import ConfigError, RunConfig
@@ -27,6 +28,10 @@ class StrategyOptions(Protocol):
     """Whether it takes a range of nodes (`nodes.count: [min, max]`)."""
     runs_by_default: bool
     """Whether a config that names no strategies runs it."""
+    ignores: dict[str, str]
+    """Shared fields it cannot honour, with what it does instead (`applicability`)."""
+    option_rules: dict
+    """When each of its options can take effect (`applicability.Rule` by field name)."""
 
     @staticmethod
     def validate(cfg: RunConfig) -> None: ...
@@ -71,6 +76,7 @@ def from_dict(raw: dict, strategies: Mapping[str, StrategyOptions]) -> RunConfig
         strategies[name].validate(cfg)
         check_hosts(cfg, strategies[name])
     nodes_may_load(cfg, strategies)
+    check_applicability(cfg, strategies)
     return cfg
 
 

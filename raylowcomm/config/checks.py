@@ -4,6 +4,7 @@ strategy's `validate` checks its own options after)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -257,3 +258,46 @@ def _check_churn(cfg: RunConfig) -> None:
     _positive("churn.kill_every_s", churn.kill_every_s)
     if churn.seed is not None:
         check_seed("churn.seed", churn.seed)
+
+
+def check_kills(cfg: RunConfig, steps: int | None, left_at: dict[int, int], leave_field: str) -> None:
+    """churn.kill against the run's `steps` per node (None: not known before the nodes start) and the
+    step at which each node leaves (`left_at`, from `leave_field`): a kill that would never fire is
+    refused, not booked as a churn run that had none."""
+    if cfg.optim.budget_s is not None:
+        steps = None  # a budget's step count is the clock's
+    for i, ev in enumerate(cfg.churn.kill):
+        if steps is not None and ev.at_step > steps:
+            raise ConfigError(
+                f"churn.kill[{i}].at_step",
+                ev.at_step,
+                f"the run takes {steps} steps per node, so this kill would never fire: "
+                f"set at_step to at most {steps}, or remove it",
+            )
+        if ev.node in left_at and ev.at_step > left_at[ev.node]:
+            raise ConfigError(
+                f"churn.kill[{i}].at_step",
+                ev.at_step,
+                f"node {ev.node} leaves after its step {left_at[ev.node]} ({leave_field}), so this kill would "
+                f"never fire: kill it by step {left_at[ev.node]}, or remove it",
+            )
+
+
+def check_kills_restarted(cfg: RunConfig, per_node: bool, why: str) -> None:
+    """Where the run cannot go on without a killed node (`why` says so), each kill must be met by a
+    restart (nodes.max_restarts): per node where each restarts alone, else for the whole group."""
+    kills = Counter(f"node {ev.node}" if per_node else "the group" for ev in cfg.churn.kill)
+    for who, count in kills.items():
+        if count > cfg.restarts:
+            raise ConfigError(
+                "churn.kill",
+                [{"node": ev.node, "at_step": ev.at_step} for ev in cfg.churn.kill],
+                f"kills {who} {count} time(s) and nodes.max_restarts is {cfg.restarts}, but {why}: "
+                f"set nodes.max_restarts to at least {count}, or kill less",
+            )
+    if cfg.churn.kill_every_s is not None and cfg.restarts == 0:
+        raise ConfigError(
+            "churn.kill_every_s",
+            cfg.churn.kill_every_s,
+            f"nodes.max_restarts is 0, but {why}: the first kill would end the run; set nodes.max_restarts > 0",
+        )

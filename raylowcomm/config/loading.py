@@ -131,15 +131,42 @@ def yaml_problem(err: yaml.YAMLError) -> str:
     return f"malformed YAML{where}: {problem or err}"
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping: plain YAML keeps the last
+    and drops the first without a word (an `optim:` section written twice trains on the second)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict)):
+                continue  # an unhashable key: the base loader raises its own error for it
+            if key in seen:
+                raise DuplicateKey(key, seen[key] + 1, key_node.start_mark.line + 1)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKey(Exception):
+    """A mapping key written twice: the key and both lines (1-based)."""
+
+    def __init__(self, key, first: int, second: int):
+        super().__init__(f"key {key!r} is written twice, at lines {first} and {second}")
+        self.key, self.first, self.second = key, first, second
+
+
 def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
-    """A YAML file that must hold a mapping (an empty file is an empty mapping)."""
+    """A YAML file that must hold a mapping with each key once. An empty or comment-only file is an
+    error: a failed redirect (`> cfg.yaml`) would otherwise run every default."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(field_name, str(path), "no such file; check the path")
     if path.is_dir():
         raise ConfigError(field_name, str(path), "is a folder; give a YAML file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except DuplicateKey as err:
+        raise ConfigError(field_name, str(path), f"{err}; keep one (merge the two)") from None
     except yaml.YAMLError as err:
         raise ConfigError(field_name, str(path), f"{yaml_problem(err)}; fix the file's YAML syntax") from None
     except UnicodeDecodeError:
@@ -147,7 +174,9 @@ def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
     except OSError as err:
         raise ConfigError(field_name, str(path), f"cannot be read ({err.strerror})") from None
     if data is None:
-        return {}
+        raise ConfigError(
+            field_name, str(path), "the file is empty (or only comments): write the run's sections into it"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             field_name,
@@ -166,7 +195,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(k.strip() for k in keys):
         raise ConfigError("--set", text, usage)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else None
+    except DuplicateKey as err:
+        raise ConfigError(key.strip(), raw, f"{err} in --set {text}; keep one") from None
     except yaml.YAMLError as err:
         raise ConfigError(
             key.strip(), raw, f"{yaml_problem(err)} in --set {text}; quote the value or fix its syntax"

@@ -201,7 +201,8 @@ class NodesConfig:
     """GPUs per node actor, DDP worker or interlocking stage; the driver itself needs no CUDA."""
     max_restarts: int | None = None
     """How often a node actor that dies is restarted from its last checkpoint, in the strategies
-    that restart nodes (lo-fi); None: 2. Others refuse to pretend: they warn when it is set."""
+    that restart nodes (lo-fi) and the group (DDP); None: 2. SPSA and interlocking do not restart: set
+    for them alone it is refused, beside a strategy that restarts one warning line."""
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """The strategy of the one placement group a strategy's actors start in, together or not at
     all: PACK fills as few Ray nodes as it can (one, where they fit); SPREAD puts them on different
@@ -318,7 +319,8 @@ class RunConfig:
     """Steps between a node's log lines (its mean training loss over them)."""
     checkpoint_every: int | None = None
     """Steps between node checkpoints (what a restarted lo-fi node resumes from, what a joining
-    SPSA node starts from); None: 50. Strategies that do not checkpoint warn when it is set."""
+    SPSA node starts from, and DDP's group); None: 50. Interlocking keeps none: set for it alone it is refused,
+    beside a strategy that checkpoints one warning line."""
     eval_every: int = 0
     """Steps (per node; batches for interlocking) between the evaluations that make each
     strategy's learning curve (`curve` in results.json); 0: the final evaluation only."""

@@ -200,6 +200,12 @@ class Strategy(ABC, Generic[Options]):
     fp32_updates: ClassVar[bool] = True
     """Its optimizer steps every weight it trains, so full fine-tuning needs fp32 weights (config
     refuses bf16/fp16 weights without LoRA); False where updates are applied alike on every replica."""
+    ignores: ClassVar[dict[str, str]] = {}
+    """Shared fields (dotted) it cannot honour, each with what it does instead: set in a run of it alone,
+    an error; beside a strategy that honours them, one warning line (`config.applicability`)."""
+    option_rules: ClassVar[dict] = {}
+    """When each field of its `Config` can take effect: a `config.applicability.Rule` per field name
+    (entries of a list by the list's name, `join.step`); every field has one (tests/test_applicability.py)."""
 
     @classmethod
     def opts(cls, cfg: RunConfig) -> Options:
@@ -246,15 +252,6 @@ class Strategy(ABC, Generic[Options]):
     @abstractmethod
     def run(self, ctx: RunContext) -> RunRecord:
         """Train and score on `ctx`, releasing every actor it started, and return the record."""
-
-
-def warn_unused(cfg: RunConfig, strategy: str, restarts: str | None = None, checkpoints: str | None = None) -> None:
-    """Options a strategy does not offer are said, not silently ignored: `restarts` / `checkpoints`
-    say what the strategy does instead when nodes.max_restarts / checkpoint_every are set."""
-    if restarts and cfg.nodes.max_restarts:
-        logger.warning("%s: nodes.max_restarts=%s does not apply: %s", strategy, cfg.nodes.max_restarts, restarts)
-    if checkpoints and cfg.checkpoint_every is not None:
-        logger.warning("%s: checkpoint_every=%s does not apply: %s", strategy, cfg.checkpoint_every, checkpoints)
 
 
 def budget_details(budget_s: float, train_s: float, steps: int, last_step_s: float) -> dict:

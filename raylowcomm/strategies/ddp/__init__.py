@@ -29,6 +29,8 @@ from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config.applicability import always
+from raylowcomm.config.checks import check_kills, check_kills_restarted
 from raylowcomm.execution import node_bundle, pin_bundles, resolve_hosts
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.base import (
@@ -111,6 +113,7 @@ class Ddp(Strategy[DdpConfig]):
     name: ClassVar[str] = "ddp"
     runs_by_default: ClassVar[bool] = True  # the baseline every run is compared with
     Config: ClassVar[type] = DdpConfig
+    option_rules: ClassVar[dict] = {"backend": always}  # validate: nccl needs GPUs
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:
@@ -124,6 +127,15 @@ class Ddp(Strategy[DdpConfig]):
                 "Ray Train numbers DDP's workers host by host: list each host's "
                 "workers together (e.g. [A, A, B]), so rank k runs on nodes.hosts[k]",
             )
+        check_kills_restarted(
+            cfg, per_node=False, why="Ray Train restarts the whole group from its checkpoint after each kill"
+        )
+
+    @staticmethod
+    def check(ctx: RunContext) -> None:
+        """churn.kill against the steps each worker takes (all take the same)."""
+        sizes = ctx.data.train.sizes(ctx.cfg.nodes.count)
+        check_kills(ctx.cfg, total_steps(ctx.cfg.optim, min(sizes)) if sizes else None, {}, "")
 
     @staticmethod
     def bundles(cfg: RunConfig) -> list[dict]:

@@ -46,9 +46,8 @@ from raylowcomm.strategies.base import (
     curve_point,
     eval_points,
     finish_record,
-    warn_unused,
 )
-from raylowcomm.strategies.interlocking.config import InterlockingConfig
+from raylowcomm.strategies.interlocking.config import OPTION_RULES, InterlockingConfig
 from raylowcomm.strategies.interlocking.pipeline import evaluate_chained, final_head_metrics, train_interlocked
 from raylowcomm.strategies.interlocking.stage import StageActor
 from raylowcomm.tasks import make_task
@@ -77,6 +76,14 @@ def stage_goodput(busy: list[float], train_s: float) -> dict:
 class Interlocking(Strategy[InterlockingConfig]):
     name: ClassVar[str] = "interlocking"
     Config: ClassVar[type] = InterlockingConfig
+    option_rules: ClassVar[dict] = OPTION_RULES
+    ignores: ClassVar[dict[str, str]] = {
+        "nodes.count": "it starts interlocking.stages actors",
+        "nodes.max_restarts": "a dead stage stops the run",
+        "checkpoint_every": "stages keep no checkpoints",
+        "log_every": "it logs each stage's first and last head loss",
+        "optim.group_by_length": "it cuts one stream of batches, not grouped by length",
+    }
     count_field: ClassVar[str] = "interlocking.stages"  # the option that sets how many actors it starts
 
     @classmethod
@@ -116,9 +123,6 @@ class Interlocking(Strategy[InterlockingConfig]):
         Interlocking._validate_heads(cfg, o)
         if o.time_budget_s is not None and o.time_budget_s <= 0:
             raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
-        warn_unused(
-            cfg, "interlocking", restarts="a dead stage stops the run", checkpoints="stages keep no checkpoints"
-        )
         for name, per_stage in (("aux_widths", False), ("split", True)):
             value = getattr(o, name)
             if value is not None and (not value or min(value) < 1 or (per_stage and len(value) != o.stages)):
@@ -368,7 +372,7 @@ class Interlocking(Strategy[InterlockingConfig]):
                     "step": len(stage_losses[K - 1]),
                     "steps": steps,
                     "bytes": ledger.total_bytes,
-                    "train_loss": stage_losses[K - 1][-1],
+                    **({"train_loss": stage_losses[K - 1][-1]} if stage_losses[K - 1] else {}),
                 }
             )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from raylowcomm.config.applicability import always, needs
+
 
 @dataclass
 class InterlockingConfig:
@@ -49,3 +51,31 @@ class InterlockingConfig:
     def width(self) -> int:
         """The communication width: the config's `n` (the paper's name), not a count of nodes."""
         return self.n
+
+
+OPTION_RULES = {
+    "stages": always,
+    "n": always,
+    "rule": needs(
+        lambda cfg, o: o.n > 1, "chooses among the heads within n stages, and n is 1: set interlocking.n > 1"
+    ),
+    "micro_batches": always,
+    "balance": needs(lambda cfg, o: o.split is None, "interlocking.split fixes the stages: remove one of the two"),
+    "split": always,
+    "aux_widths": needs(
+        lambda cfg, o: cfg.model.family == "timm", "sizes a CNN's aux heads; a decoder's copy its final norm and head"
+    ),
+    "aux_init_from_lm_head": needs(
+        lambda cfg, o: cfg.model.family == "hf_causal_lm", "starts a decoder's aux heads; this model is a CNN"
+    ),
+    "aux_positions": always,  # Interlocking.validate: decoders only
+    "time_budget_s": needs(
+        lambda cfg, o: cfg.optim.budget_s is None, "optim.budget_s is the run's budget and wins: remove one of the two"
+    ),
+    "max_batches_ahead": always,
+    "overlap": needs(
+        lambda cfg, o: o.max_batches_ahead > 1,
+        "runs the next batches' forwards early, and max_batches_ahead is 1: raise it, or remove overlap",
+    ),
+}
+"""When each interlocking option can take effect (`config.applicability`)."""

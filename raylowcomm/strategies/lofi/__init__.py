@@ -24,12 +24,14 @@ from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import Stopwatch, TrainClock
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config.checks import check_kills, check_kills_restarted
 from raylowcomm.core.averaging import batchnorm_layers
 from raylowcomm.core.compression import CODECS
 from raylowcomm.execution.placement import node_bundle
 from raylowcomm.strategies.base import RunContext, RunRecord, Strategy, budget_details, finish_record
 from raylowcomm.strategies.lofi import final as final_phase
 from raylowcomm.strategies.lofi import streaming
+from raylowcomm.strategies.lofi.applicability import OPTION_RULES
 from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, LofiConfig, node_slots, on_quorum
 from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.merging import merging_for
@@ -76,6 +78,7 @@ class Lofi(Strategy[LofiConfig]):
     runs_by_default: ClassVar[bool] = True
     elastic_nodes: ClassVar[bool] = True  # on quorum rounds, which a range selects
     Config: ClassVar[type] = LofiConfig
+    option_rules: ClassVar[dict] = OPTION_RULES
 
     @staticmethod
     def table_rows(record: dict, metric: str) -> list[list[str]]:
@@ -117,6 +120,10 @@ class Lofi(Strategy[LofiConfig]):
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
         Lofi._validate_exchange(cfg, o)
+        if not on_quorum(o, cfg.nodes.elastic):
+            check_kills_restarted(
+                cfg, per_node=True, why="lockstep rounds wait for every node (lofi.quorum lets the others go on)"
+            )
         streaming.validate(o, exchange_for(cfg).nodes_keep_rounds)
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
@@ -174,6 +181,8 @@ class Lofi(Strategy[LofiConfig]):
         if sizes:
             check_schedule(ctx.cfg, o, min(sizes))
             check_membership(ctx.cfg, o, total_steps(ctx.cfg.optim, min(sizes)))
+        steps = total_steps(ctx.cfg.optim, min(sizes)) if sizes else None
+        check_kills(ctx.cfg, steps, {ev.node: ev.step for ev in o.leave}, "lofi.leave")
 
     @staticmethod
     def _validate_schedule(o: LofiConfig) -> None:
@@ -209,8 +218,6 @@ class Lofi(Strategy[LofiConfig]):
             raise ConfigError("lofi.topk_fraction", o.topk_fraction, "must be in (0, 1]")
         if not 1 <= o.compress_block <= MAX_COMPRESS_BLOCK:
             raise ConfigError("lofi.compress_block", o.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
-        if o.compress == "none":
-            Lofi._warn_unused_codec(o)
         if o.dense and (o.compress == "none" or o.exchange == "driver"):
             raise ConfigError(
                 "lofi.dense",
@@ -235,18 +242,6 @@ class Lofi(Strategy[LofiConfig]):
                 "a node keeps what it trains while its payload waits for a quorum round or its round is in "
                 "flight: set lofi.quorum (or lofi.sync: time) or lofi.overlap, or false",
             )
-
-    @staticmethod
-    def _warn_unused_codec(o: LofiConfig) -> None:
-        """The codec's options, set away from their defaults with compress: none, are said, not ignored."""
-        defaults = LofiConfig()
-        for name in ("topk_fraction", "compress_block", "error_feedback", "final_round", "final_residual"):
-            if getattr(o, name) != getattr(defaults, name):
-                logger.warning(
-                    "lofi: lofi.%s=%s does not apply: lofi.compress is none (outer gradients cross uncompressed)",
-                    name,
-                    getattr(o, name),
-                )
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, n = ctx.cfg, self.opts(ctx.cfg), ctx.cfg.nodes.count

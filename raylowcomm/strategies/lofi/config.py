@@ -172,15 +172,23 @@ def round_boundaries(gaps: list[int], steps: int) -> list[int]:
 
 
 def check_schedule(cfg: RunConfig, o: LofiConfig, smallest_shard: int) -> None:
-    """lofi.average_every against the run's length (the steps of its smallest shard): a period
-    longer than the run never comes round, and the run would train as plain lo-fi, one average at
-    its end, while the config asks for rounds."""
+    """lofi.average_every and warmup_steps against the run's length (the steps of its smallest shard):
+    a period longer than the run never comes round, and the run would train as plain lo-fi, one
+    average at its end, while the config asks for rounds; a warm-up as long as the run leaves no
+    step to `average_every`."""
     from raylowcomm.common.batches import steps_per_epoch
     from raylowcomm.training import total_steps
 
     if o.average_every is None:
         return
     steps, per_epoch = total_steps(cfg.optim, smallest_shard), steps_per_epoch(smallest_shard, cfg.optim.batch_size)
+    if o.warmup_steps and o.warmup_steps >= steps and cfg.optim.budget_s is None:
+        raise ConfigError(
+            "lofi.warmup_steps",
+            o.warmup_steps,
+            f"the run takes {steps} steps per node, so a warm-up of {o.warmup_steps} rounds every step would last "
+            f"it all and lofi.average_every would never take over: set warmup_steps below {steps}, or 0",
+        )
     every = round_gaps(o, per_epoch)[0]
     if every <= steps:
         return

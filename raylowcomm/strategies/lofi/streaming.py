@@ -20,15 +20,12 @@ of the τ steps made in flight; with τ = 0 the node takes the global fragment a
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import torch
 
 from raylowcomm.config import ConfigError
 from raylowcomm.strategies.lofi.config import LofiConfig, fixed_period
-
-logger = logging.getLogger(__name__)
 
 ALL = -1
 """The fragment index of a round that syncs every fragment (the final round)."""
@@ -155,8 +152,6 @@ def validate(o: LofiConfig, peers: bool) -> None:
         raise ConfigError(
             "lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): one round in flight at a time"
         )
-    if not o.overlap and o.mix != type(o)().mix:  # set away from its default, not ignored in silence
-        logger.warning("lofi: lofi.mix=%s does not apply: lofi.overlap is 0 (a node takes the global fragment)", o.mix)
 
 
 def check(opts, model, fine_tune, sync_unit) -> None:

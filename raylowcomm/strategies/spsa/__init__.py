@@ -23,6 +23,7 @@ from typing import ClassVar
 from raylowcomm.actors import NodeGroup
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config.checks import check_kills
 from raylowcomm.core.zo.estimators import check_step_rule
 from raylowcomm.core.zo.perturb import mask_threshold, trainable_parameters
 from raylowcomm.execution import node_bundle
@@ -30,9 +31,8 @@ from raylowcomm.strategies.base import (
     RunContext,
     RunRecord,
     Strategy,
-    warn_unused,
 )
-from raylowcomm.strategies.spsa.config import NAME, SpsaConfig, check_membership
+from raylowcomm.strategies.spsa.config import NAME, OPTION_RULES, SpsaConfig, check_membership
 from raylowcomm.strategies.spsa.driver import SpsaRun
 from raylowcomm.strategies.spsa.node import SpsaNode
 from raylowcomm.training import total_steps
@@ -43,6 +43,13 @@ logger = logging.getLogger(__name__)
 class Spsa(Strategy[SpsaConfig]):
     name: ClassVar[str] = NAME
     Config: ClassVar[type] = SpsaConfig
+    option_rules: ClassVar[dict] = OPTION_RULES
+    ignores: ClassVar[dict[str, str]] = {
+        "nodes.max_restarts": "a node that dies leaves the run; new ones join with spsa.join",
+        "optim.name": "it steps plain SGD on its zeroth-order estimate",
+        "optim.momentum": "it steps plain SGD on its zeroth-order estimate",
+        "model.memory_format": "its nodes perturb each weight in memory order, contiguous on every replica",
+    }
     fp32_updates: ClassVar[bool] = False  # every replica applies the same seeded update, bf16/fp16 weights alike
 
     @staticmethod
@@ -83,13 +90,17 @@ class Spsa(Strategy[SpsaConfig]):
             except re.error as err:
                 raise ConfigError(f"spsa.include[{i}]", pattern, f"not a regular expression: {err}") from None
         check_membership(cfg.nodes.count, o, None)  # the steps, where known, at the start of `run`
-        warn_unused(cfg, "spsa", restarts="a node that dies leaves the run; new ones join with spsa.join")
 
     @staticmethod
     def check(ctx: RunContext) -> None:
-        """spsa.include must match a weight SPSA tunes: the names come from the driver's architecture
-        (weights or not), so a pattern that matches none stops the run before Ray starts."""
-        include = Spsa.opts(ctx.cfg).include
+        """churn.kill against SPSA's steps and leaves (`check_kills`); spsa.include must match a weight
+        SPSA tunes: the names come from the driver's architecture (weights or not), so a pattern that
+        matches none stops the run before Ray starts."""
+        opts = Spsa.opts(ctx.cfg)
+        sizes = ctx.data.train.sizes(ctx.cfg.nodes.count + len(opts.join))
+        steps = opts.steps or (total_steps(ctx.cfg.optim, min(sizes)) if sizes else None)
+        check_kills(ctx.cfg, steps, {ev.node: ev.step for ev in opts.leave}, "spsa.leave")
+        include = opts.include
         if not include:
             return
         try:

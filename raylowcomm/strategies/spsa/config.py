@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from raylowcomm.config import ConfigError, OptimConfig
+from raylowcomm.config.applicability import always, needs
 from raylowcomm.core.membership import JoinEvent, LeaveEvent, ScheduleError, check_schedule
 from raylowcomm.core.zo.codec import Codec, codec_for
 from raylowcomm.core.zo.replay import Replica
@@ -82,6 +83,31 @@ class SpsaConfig:
             rule=self.step,
             density=self.density,
         )
+
+
+OPTION_RULES = {
+    "codec": always,
+    "g_min": needs(lambda cfg, o: o.codec == "log", "is the log codec's: set spsa.codec: log"),
+    "g_max": needs(lambda cfg, o: o.codec == "log", "is the log codec's: set spsa.codec: log"),
+    "scale": needs(lambda cfg, o: o.codec == "linear", "is the linear codec's step: set spsa.codec: linear"),
+    "perturbation": always,
+    "eps": always,
+    "samples": always,
+    "estimator": always,
+    "step": always,
+    "lr": always,
+    "steps": always,
+    "density": always,
+    "include": always,
+    "verify_every": always,
+    "leave": always,
+    "leave.node": always,
+    "leave.step": always,
+    "leave.how": always,
+    "join": always,
+    "join.step": always,
+}
+"""When each SPSA option can take effect (`config.applicability`)."""
 
 
 def check_membership(count: int, o: SpsaConfig, steps: int | None) -> None:
