@@ -4,7 +4,11 @@ Inputs arrive as dicts of tensors (see data.py); image preprocessing happens her
 so only the compact uint8 pixels cross the network: resized and normalised as the model was
 pretrained (its mean / std, catalog.TaskSpec). Scoring has one path for every strategy:
 per-batch sums (`sums`) added up and turned into metrics (`summarize`), so a model split over
-stage actors (interlocking) scores exactly what the whole model scores in one process.
+stage actors (interlocking) scores exactly what the whole model scores in one process on as many
+threads in the same memory format: oneDNN picks a convolution's kernel, and so its rounding, by
+both. Node processes run nodes.cpus threads (`runtime.setup_threads`); SPSA's nodes stay contiguous
+where the others follow model.memory_format, so across strategies one model's scores agree to float
+rounding, not bit for bit.
 """
 
 from __future__ import annotations

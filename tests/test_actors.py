@@ -14,7 +14,7 @@ from raylowcomm.actors import DriverFetches, Node
 from raylowcomm.common.batches import Source
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.core.interlock.splitting import split_hf_decoder, split_timm_cnn
-from raylowcomm.models import state_dict_of
+from raylowcomm.models import channels_last, state_dict_of
 from raylowcomm.runner import prepare, run
 from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.interlocking import evaluate_chained, final_head_metrics
@@ -123,13 +123,26 @@ def test_ctrl_c_mid_run_releases_the_actors(ray_session, tmp_path):
 
 def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     """The driver (lo-fi's average), a lo-fi node, an SPSA node, a DDP worker's Node and the
-    interlocking chain of one stage all score one model through tasks: identical metrics."""
+    interlocking chain of one stage all score one model through tasks: identical metrics, each path
+    computing as the others do. oneDNN picks a convolution's kernel, and so its rounding, by the
+    thread count and the memory format (on an AVX2-only CPU contiguous and channels_last scores
+    differed in the 9th digit; one thread and two differ on a 5-row batch's 1x1 convolution), so
+    every path here runs nodes.cpus threads, as `runtime.setup_threads` gives every node process
+    (the driver's scoring in this process, once the DDP worker's Node has set them), in the layout
+    SPSA's nodes always keep (model.memory_format contiguous)."""
     cfg = small_config(["lofi"])
+    cfg.model.memory_format = "contiguous"
     ctx = prepare(cfg, tmp_path)
+    assert not channels_last(ctx.spec, "cpu"), "every path computes in torch's contiguous layout"
     sets = ctx.eval_sets(val=False)
     weights = state_dict_of(ctx.load_driver_weights().eval())
-    task = make_task(ctx.data.task)
-    expected = score_sets(task, ctx.load_driver_weights(), sets, cfg.eval_rows)
+    threads = torch.get_num_threads()
+    try:
+        node = Node(0, cfg, ctx.spec, ctx.data.task, weights)  # what a DDP worker runs, on a node's threads
+        expected = score_sets(make_task(ctx.data.task), ctx.load_driver_weights(), sets, cfg.eval_rows)
+        assert node.evaluate([sets]) == expected
+    finally:
+        torch.set_num_threads(threads)
     assert {
         "id_accuracy",
         "id_loss",
@@ -150,15 +163,15 @@ def test_every_evaluation_path_scores_a_model_the_same(ray_session, tmp_path):
     finally:
         ray.kill(lofi)
         ray.kill(spsa)
-    assert Node(0, cfg, ctx.spec, ctx.data.task, weights).evaluate([sets]) == expected  # what a DDP worker runs
 
-    stage = StageActor.remote(1, 0)
+    stage = StageActor.remote(cfg.nodes.cpus, 0)
     try:
         [module] = split_timm_cnn(ctx.load_driver_weights(), 1)
         source = Source(
             "image", ctx.data.train.load_all(), sets, cfg.optim.batch_size, cfg.seed, cfg.data.image_size, cfg.eval_rows
         )
-        ray.get(stage.load.remote(0, 1, 1, "farthest", (module, None), "cross_entropy", cfg.optim, 1, source))
+        load = (0, 1, 1, "farthest", (module, None), "cross_entropy", cfg.optim, 1, source)
+        ray.get(stage.load.remote(*load, spec=ctx.spec))  # placed as the strategy places a stage's layers
         per_set, sent = evaluate_chained([stage], sets, cfg.eval_rows, DriverFetches(Ledger()), "cross_entropy")
     finally:
         ray.kill(stage)

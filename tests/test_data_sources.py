@@ -627,8 +627,14 @@ def test_mnist_reaches_the_model_exactly_as_before():
     assert pre["mean"] == pre["std"] == (0.5, 0.5, 0.5)
     prepared = prepare_data(config(name="mnist", family="timm"), None, pre)
     assert prepared.task.image_size == 32, "data.image_size (32) still sets the size"
-    x = make_task(prepared.task).inputs(take(prepared.train.load(0, 1), torch.arange(32)))
-    assert hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16] == "08829105b50f9dc9"  # the old task's first batch
+    batch = take(prepared.train.load(0, 1), torch.arange(32))
+    assert hashlib.sha256(batch["pixels"].numpy().tobytes()).hexdigest()[:16] == "b83a577f906f2a4c"  # the old batch
+    # and the old task's arithmetic on it, computed here: a hash of the floats holds one CPU's kernels' bits (the
+    # old 08829105b50f9dc9 with ATen's AVX2 and AVX-512 kernels; its bilinear resizing rounds otherwise without)
+    resized = torch.nn.functional.interpolate(
+        batch["pixels"].float().unsqueeze(1) / 255, size=(32, 32), mode="bilinear", align_corners=False
+    )
+    assert torch.equal(make_task(prepared.task).inputs(batch), ((resized - 0.5) / 0.5).expand(-1, 3, -1, -1))
     assert set(prepared.eval_sets) == {"test", "shift/uci_digits"}
     assert len(pickle.dumps(prepared.train)) < 5_000, "the recipe for 4,000 training images is a few hundred bytes"
 

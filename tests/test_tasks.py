@@ -62,6 +62,9 @@ def test_text_is_scored_shortest_first_with_the_same_metrics():
         logits = model(input_ids=split["input_ids"], attention_mask=mask).logits
     expected = task.summarize(task.sums(logits, split["labels"]))
     got = task.evaluate(model, split, batch_size=8)
+    # The accuracy: a row's argmax in its batch of 8 is the full batch's wherever its two logits lie more than
+    # 2·FLOAT64_FORWARD apart (each moves by at most FLOAT64_FORWARD), as every row's do here
+    assert ((logits[:, 0] - logits[:, 1]).abs() > 2 * FLOAT64_FORWARD).all()
     assert got["accuracy"] == expected["accuracy"]
     # The loss: in float64 a row's logits in its batch of 8 are the full batch's to FLOAT64_FORWARD, so after the
     # float32 cast of `sums` at most one rounding apart, 2^-23·max|z|, which moves the row's cross-entropy

@@ -246,23 +246,27 @@ def _bits(tensors):
 @pytest.mark.parametrize("name", ["none", "int8", "int4", "int2", "topk", "sign"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_independent_decoders_average_to_the_same_bits(name, dtype):
-    nodes = [_model_delta(dtype, seed=100 + k) for k in range(3)]
+    """A peer decodes on its own thread count: here on 2 threads, there on 1. ATen splits an elementwise loop
+    over threads once it holds more than 32768 elements (at::internal::GRAIN_SIZE): "big" is split in two
+    here, not there; the decoders' operations are elementwise, each entry's result the same however split."""
+    nodes = [{**_model_delta(dtype, seed=100 + k), "big": _delta(2 * 32768 + 5, dtype, seed=110 + k)} for k in range(3)]
     payloads = [ErrorFeedback(make_codec(name, topk_fraction=0.1)).encode(d) for d in nodes]
     layout = layout_of(nodes[0])
     weights = [3.0, 1.0, 2.5]
-    here = average_decoded(make_codec(name, topk_fraction=0.1), payloads, layout, weights)
     received = [pickle.loads(pickle.dumps(p, protocol=5)) for p in payloads]  # as a peer gets them
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        here = average_decoded(make_codec(name, topk_fraction=0.1), payloads, layout, weights)
         torch.set_num_threads(1)
         there = average_decoded(make_codec(name, topk_fraction=0.1), received, layout, weights)
     finally:
         torch.set_num_threads(threads)
     assert _bits(here).keys() == _bits(there).keys()
     assert all(torch.equal(a, b) for a, b in zip(_bits(here).values(), _bits(there).values()))
-    codec = make_codec(name, topk_fraction=0.1)
+    decoded = [make_codec(name, topk_fraction=0.1).decode(p, layout, torch.float64) for p in payloads]
     for k, spec in layout.items():
-        reference = sum(w * codec.decode(p, layout, torch.float64)[k] for w, p in zip(weights, payloads)) / 6.5
+        reference = sum(w * d[k] for w, d in zip(weights, decoded)) / 6.5
         assert here[k].dtype == torch.float32 and here[k].shape == spec.shape
         # average_decoded's arithmetic: the weighted float64 terms added in node order, one division, one
         # rounding (Python's sum starts at 0, and 0 + x is x): the same bits

@@ -27,13 +27,13 @@ from raylowcomm.core.interlock.routing import (
 )
 from raylowcomm.core.interlock.splitting import split_timm_resnet
 from raylowcomm.data import PreparedData
-from raylowcomm.models import ModelSpec
+from raylowcomm.models import ModelSpec, place
 from raylowcomm.runner import prepare
 from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.interlocking import Interlocking, train_interlocked
 from raylowcomm.strategies.interlocking.stage import StageActor, StageWorker
-from raylowcomm.tasks import CausalLM, ImageClassification
+from raylowcomm.tasks import CausalLM, ImageClassification, make_task
 from tests.core.test_interlock import NUM_CLASSES, tiny_resnet
 
 LR = 0.1
@@ -228,12 +228,20 @@ def test_resnet_run_counts_bytes_and_scores_every_head(ray_session, tmp_path, n)
     assert g["goodput"] == sum(busy) / g["reserved_node_s"] and 0 < g["goodput"] <= 1
     assert {"id_accuracy", "id_loss", "shift_accuracy"} <= rec["metrics"].keys()
 
-    # The saved model is the stages' weights reassembled: it scores what the final head scored.
+    # The saved model is the stages' weights reassembled: scored as they scored it (in their layout, models.place,
+    # on their one thread, nodes.cpus, in chunks of eval_rows), it scores what the final head scored, bit for bit
     model = copy.deepcopy(ctx.load_driver_weights())
     model.load_state_dict(load_file(rec["weights"]))
     assert not torch.equal(next(model.parameters()), next(ctx.load_driver_weights().parameters()))
-    acc = ImageClassification(16).evaluate(model, ctx.data.eval_sets["test"], 256)["accuracy"]
-    assert acc == pytest.approx(rec["metrics"]["id_accuracy"], abs=1e-9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scored = make_task(ctx.data.task).evaluate(
+            place(model, ctx.spec, "cpu"), ctx.data.eval_sets["test"], cfg.eval_rows
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert scored == {"accuracy": rec["metrics"]["id_accuracy"], "loss": rec["metrics"]["id_loss"]}
     assert d["heads"]["test"]["head1_final"]["accuracy"] == rec["metrics"]["id_accuracy"]
 
     curve = rec["curve"]
