@@ -1,5 +1,5 @@
 """The comparison harness: every strategy of one config on identical model, data and
-hyper-parameters, then a report (raylowcomm/report.py).
+hyper-parameters, then a report (raylowcomm.report).
 
 `wan`: for each rate, `--hosts` hosts (2 by default) in network namespaces, each host's link shaped
 to that rate in both directions (tc tbf), a Ray cluster of one node per host, the run's driver on
@@ -27,18 +27,20 @@ from pathlib import Path
 import yaml
 
 from raylowcomm.cluster import tc_rate_bits
+from raylowcomm.common.files import read_records
 from raylowcomm.config import ConfigError, RunConfig
 
 LINK_PROBE_BYTES = 20_000_000
 
 
-def rate_bits(rate: str) -> float:
+def rate_bits(rate: str, flag: str = "--rate") -> float:
     """'100mbit' -> 1e8 bits/s: a rate `tc tbf` takes (`cluster.tc_rate_bits`), checked before any
-    namespace or cluster is made."""
+    namespace or cluster is made; a bad one is a ConfigError naming `flag`, the option that gave it
+    (`bench --rate`, `plan --link`)."""
     try:
         return tc_rate_bits(rate)
     except ValueError as err:
-        raise ConfigError("--rate", rate, str(err)) from None
+        raise ConfigError(flag, rate, str(err)) from None
 
 
 def wan_runs(rates: list[str], repeats: int = 1) -> list[dict]:
@@ -167,7 +169,10 @@ def ddp_budget(results: Path) -> float:
     """DDP's training seconds, from the results.json of its run alone (`ddp_alone`)."""
     if not results.exists():
         raise BenchError(f"DDP's run for --budget-s ddp wrote no {results}: see its output above")
-    (record,) = json.loads(results.read_text())
+    records = read_records(results, "rerun the bench: DDP's run alone rewrites it")
+    if len(records) != 1 or records[0].get("strategy") != "ddp":
+        raise BenchError(f"{results} is not the record of DDP's run alone: rerun the bench, which rewrites it")
+    record = records[0]
     if "error" in record:
         raise BenchError(f"DDP's run for --budget-s ddp failed: {record['error']}")
     return float(record["train_s"])

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from raylowcomm.common.files import FileError, parse_json, safetensors_problem
+
 if TYPE_CHECKING:
     import torch
 
@@ -26,6 +28,8 @@ SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "mock")
 """The URI schemes `pyarrow.fs.FileSystem.from_uri` opens (mock: in memory, for tests)."""
 BUCKETED = ("s3", "gs", "gcs", "abfs", "abfss")
 """Object stores whose URI names a bucket (or container) first: s3://BUCKET/PATH."""
+STATE_FIX = "delete it, or rerun without --resume to start afresh"
+"""What to do about a damaged file in a run's state: the run cannot continue from it."""
 PROBE_TIMEOUT_S = 20.0
 """How long `Storage.probe` waits for its marker to be written and deleted: an object store whose
 credentials chain or endpoint never answers is reported, not waited on for minutes."""
@@ -90,8 +94,7 @@ class Storage:
                 if self.is_local:
                     target = Path(self.path(""))
                     made.extend(p for p in (target, *target.parents) if not p.exists())  # innermost first
-                quick = Storage(self.uri)
-                quick._fs, quick._base = _quick(*self._open())
+                quick = self.quick()
                 quick.write_bytes(marker, b"")
                 quick.delete(marker)
             except (OSError, ArrowException) as err:
@@ -114,6 +117,13 @@ class Storage:
             detail = re.sub(r"^\[Errno \d+\] ", "", " ".join(str(failure[0]).split()))
             return f"cannot be written ({detail}): {fix}"
         return None
+
+    def quick(self) -> Storage:
+        """This storage with one retry and short timeouts (`_quick`): for the driver's checks before a
+        run (`probe`, a resume's look at its state), which must answer in seconds, not after retries."""
+        quick = Storage(self.uri)
+        quick._fs, quick._base = _quick(*self._open())
+        return quick
 
     @property
     def fs(self):
@@ -162,7 +172,8 @@ class Storage:
         return self.write_bytes(rel, json.dumps(value, indent=2, default=str).encode())
 
     def read_json(self, rel: str):
-        return json.loads(self.read_bytes(rel))
+        """`rel`'s JSON; a cut-off or damaged file is a FileError naming it (raylowcomm.common.files)."""
+        return parse_json(self.read_bytes(rel), self.uri_of(rel), STATE_FIX)
 
     def save_tensors(self, rel: str, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> int:
         """safetensors (never pickle); `metadata` travels as JSON in the header. Returns the size. A
@@ -186,12 +197,24 @@ class Storage:
         return self.fs.get_file_info(target).size
 
     def load_tensors(self, rel: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors and metadata `save_tensors` wrote; a cut-off or damaged file is a FileError
+        naming it, not safetensors' 'incomplete metadata'."""
         from safetensors.torch import load
 
         data = self.read_bytes(rel)
+        problem = safetensors_problem(lambda offset, n: data[offset : offset + n], len(data))
+        if problem is not None:
+            raise FileError(self.uri_of(rel), problem, STATE_FIX)
         (size,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + size])
-        return load(data), json.loads((header.get("__metadata__") or {}).get("raylowcomm", "{}"))
+        meta = (header.get("__metadata__") or {}).get("raylowcomm", "{}")
+        return load(data), parse_json(meta, self.uri_of(rel), STATE_FIX)
+
+    def tensors_problem(self, rel: str) -> str | None:
+        """Why `load_tensors(rel)` would fail, or None, from the file's header and size alone (a
+        checkpoint's whole bytes are not read): what a resume checks on the driver before actors start."""
+        with self.fs.open_input_file(self.path(rel)) as f:
+            return safetensors_problem(lambda offset, n: f.read_at(n, offset), f.size())
 
     def list(self, rel: str) -> list[str]:
         """The names of the files directly in folder `rel`, sorted; none if it is absent. Files being
@@ -201,6 +224,16 @@ class Storage:
         found = self.fs.get_file_info(fs.FileSelector(self.path(rel), allow_not_found=True))
         names = (info.base_name for info in found if info.type == fs.FileType.File)
         return sorted(n for n in names if not n.endswith(".tmp"))
+
+    def walk(self, rel: str) -> list[str]:
+        """Every file under folder `rel`, at any depth, as paths relative to the storage (as `rel`
+        is), sorted; none if it is absent. Files being written (`.tmp`) are not among them."""
+        from pyarrow import fs
+
+        base = self.path("").rstrip("/") + "/"
+        found = self.fs.get_file_info(fs.FileSelector(self.path(rel), recursive=True, allow_not_found=True))
+        files = (info.path for info in found if info.type == fs.FileType.File and not info.path.endswith(".tmp"))
+        return sorted(p[len(base) :] if p.startswith(base) else p for p in files)
 
     def delete(self, rel: str) -> None:
         """A file or a folder and everything in it; nothing if absent."""

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from raylowcomm.cli import main
 from raylowcomm.strategies import from_dict
 from raylowcomm.tune import SweepError, format_trials, load_sweep, run_sweep, trial_bundles
+from tests.test_cli_errors import no_ray as no_ray  # a fixture, used by its name
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = {
@@ -65,6 +67,81 @@ def test_bad_sweep_files_fail_before_ray(tmp_path, changes, message):
     with pytest.raises(SweepError) as err:
         load_sweep(write_sweep(tmp_path, **changes))
     assert message in str(err.value)
+
+
+LANGUAGE_MODEL = {
+    **BASE,
+    "model": {"name": "SmolLM2-135M", "family": "hf_causal_lm"},
+    "data": {"name": "hamlet", "train_size": 64, "test_size": 32},
+}
+"""A language model on plain text: its metrics are loss and perplexity, not accuracy."""
+
+
+def _any_sweep(tmp: Path, changes: dict) -> Path:
+    """A sweep (`write_sweep`) with `changes`; with `language_model: True` among them its base config
+    trains LANGUAGE_MODEL instead of BASE's image classifier."""
+    language_model = changes.pop("language_model", False)
+    sweep = write_sweep(tmp, **changes)
+    if language_model:
+        (tmp / "base.yaml").write_text(yaml.safe_dump(LANGUAGE_MODEL))
+    return sweep
+
+
+METRIC_CASES = [
+    (
+        "tune-metric-no-trial-reports",
+        {"metric": "accuracy"},
+        ("metric = 'accuracy'", "no trial reports it", "id_accuracy", "shift_accuracy", "train_loss"),
+    ),
+    ("tune-column-no-trial-reports", {"columns": ["val_accuracy"]}, ("columns[0] = 'val_accuracy'", "id_loss")),
+    (
+        "tune-asha-metric-no-trial-reports",
+        {"asha": {"metric": "loss", "mode": "min"}},
+        ("asha.metric = 'loss'", "train_loss"),
+    ),
+    (
+        "tune-prefixed-metric-of-another-task",
+        {"set": {"strategies": ["lofi", "ddp"]}, "metric": "lofi/id_perplexity"},
+        ("metric = 'lofi/id_perplexity'", "lofi/", "ddp/", "id_accuracy"),
+    ),
+    (
+        "tune-accuracy-of-a-language-model",
+        {"language_model": True},
+        ("metric = 'id_accuracy'", "id_perplexity", "train_loss"),
+    ),
+    (
+        "tune-strategy-prefix-with-one-strategy",
+        {"metric": "lofi/id_accuracy"},
+        ("metric = 'lofi/id_accuracy'", "no trial reports it", "did you mean 'id_accuracy'?"),
+    ),
+]
+
+
+@pytest.mark.parametrize("changes, expected", [c[1:] for c in METRIC_CASES], ids=[c[0] for c in METRIC_CASES])
+def test_a_sweep_metric_no_trial_reports_stops_before_ray(tmp_path, capsys, no_ray, changes, expected):
+    """Known from the config (tune.metrics), not after a whole trial ran: exit 2, one line naming the
+    metric and the metrics that exist."""
+    assert main(["tune", str(_any_sweep(tmp_path, dict(changes)))]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert not no_ray
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"metric": "shift/uci_digits_accuracy"},  # the preset's own shift set
+        {"metric": "val_accuracy", "set": {"data.val_size": 8}},
+        {"metric": "val_loss", "space": {"data.val_size": {"grid": [0, 8]}}},  # a value the sweep tries
+        {"metric": "total_bytes", "mode": "min", "columns": ["wall_s", "ray_nodes_used"]},
+        {"metric": "ddp/id_loss", "mode": "min", "set": {"strategies": ["lofi", "ddp"]}, "columns": ["lofi/bytes"]},
+        {"metric": "id_perplexity", "mode": "min", "language_model": True},
+    ],
+)
+def test_a_metric_some_trial_reports_is_taken(tmp_path, changes):
+    assert load_sweep(_any_sweep(tmp_path, dict(changes))).spec.metric == changes["metric"]
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "tune_configs").glob("*.yaml")), ids=lambda p: p.name)

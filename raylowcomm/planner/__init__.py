@@ -11,17 +11,19 @@ rate, other nodes), the way docs/planning.md checks the planner.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from raylowcomm.common.files import read_json, read_records
 from raylowcomm.core.interlock.schedule import Link
 from raylowcomm.planner.calibrate import costs_of, repeats_of, same_run
 from raylowcomm.planner.costs import Cost, Prediction, link_of, predict, time_to_target
 
 logger = logging.getLogger(__name__)
+REWRITE = "rerun the run or bench that wrote it, or give another run folder"
+"""What to do about a damaged results.json or bench.json the planner calibrates from."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,10 @@ def bench_run(source: Path) -> dict:
     """What a `bench wan` rate folder's bench.json says of its run (its rate, the link it measured);
     empty elsewhere."""
     bench = source.parent / "bench.json"
-    runs = json.loads(bench.read_text()).get("runs", []) if bench.exists() else []
-    return next((run for run in runs if run.get("dir") == source.name), {})
+    if not bench.exists():
+        return {}
+    runs = read_json(bench, REWRITE, dict, "a bench's mapping (mode, config, runs)").get("runs")
+    return next((run for run in runs or [] if isinstance(run, dict) and run.get("dir") == source.name), {})
 
 
 def load_source(source: Path) -> list[Cost]:
@@ -91,7 +95,7 @@ def load_source(source: Path) -> list[Cost]:
         raise FileNotFoundError(f"{source} has no results.json: give a folder written by `raylowcomm run` or `bench`")
     measured = bench_run(source).get("link")
     link = link_of(measured["mbit_per_s"] * 1e6) if measured else None
-    return costs_of(json.loads(results.read_text()), link)
+    return costs_of(read_records(results, REWRITE), link)
 
 
 def check(calibrated: list[Cost], runs: list[Cost], link: Link) -> list[dict]:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from raylowcomm.config import ConfigError, RunConfig, apply_overrides, build_dataclass, load_yaml_mapping
 from raylowcomm.strategies import STRATEGIES, from_dict
+from raylowcomm.tune.metrics import unreported
 
 SPACES = ("grid", "choice", "uniform", "loguniform")
 # The driver of a trial waits on its actors most of the time; its bundle holds no CPU so that
@@ -118,15 +119,19 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         value = raw.get(section, {}).get("path")
         if value is not None:
             raw[section]["path"] = str(Path(value).resolve())
-    samples = _checked_samples(path, spec, raw, cfg)
+    samples, configs = _checked_samples(path, spec, raw, cfg)
     prefixes = [f"{s}/" for s in cfg.strategies] if len(cfg.strategies) > 1 else [""]
     named = [("metric", spec.metric)] + [(f"columns[{i}]", c) for i, c in enumerate(spec.columns)]
-    for where, metric in named + ([("asha.metric", spec.asha.metric)] if spec.asha else []):
+    named += [("asha.metric", spec.asha.metric)] if spec.asha else []
+    for where, metric in named:
         if not any(metric.startswith(p) for p in prefixes):
             raise SweepError(
                 f"sweep file {path}: {where} = {metric!r}: with several strategies, name the strategy, "
                 f"e.g. {prefixes[0]}{metric}"
             )
+    problem = unreported(path, named, [cfg, *configs])  # before Ray starts, not after a whole trial ran
+    if problem is not None:
+        raise SweepError(problem)
     return Sweep(spec, raw, cfg, samples, path)
 
 
@@ -158,10 +163,11 @@ def _read_sweep(path: Path) -> tuple[SweepConfig, dict]:
         raise SweepError(f"sweep file {path}: {err}") from None
 
 
-def _checked_samples(path: Path, spec: SweepConfig, raw: dict, cfg: RunConfig) -> dict[str, list]:
+def _checked_samples(path: Path, spec: SweepConfig, raw: dict, cfg: RunConfig) -> tuple[dict[str, list], list]:
     """The values that represent each swept key, each tried on the config (with the other keys at
-    their first value)."""
+    their first value), and the configs so built."""
     samples: dict[str, list] = {}
+    configs: list[RunConfig] = []
     first = {k: _space_samples(k, v)[1][0] for k, v in spec.space.items()}
     for key, space in spec.space.items():
         section = key.split(".")[0]
@@ -173,8 +179,8 @@ def _checked_samples(path: Path, spec: SweepConfig, raw: dict, cfg: RunConfig) -
         _, values = _space_samples(key, space)
         for value in values:
             try:
-                from_dict(with_values(raw, {**first, key: value}))
+                configs.append(from_dict(with_values(raw, {**first, key: value})))
             except ConfigError as err:
                 raise SweepError(f"sweep file {path}: space.{key} value {value!r}: {err}") from None
         samples[key] = values
-    return samples
+    return samples, configs

@@ -11,6 +11,7 @@ from raylowcomm.core.interlock.schedule import Link, StageCost
 from raylowcomm.planner import MODELS, Target, check, plan, short_run
 from raylowcomm.planner.calibrate import costs_of, merge_repeats
 from raylowcomm.planner.costs import Cost, all_gather_s, predict, ring_allreduce_s, star_down_s, star_up_s
+from tests.test_cli_errors import no_ray as no_ray  # a fixture, used by its name
 
 LINK = Link(latency_s=0.5, bytes_per_s=1e6)
 
@@ -209,6 +210,42 @@ def test_plan_command(tmp_path, capsys):
     assert main(["plan", str(run), "--link", "fast"]) == 2
     assert main(["plan", str(tmp_path), "--nodes", "2"]) == 2  # no results.json there
     assert "error:" in capsys.readouterr().err
+
+
+PLAN_CASES = [
+    # (id, argv after `plan RUN_DIR`, texts the error line holds)
+    ("params-zero", ["--params", "0"], ("'--params' = 0.0", "> 0")),
+    ("lora-rank-zero", ["--model", "llama-3-8b", "--lora-rank", "0"], ("'--lora-rank' = 0", ">= 1")),
+    ("latency-negative", ["--latency", "-50"], ("'--latency' = -50.0", ">= 0")),
+    ("steps-zero", ["--steps", "0"], ("'--steps' = 0", ">= 1")),
+    ("link-unknown-unit", ["--link", "5parsecs"], ("'--link'", "5parsecs")),
+    ("link-zero", ["--link", "0mbit"], ("'--link'", "0mbit")),
+    ("nodes-zero", ["--nodes", "0,2"], ("'--nodes'", ">= 1")),
+    ("nodes-not-counts", ["--nodes", "2,,4"], ("'--nodes'", "comma-separated")),
+    ("lora-rank-without-model", ["--params", "8e9", "--lora-rank", "8"], ("'--lora-rank'", "--model")),
+]
+
+
+@pytest.mark.parametrize("argv, expected", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_plan_flags(tmp_path, capsys, no_ray, argv, expected):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps([ddp_record()]))
+    assert main(["plan", str(run), *argv]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "--rate" not in lines[0], lines[0]  # plan has no --rate: a rate is named by the flag that gave it
+    for text in expected:
+        assert text in lines[0], lines[0]
+
+
+def test_plan_against_names_link_too(tmp_path, capsys, no_ray):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps([ddp_record()]))
+    assert main(["plan", str(run), "--against", str(run), "--link", "5parsecs"]) == 2
+    err = capsys.readouterr().err
+    assert "'--link'" in err and "--rate" not in err
 
 
 def test_plan_against_checks_the_calibration_on_runs_over_the_rate_their_bench_shaped(tmp_path, capsys, monkeypatch):
