@@ -27,6 +27,7 @@ from raylowcomm.common.ledger import Ledger, payload_nbytes
 from raylowcomm.common.timing import peak_rss_bytes, rss_bytes
 from raylowcomm.config import RunConfig
 from raylowcomm.execution import Gang, node_bundle
+from raylowcomm.failures import NodeFailed, ask_first_failure, cause_of
 from raylowcomm.finetune import ModelRecipe, fine_tune_for
 from raylowcomm.models import ModelSpec, build_architecture, place
 from raylowcomm.runtime import actor_options, device_for, log_to_stdout, setup_threads
@@ -190,7 +191,8 @@ class ReplicaMismatch(RuntimeError):
 
 
 class ActorDied(RuntimeError):
-    pass
+    failure: dict | None = None
+    """Where set, what the strategy's record keeps of the death (`failures.NodeFailed`'s fields)."""
 
 
 def check_replicas(nodes: dict, step: int, ledger: Ledger, phase: str = "train", method: str = "hash") -> str:
@@ -219,12 +221,16 @@ class NodeGroup:
     Restarts are the group's, not Ray's: an actor that dies during a `call` or `stream` is
     started again with its constructor arguments (up to `restarts` times; its constructor
     resumes from its own checkpoint) and the call is repeated. Ray's own actor restarts would
-    pin the constructor's object-store arguments and warn on every healthy run (ray#53727)."""
+    pin the constructor's object-store arguments and warn on every healthy run (ray#53727).
+
+    An actor's own exception in a call reaches the caller as `NodeFailed`, naming the actor (its
+    class's `label` and its key) and the call: the first cause of the strategy's failure."""
 
     def __init__(
         self, actor_class, cfg: RunConfig, ledger: Ledger, restarts: int = 0, bundles: list[dict] | None = None
     ):
         self.actor_class, self.ledger, self.restarts = actor_class, ledger, restarts
+        self.label = getattr(actor_class, "label", "node")  # "lofi node", "interlocking stage": in errors
         n = cfg.nodes
         self.options = actor_options(n.cpus, n.gpus, 0, n.resources)
         self.gang = Gang(bundles or [node_bundle(cfg)] * n.count, n.placement, n.hosts, n.start_timeout_s)
@@ -233,6 +239,8 @@ class NodeGroup:
         self._started: dict[int, tuple] = {}
         self.unplaced: set[int] = set()
         self.restarted: dict[int, int] = {}
+        self.died_of: dict[int, dict] = {}
+        """What each actor found dead by `gather` died of ({type, message}): the cause a caller names."""
         self._eval_sets: dict = {}
         self._eval_ref = None
         self._holding_eval_sets: set[int] = set()
@@ -343,6 +351,8 @@ class NodeGroup:
                     self._restart(key, err)
                     pending[getattr(self.actors[key], method).remote(*args)] = key
                     continue
+                except ray.exceptions.RayTaskError as err:
+                    raise NodeFailed.of(err, self.label, key, method) from err
                 yield key, (fetch.book(value, phase, what) if what else value)
 
     def call(
@@ -371,7 +381,10 @@ class NodeGroup:
     def evaluate_on(self, key: int, phase: str = "final", sets_phase: str = "setup") -> dict:
         """Metrics of actor `key`'s model, scored where it lives."""
         self._book_eval_sets(key, sets_phase)
-        return self.fetch.get([self.actors[key].evaluate.remote([self._eval_ref])], phase, "eval_metrics")[0]
+        try:
+            return self.fetch.get([self.actors[key].evaluate.remote([self._eval_ref])], phase, "eval_metrics")[0]
+        except ray.exceptions.RayTaskError as err:
+            raise NodeFailed.of(err, self.label, key, "evaluate") from err
 
     def score_weights(
         self,
@@ -411,25 +424,30 @@ class NodeGroup:
             self._book_eval_sets(k, "setup")
         return self.call("evaluate", [self._eval_ref], phase=phase, what=what, keys=keys)
 
-    def gather(self, calls: dict[int, ray.ObjectRef]) -> tuple[dict[int, object], list[int]]:
-        """Results of calls keyed by actor, and the actors that died meanwhile (the caller books
-        what crossed: it knows what the payload is)."""
+    def gather(self, calls: dict[int, ray.ObjectRef], call: str | None = None) -> tuple[dict[int, object], list[int]]:
+        """Results of calls (of method `call`) keyed by actor, and the actors that died meanwhile, what
+        each died of kept in `died_of` (the caller books what crossed: it knows what the payload is)."""
         values, dead = {}, []
         for key, ref in calls.items():
             try:
                 values[key] = ray.get(ref)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as err:
                 dead.append(key)
+                self.died_of[key] = cause_of(err)
+            except ray.exceptions.RayTaskError as err:
+                raise NodeFailed.of(err, self.label, key, call) from err
         return values, dead
 
-    def gather_timed(self, calls: dict[int, ray.ObjectRef], sent_at: float) -> tuple[dict, list[int], dict[int, float]]:
+    def gather_timed(
+        self, calls: dict[int, ray.ObjectRef], sent_at: float, call: str | None = None
+    ) -> tuple[dict, list[int], dict[int, float]]:
         """As `gather`, with the seconds from `sent_at` (when the calls went out) until each call's result was
         in: the driver's view of each actor's time on it, its reply's latency included."""
         by_ref, pending, seconds = {ref: k for k, ref in calls.items()}, list(calls.values()), {}
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             seconds[by_ref[done[0]]] = time.perf_counter() - sent_at
-        values, dead = self.gather(calls)
+        values, dead = self.gather(calls, call)
         return values, dead, seconds
 
     def dead(self, timeout_s: float = 10.0) -> list[int]:
@@ -447,17 +465,22 @@ class NodeGroup:
     @contextmanager
     def stop_on_death(self, what: str, why: str):
         """Inside the block, an actor's death ends it with ActorDied naming the actor (`what` and
-        its key) and `why` the run cannot go on: for actors that hold what no other has."""
+        its key) and `why` the run cannot go on: for actors that hold what no other has. A call that
+        failed with no actor dead ends it with the first exception the actors recorded themselves
+        (`failures.FirstFailure`: they have a `failure` method), as `NodeFailed`."""
         try:
             yield
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
             dead = self.dead()
+            first = None if dead else ask_first_failure(self.handles())
+            if first is not None:
+                raise NodeFailed(first) from err
             if not dead:
                 raise
             names = ", ".join(f"{what} {k}" for k in dead)
-            raise ActorDied(
-                f"{names} (of {len(self.actors)}) died: {why}; every actor of the run was released"
-            ) from err
+            died = ActorDied(f"{names} (of {len(self.actors)}) died: {why}; every actor of the run was released")
+            died.failure = NodeFailed.of(err, what, dead[0], of=len(self.actors)).failure
+            raise died from err
 
     def remove(self, key: int, kill: bool = True) -> None:
         """Take an actor out of the group: killed, or (kill=False) already dead by itself."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from raylowcomm import assets
 from raylowcomm.config import ConfigError, LoraConfig, ModelConfig
+from raylowcomm.model_overrides import apply_overrides
 from raylowcomm.storage import Storage, storage_problem
 
 ASSET_TIMM_ARCH = {"efficientnet_lite0": "tf_efficientnet_lite0"}
@@ -289,10 +290,7 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
     auto = AutoModelForSequenceClassification if cfg.family == "hf_classifier" else AutoModelForCausalLM
     labels = {"num_labels": num_classes} if cfg.family == "hf_classifier" else {}
     config = AutoConfig.from_pretrained(source, **labels)
-    for key, value in (cfg.config_overrides or {}).items():
-        if not hasattr(config, key):
-            raise ConfigError(f"model.config_overrides.{key}", value, f"not a field of {type(config).__name__}")
-        setattr(config, key, value)
+    apply_overrides(cfg, config)  # checked against the tokenizer and data by `check_overrides`
     if meta:
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype)

@@ -18,7 +18,9 @@ from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.config.checks import check_storage
 from raylowcomm.data import describe_data, prepare_data
 from raylowcomm.env import quiet_loaders, set_hub_defaults
+from raylowcomm.failures import NodeFailed
 from raylowcomm.finetune import ModelRecipe, load_pretrained
+from raylowcomm.model_overrides import check_overrides
 from raylowcomm.models import image_preprocessing
 from raylowcomm.progress import LiveProgress, ProgressView
 from raylowcomm.results_table import format_results_table
@@ -43,6 +45,7 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     t1 = time.perf_counter()
     on_nodes = nodes_may_load(cfg)  # the driver plans with the architecture alone (on the meta device)
     model, spec, tokenizer = load_pretrained(cfg.model, plan.num_classes, cfg.seed, meta=on_nodes)
+    check_overrides(cfg, spec.hf_config, tokenizer, plan.num_classes, plan.columns)  # not a stage's IndexError later
     recipe = ModelRecipe(cfg.model, plan.num_classes, cfg.seed) if on_nodes else None
     t2 = time.perf_counter()
     data = prepare_data(cfg, tokenizer, image_preprocessing(model), plan)
@@ -142,12 +145,21 @@ def _run_one(ctx: RunContext, name: str) -> dict:
             logger.error("%s failed; its actors were released: %s", name, error)
         else:
             logger.exception("%s failed; its actors were released", name)
-        return {"strategy": name, "error": error, "wall_s": round(time.time() - started, 3)}
+        failure = getattr(err, "failure", None)  # the node's or stage's own (failures.NodeFailed), where known
+        return {
+            "strategy": name,
+            "error": error,
+            **({"failure": failure} if failure else {}),
+            "wall_s": round(time.time() - started, 3),
+        }
 
 
 def failure_message(err: BaseException) -> str:
     """ "<Type>: <message>" of the exception an actor or worker raised itself, where Ray wraps it: a
-    Ray Train rank's own failure, a task's cause, or the cause of an actor's failed creation."""
+    Ray Train rank's own failure, a task's cause, or the cause of an actor's failed creation; a node's
+    or stage's own exception as the driver raised it again (`NodeFailed`: cause first, then who)."""
+    if isinstance(err, NodeFailed):
+        return str(err)
     failures = getattr(err, "worker_failures", None)  # ray.train.WorkerGroupError: rank -> its exception
     if failures:
         err = failures[min(failures)]

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "model, data, tasks",
         [
             "raylowcomm.models",
+            "raylowcomm.model_overrides",  # config_overrides applied, and checked against the tokenizer and data
             "raylowcomm.finetune",
             "raylowcomm.lora",
             "raylowcomm.data",
@@ -35,6 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "actors",
         [
             "raylowcomm.actors",
+            "raylowcomm.failures",  # a node's or stage's own exception, named: the first cause
             "raylowcomm.runtime",
             "raylowcomm.execution",  # placement: execution.Gang
             "raylowcomm.progress",

@@ -10,6 +10,7 @@ from raylowcomm.common.batches import Split, num_examples
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.core.interlock.routing import message_plan
 from raylowcomm.core.interlock.schedule import Call, calls_by_kind
+from raylowcomm.failures import NodeFailed, first_of
 from raylowcomm.tasks import CausalLM, ImageClassification, add_sums, metric_names
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def train_interlocked(
     def drain(keep: int) -> None:
         while len(pending) > keep:
             reports.append(fetch.get(pending.pop(0), "train", "stage_reports"))
+            raise_first_failure(reports[-1])
             if on_reports is not None:
                 on_reports(reports[-1])
 
@@ -95,6 +97,16 @@ def train_interlocked(
         finish(batch)
     drain(0)
     return {"reports": reports, "batches": batches, "train_s": clock.elapsed(), **stopped}
+
+
+def raise_first_failure(batch_reports: list[dict]) -> None:
+    """A batch's reports say whether a stage failed: the calls that depend on a failed call never run
+    and the driver reads none of their replies, so a stage's own exception reaches the driver only
+    here. It is raised as the run's error (`NodeFailed`, the first stage's to fail), before the
+    driver reads the batch's losses, which a failed batch does not have."""
+    failure = first_of([r.get("failure") for r in batch_reports])
+    if failure is not None:
+        raise NodeFailed(failure)
 
 
 def evaluate_chained(

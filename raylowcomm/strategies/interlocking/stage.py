@@ -18,6 +18,7 @@ from raylowcomm.config import OptimConfig
 from raylowcomm.core.interlock.heads import LOSSES
 from raylowcomm.core.interlock.routing import InterlockStage
 from raylowcomm.data import TrainSource
+from raylowcomm.failures import FirstFailure
 from raylowcomm.models import ModelSpec, place, state_dict_of
 from raylowcomm.tasks import CausalLM, ImageClassification
 from raylowcomm.training import make_optimizer
@@ -127,10 +128,15 @@ class StageWorker:
 @ray.remote
 class StageActor:
     """One stage on Ray: a `StageWorker` (its module, aux head and own optimizer) whose tensors go
-    in and out through the object store; stage 0 builds the micro-batches from its `Source`."""
+    in and out through the object store; stage 0 builds the micro-batches from its `Source`. Its own
+    first exception is kept (`failure`) and reported: the calls that depend on a failed call never
+    run, and the driver holds no reply of theirs to read it from."""
+
+    label = "interlocking stage"
 
     def __init__(self, cpus: float, gpus: float, cpu_quota: bool = False):
         self.device, self.worker = start_process(cpus, gpus, cpu_quota), None
+        self.first = FirstFailure(actor="interlocking stage")
 
     def load(
         self,
@@ -149,30 +155,33 @@ class StageActor:
         """(Re)build the stage from ``payload`` (module, aux head) with a fresh optimizer; a process is
         reusable. Stage 0 reads the training rows itself, from `recipe`, on its own host. `spec`: the
         model's, for the memory format its layers compute in here (None: torch's default)."""
-        if recipe is not None:
-            source.train = recipe.load(0, 1)
-        module, head = (
-            None if m is None else m.to(self.device) if spec is None else place(m, spec, self.device) for m in payload
-        )
-        stage = InterlockStage(
-            index,
-            num_stages,
-            width,
-            rule,
-            module,
-            head,
-            LOSSES[loss],
-            lambda params: make_optimizer(optim, params),
-            micro_batches,
-        )
-        if loss == "causal_lm":
-            task = CausalLM(self.device)
-        else:
-            task = ImageClassification(
-                source.image_size if source else 0, self.device, *((source.mean, source.std) if source else ())
+        self.first = FirstFailure(actor=f"interlocking stage {index}", stage=index, of=num_stages)
+        with self.first.watch("load"):
+            if recipe is not None:
+                source.train = recipe.load(0, 1)
+            module, head = (
+                None if m is None else m.to(self.device) if spec is None else place(m, spec, self.device)
+                for m in payload
             )
-        self.worker = StageWorker(stage, micro_batches, index == num_stages - 1, task)
-        self.index, self.source = index, source
+            stage = InterlockStage(
+                index,
+                num_stages,
+                width,
+                rule,
+                module,
+                head,
+                LOSSES[loss],
+                lambda params: make_optimizer(optim, params),
+                micro_batches,
+            )
+            if loss == "causal_lm":
+                task = CausalLM(self.device)
+            else:
+                task = ImageClassification(
+                    source.image_size if source else 0, self.device, *((source.mean, source.std) if source else ())
+                )
+            self.worker = StageWorker(stage, micro_batches, index == num_stages - 1, task)
+            self.index, self.source = index, source
 
     def _received(self, ref):
         return map_tensors(ray.get(ref), lambda t: t.to(self.device))
@@ -186,34 +195,43 @@ class StageActor:
         """Forward micro-batch ``mb`` of batch ``step``; returns (ref of (h, targets) for stage
         k + 1, ref of the early upstream message {k: dL_k/dx_k} or None)."""
         start = time.perf_counter()
-        x, y = (
-            self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches))
-            if self.index == 0
-            else self._received(x_ref)
-        )
-        h, early = self.worker.forward(step, mb, x, y)
-        out = self._put((h, y), not self.worker.last), self._put(early, bool(early))
+        with self.first.watch("forward", batch=step, micro_batch=mb):
+            x, y = (
+                self.worker.inputs(self.source.micro_batch(step, mb, self.worker.micro_batches))
+                if self.index == 0
+                else self._received(x_ref)
+            )
+            h, early = self.worker.forward(step, mb, x, y)
+            out = self._put((h, y), not self.worker.last), self._put(early, bool(early))
         self.worker.call_s["forward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)
         return out
 
     def backward(self, step: int, mb: int, msg_ref):
         """Use one downstream message; returns the ref of the message for stage k − 1, or None."""
         start = time.perf_counter()
-        up = self.worker.backward(step, mb, self._received(msg_ref)) if msg_ref is not None else None
-        out = self._put(up, bool(up))
+        with self.first.watch("backward", batch=step, micro_batch=mb):
+            up = self.worker.backward(step, mb, self._received(msg_ref)) if msg_ref is not None else None
+            out = self._put(up, bool(up))
         self.worker.call_s["backward_wall"].append(time.perf_counter() - start - self.worker.stepped_s)
         return out
 
     def report(self) -> dict:
-        return {"stage": self.index, **self.worker.report()}
+        """The worker's report since the last one, with this stage's first own failure where it had one."""
+        failed = {"failure": self.first.failure} if self.first.failure else {}
+        return {"stage": self.index, **self.worker.report(), **failed}
+
+    def failure(self) -> dict | None:
+        """This stage's first own exception (`failures.FirstFailure`), or None."""
+        return self.first.failure
 
     @ray.method(num_returns=2)
     def evaluate(self, name: str, chunk: int, x_ref=None):
         """Eval-mode forward of eval chunk ``chunk``; returns (ref of (h, targets) for stage
         k + 1 or None, this head's summed metrics)."""
-        x, y = self.worker.inputs(self.source.eval_chunk(name, chunk)) if self.index == 0 else self._received(x_ref)
-        h, metrics = self.worker.evaluate(x, y)
-        return self._put((h, y), not self.worker.last), metrics
+        with self.first.watch("evaluate", set=name, chunk=chunk):
+            x, y = self.worker.inputs(self.source.eval_chunk(name, chunk)) if self.index == 0 else self._received(x_ref)
+            h, metrics = self.worker.evaluate(x, y)
+            return self._put((h, y), not self.worker.last), metrics
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
         """(stage module weights, aux head weights or None)."""

@@ -12,6 +12,7 @@ import ray
 from raylowcomm.actors import DriverFetches, NodeGroup
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.core.averaging import combine_bn_statistics
+from raylowcomm.failures import NodeFailed
 from raylowcomm.strategies.base import RunContext, curve_point
 from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.plan import Plan, average_nodes
@@ -75,9 +76,9 @@ def snapshot_curve(
     for step, train_s, sent in snapshots:
         try:  # fetching snapshots is measurement: a scratch ledger
             average = average_nodes(group, plan, "final", "snapshot", step, fetch=DriverFetches(Ledger()))
-        except ray.exceptions.RayTaskError as err:  # e.g. a node restarted on another host, without its snapshots
+        except NodeFailed as err:  # e.g. a node restarted on another host, without its snapshots
             logger.warning(
-                "[lofi] no curve point at step %d: a node's snapshot is gone (%s)", step, type(err.cause).__name__
+                "[lofi] no curve point at step %d: a node's snapshot is gone (%s)", step, err.failure["type"]
             )
             continue
         metrics = mean_metrics(group.score_weights(average, "final", on_all, ledger=Ledger()))

@@ -43,6 +43,7 @@ from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError, RunConfig
 from raylowcomm.core.membership import ScheduleError, check_schedule
+from raylowcomm.failures import all_left, cause_of
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.exchange import FinalModel
@@ -239,6 +240,8 @@ class QuorumExchange(PeerExchange):
         """The staleness τ of every payload merged late."""
         self.departed: list[int] = []
         """Nodes out of the run: left (lofi.leave) or died with their restarts spent."""
+        self.died_of: dict[int, dict] = {}
+        """What each node that died with its restarts spent died of ({type, message}): the first cause."""
         self.joined: list[dict] = []
         self.left: list[dict] = []
 
@@ -618,6 +621,9 @@ class QuorumExchange(PeerExchange):
             group.remove(k, kill=False)
             self.departed.append(k)
             self.nodes[k].left_at = time.perf_counter()
+            self.died_of[k] = cause_of(err)
+            if not len(group):  # nothing left to train or land: the first death is the run's error
+                raise all_left(self._progress(), "lofi node", self.died_of) from final
             return
         self.nodes[k].restarts += 1
         # a joiner that died before it joined joins again: the rounds before its global model may be gone
@@ -682,6 +688,7 @@ class QuorumExchange(PeerExchange):
             "late_payloads": len(self.late),
             "late_staleness": self.late,
             "departed": self.departed,
+            "died_of": self.died_of,
             "joined": self.joined,
             "left": self.left,
             **({"resumed_after_round": self.resumed_at} if self.resumed else {}),

@@ -14,6 +14,7 @@ from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.core.zo.estimators import forwards_per_step
+from raylowcomm.failures import all_left, cause_of
 from raylowcomm.runtime import wire_nbytes
 from raylowcomm.strategies.base import (
     RunContext,
@@ -195,7 +196,8 @@ class SpsaRun:
         if how == "remove":
             self.infos[k] = self.group.fetch.get([self.group[k].info.remote()], "final", "node_info")[0]
         self.group.remove(k, kill=how == "remove")
-        self.records[k].update(left_step=step, left_how=how, left_at_s=self.train_clock.elapsed())
+        died = {"died_of": self.group.died_of.get(k)} if how == "died" else {}  # the node's own cause, where known
+        self.records[k].update(left_step=step, left_how=how, left_at_s=self.train_clock.elapsed(), **died)
         logger.info("[spsa] step %d: node %d left (%s); running: %s", step, k, how, self.group.keys())
 
     def membership(self, step: int) -> None:
@@ -226,11 +228,12 @@ class SpsaRun:
     def exchange(self, step: int) -> dict:
         """Every node's step message up, the others' codes down; returns the step's progress."""
         t0, group, ledger = time.perf_counter(), self.group, self.ledger
-        messages, dead, computing = group.gather_timed({k: group[k].compute.remote() for k in group.keys()}, t0)
+        calls = {k: group[k].compute.remote() for k in group.keys()}
+        messages, dead, computing = group.gather_timed(calls, t0, "compute")
         for k in dead:
             self.leave(k, step, "died")
         if not (pubs := sorted(messages)):
-            raise RuntimeError(f"step {step}: every node has left")
+            raise all_left(step, "spsa node", group.died_of)
         codes = {k: m[:-LOSS_BYTES] for k, m in messages.items()}
         wire, control, applies = sum(wire_nbytes(m) for m in messages.values()), 0, {}
         for k in pubs:
@@ -242,7 +245,7 @@ class SpsaRun:
             applies[k] = group[k].apply.remote(pubs, others)
         sent = time.perf_counter()
         ledger.send("train", "control", pubs, copies=len(applies))
-        _, dead, replaying = group.gather_timed(applies, sent)
+        _, dead, replaying = group.gather_timed(applies, sent, "apply")
         for k in dead:
             self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
         self.book_node_time(pubs, computing, {k: s for k, s in replaying.items() if k not in dead})
@@ -305,9 +308,10 @@ class SpsaRun:
                 metrics = self.group.evaluate_on(k)
                 logger.info("[spsa] step %d: %s (node %d)", step, metrics, k)
                 return metrics
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as err:
+                self.group.died_of[k] = cause_of(err)
                 self.leave(k, step, "died")
-        raise RuntimeError(f"step {step}: every node has left")
+        raise all_left(step, "spsa node", self.group.died_of)
 
     def save_result(self, k: int) -> dict | None:
         """The replicas are bit-identical, so node k saves its own model where it is and nothing crosses
