@@ -120,10 +120,7 @@ class Lofi(Strategy[LofiConfig]):
         if o.bn_batches is not None and o.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", o.bn_batches, "must be > 0, or null for a full pass")
         Lofi._validate_exchange(cfg, o)
-        if not on_quorum(o, cfg.nodes.elastic):
-            check_kills_restarted(
-                cfg, per_node=True, why="lockstep rounds wait for every node (lofi.quorum lets the others go on)"
-            )
+        Lofi._validate_churn(cfg, o)
         streaming.validate(o, exchange_for(cfg).nodes_keep_rounds)
         adapters = cfg.model.lora is not None
         if adapters and o.outer_optimizer != "none":
@@ -183,6 +180,14 @@ class Lofi(Strategy[LofiConfig]):
             check_membership(ctx.cfg, o, total_steps(ctx.cfg.optim, min(sizes)))
         steps = total_steps(ctx.cfg.optim, min(sizes)) if sizes else None
         check_kills(ctx.cfg, steps, {ev.node: ev.step for ev in o.leave}, "lofi.leave")
+
+    @staticmethod
+    def _validate_churn(cfg: RunConfig, o: LofiConfig) -> None:
+        """Lockstep rounds wait for every node: a kill no restart meets would end the run."""
+        if not on_quorum(o, cfg.nodes.elastic):
+            check_kills_restarted(
+                cfg, per_node=True, why="lockstep rounds wait for every node (lofi.quorum lets the others go on)"
+            )
 
     @staticmethod
     def _validate_schedule(o: LofiConfig) -> None:
