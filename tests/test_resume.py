@@ -159,7 +159,8 @@ def test_a_kept_strategy_after_the_last_one_run_stays_in_the_results(ray_session
     assert written[0]["metrics"] == first[0]["metrics"], "the rerun lo-fi is the first run's"
 
 
-@pytest.mark.slow
+# CI's time: the killed-driver resume (bit for bit) and a quorum node's preemption and rejoin each run in CI
+@pytest.mark.heavy
 def test_a_killed_driver_of_quorum_rounds_resumes_and_finishes(tmp_path):
     """The payloads the driver owned die with it: every node adopts the global model of the node that
     had landed the most rounds and the run finishes, every node ending with the same model (hash-checked)."""

@@ -219,6 +219,9 @@ def assert_equal(got: dict, want: dict, what: str) -> None:
     assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[:3]}"
 
 
+# CI's time: the smallest exchange lands the star's model bit for bit, and int4 rounds keep every node identical, in
+# CI
+@pytest.mark.heavy
 def test_uncompressed_peer_rounds_give_the_driver_stars_model_within_float_tolerance(ray_session, tmp_path):
     """Each round, as it happened in both runs, from what the nodes held at its boundary: a peer round lands
     exactly on θ_g − mean_k fl32(θ_g − θ_k) on every node (the arithmetic of `peer_round`, bit for bit), a star
@@ -348,6 +351,7 @@ def lora_merge_bound(base: dict, starts: dict, nodes: list[dict], sent: list[dic
     return out
 
 
+@pytest.mark.heavy  # CI's time: compressed LoRA rounds in fragments and the LoRA star's exact merge run in CI
 def test_lora_peer_rounds_send_adapters_and_merge_what_the_drivers_rounds_merge(ray_session, tmp_path):
     """With adapters, uncompressed peer rounds exchange the adapters' and head's Δ only; every node decodes
     each peer's, merges the exact average scale·Σ_k w_k·B_k·A_k into its base and restarts its adapters, as
@@ -520,7 +524,8 @@ def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrup
         assert all(torch.equal(x[k], y[k]) for k in x)  # residuals, momentum and global model alike
 
 
-@pytest.mark.slow
+# CI's time: a node's restart from its checkpoint and BN recalibration after peer rounds each run in CI
+@pytest.mark.heavy
 def test_node_0_restarted_between_bn_recalibration_and_its_save_saves_the_combined_statistics(
     ray_session, tmp_path, monkeypatch
 ):

@@ -189,7 +189,9 @@ def test_two_nodes_stay_bit_identical_and_send_one_byte_per_gradient(ray_session
     assert scored == rec["metrics"]
 
 
-@pytest.mark.slow
+# CI's time: the one-sided leave-and-join test runs the same path in CI; core/test_zo_estimators replays every
+# estimator
+@pytest.mark.heavy
 def test_nodes_leave_and_join_from_checkpoint_plus_log(ray_session, tmp_path):
     """Node 1 crashes at 5, node 2 joins at 9 (checkpoint of step 8 + log), node 0 is removed at
     14, node 3 joins at 17 (checkpoint of 16 + log): each joiner's hash equals the running
@@ -352,7 +354,9 @@ def test_a_diverged_replica_stops_the_run_naming_step_and_nodes(ray_session, tmp
     assert len(check_replicas(nodes, 7, Ledger())) == 64
 
 
-@pytest.mark.slow
+# CI's time: replicas and a joiner through leaves and joins (the one-sided test), SPSA on LoRA adapters
+# (test_model_source) run in CI
+@pytest.mark.heavy
 def test_spsa_on_lora_adapters_keeps_replicas_identical_and_a_joiner_matches(ray_session, tmp_path):
     """Real MiniLM with r=4 adapters: only adapters and head are perturbed and replayed; 2 nodes
     stay bit-identical for 20 steps; a node joining at step 10 from the (adapters-only) checkpoint

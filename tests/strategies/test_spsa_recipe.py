@@ -171,7 +171,7 @@ def test_the_benchmark_replica_is_bit_for_bit_a_one_node_run(ray_session, tmp_pa
         ]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # CI's time: the one-node replica's bit-for-bit test runs in CI
 def test_the_benchmark_replica_stands_for_n_nodes_bit_for_bit(ray_session, tmp_path):
     """`python -m benchmarks.zo --nodes 4` computes each node's codes on its own shard in one process and
     applies all of them: its weights and held-out scores must be those of every node of a 4-node run."""
