@@ -30,6 +30,7 @@ from torch import nn
 
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError, LoraConfig
+from raylowcomm.core.aggregation import MEAN, check_weights
 from raylowcomm.models import ModelSpec, build_architecture, state_dict_of
 from raylowcomm.training import save_weights
 
@@ -196,21 +197,20 @@ def plain_key(key: str) -> str | None:
 # --- averaging ---------------------------------------------------------------------------------
 
 
-def _normalised(weights: Sequence[float] | None, n: int) -> list[float]:
-    w = [1.0] * n if weights is None else [float(x) for x in weights]
-    if n == 0 or len(w) != n or any(x <= 0 for x in w):
-        raise ValueError(f"need one weight > 0 per node state ({n} states), got {weights}")
-    return [x / sum(w) for x in w]
+def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    """One weight > 0 per node state (uniform by default), for `core.aggregation`'s mean."""
+    return check_weights([1.0] * n if weights is None else weights, n)
 
 
 def _mean(states: Sequence[State], w: list[float], key: str) -> torch.Tensor:
-    """Weighted mean of one tensor over the nodes, summed in float64 and rounded once."""
-    return sum(wk * s[key].double() for wk, s in zip(w, states)).to(states[0][key].dtype)
+    """Weighted mean of one tensor over the nodes (`core.aggregation.MEAN`, float64), rounded once."""
+    return MEAN.combine((s[key].double() for s in states), w).to(states[0][key].dtype)
 
 
 def _merged_weight(base: torch.Tensor, layer: AdaptedLayer, states: Sequence[State], w: list[float]) -> torch.Tensor:
-    """base + Σ_k w_k·scale·B_k·A_k in float64, rounded once to base's dtype, on base's device."""
-    delta = sum(wk * layer.delta(s) for wk, s in zip(w, states))
+    """base + the nodes' mean of scale·B_k·A_k (`core.aggregation.MEAN`, float64), rounded once to base's
+    dtype, on base's device."""
+    delta = MEAN.combine((layer.delta(s) for s in states), w, owned=True)
     return (base.double() + delta.to(base.device)).to(base.dtype)
 
 
@@ -225,7 +225,7 @@ def average_factors(node_states: Sequence[State], weights: Sequence[float] | Non
     """FedAvg of the factors: mean A, mean B, mean head. NOT the average of what the nodes learned
     (mean(B)·mean(A) ≠ mean(B·A)); kept to measure that gap. Its merged model is
     `average_delta(base, [average_factors(states)], layers)`."""
-    w = _normalised(weights, len(node_states))
+    w = _weights(weights, len(node_states))
     _check_same_keys(node_states)
     return {key: _mean(node_states, w, key) for key in node_states[0]}
 
@@ -244,7 +244,7 @@ def average_delta(
     `base_state`: the nodes' common frozen weights, in PEFT form (the model's state dict) or plain
     form (the previous round's average); only their non-adapter tensors are read. With one node
     state this is that node's merged model."""
-    w = _normalised(weights, len(node_states))
+    w = _weights(weights, len(node_states))
     _check_same_keys(node_states)
     merged = {pk: v for k, v in base_state.items() if (pk := plain_key(k)) is not None}
     factors = {key for layer in layers for key in (layer.a, layer.b)}
@@ -364,7 +364,7 @@ def merge_nodes(
     names restarted (their optimizer state and error-feedback residual no longer fit)."""
     if how == "factors":
         node_states, weights = [average_factors(node_states, weights)], None
-    w = _normalised(weights, len(node_states))
+    w = _weights(weights, len(node_states))
     layers = [layer for layer in lora_layers(model) if layer.a in node_states[0]]
     factors = {key for layer in layers for key in (layer.a, layer.b)}
     params = dict(model.named_parameters())

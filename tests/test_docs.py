@@ -329,3 +329,21 @@ def test_the_smallest_strategy_shown_registers_loads_typed_and_runs(monkeypatch,
     model = ctx.load_driver_weights()
     assert rec["metrics"] == score_sets(make_task(ctx.data.task), model, ctx.eval_sets(val=False), 25)
     assert rec["comm"]["total_bytes"] == 0 and rec["weights"].endswith("pretrained/model.safetensors")
+
+
+def test_the_smallest_aggregator_shown_combines_decoded_payloads():
+    """docs/python-api.md's median, through `average_decoded` on int8 payloads of three nodes: each
+    coordinate is the middle node's decoded value, and the mean's path is not taken."""
+    import torch
+
+    from raylowcomm.core.aggregation import average_decoded
+    from raylowcomm.core.compression import layout_of, make_codec
+
+    median = shown_python("docs/python-api.md", "class Median")["Median"]()
+    codec, nodes = make_codec("int8", 64), [torch.full((3, 5), v) for v in (1.0, 9.0, 2.0)]
+    nodes[2][0, 0] = 100.0  # one node far off in one coordinate: the median keeps the middle value
+    payloads = [codec.encode({"w": t}) for t in nodes]
+    decoded = [codec.decode(p, layout_of({"w": nodes[0]}), dtype=torch.float64)["w"] for p in payloads]
+    got = average_decoded(codec, payloads, layout_of({"w": nodes[0]}), [1.0, 1.0, 1.0], torch.float64, median)
+    assert torch.equal(got["w"], torch.stack(decoded).median(dim=0).values)
+    assert got["w"][0, 0] == decoded[1][0, 0] and got["w"][1, 1] == decoded[2][1, 1]

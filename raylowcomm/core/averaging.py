@@ -10,9 +10,11 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from raylowcomm.core.aggregation import MEAN
+
 
 class StreamingAverage:
-    """θ = Σ w_k θ_k / Σ w_k, adding one state dict at a time.
+    """θ = Σ w_k θ_k / Σ w_k, adding one state dict at a time: `core.aggregation`'s mean, step by step.
 
     Holds one running sum (float64 for exactness) besides the state dict being added, so the
     driver never keeps more than two extra copies of the model however many nodes there are.
@@ -31,8 +33,7 @@ class StreamingAverage:
         if self._sum is None:
             self._dtypes = {k: v.dtype for k, v in state.items()}
             self._sum = {
-                k: v.detach().to(torch.float64) * weight if v.is_floating_point() else v.detach().clone()
-                for k, v in state.items()
+                k: MEAN.start(v, weight) if v.is_floating_point() else v.detach().clone() for k, v in state.items()
             }
         else:
             if state.keys() != self._sum.keys():
@@ -40,7 +41,7 @@ class StreamingAverage:
                 raise ValueError(f"state dicts differ in keys: {sorted(missing)[:5]}")
             for k, v in state.items():
                 if v.is_floating_point():
-                    self._sum[k].add_(v.detach().to(torch.float64), alpha=weight)
+                    MEAN.add(self._sum[k], v, weight)
         self.total_weight += weight
         self.count += 1
 
@@ -52,8 +53,10 @@ class StreamingAverage:
         out = {}
         for k, s in self._sum.items():
             if s.is_floating_point():
-                acc = s + extra[k].to(torch.float64) if extra is not None else s
-                out[k] = (acc / total).to(self._dtypes[k])
+                acc = s.clone()
+                if extra is not None:
+                    MEAN.add(acc, extra[k], 1.0)
+                out[k] = MEAN.finish(acc, total).to(self._dtypes[k])
             else:
                 out[k] = s.clone()
         return out

@@ -32,11 +32,11 @@ where top-k 3% spends 0.27 on 3% of the entries.
 
 Why decoding is bit-identical everywhere: a decoded entry is q·scale with |q| ≤ 127 (7 bits) and a
 bf16 scale (8 significant bits), a 15-bit product that float32 and float64 hold exactly, so there is
-nothing to round and every device gets the same number. `average_decoded` then sums in float64, one
+nothing to round and every device gets the same number. `core.aggregation.average_decoded` then sums in float64, one
 node at a time in the caller's order, as separate multiply and add kernels (no fused multiply-add),
 each step correctly rounded IEEE arithmetic: the same bits on every replica, CPU or GPU.
 
-Why error feedback is exact: `ErrorFeedback` keeps the residual r in float64. It encodes x = Δ + r
+Why error feedback is exact: `core.feedback.ErrorFeedback` keeps the residual r in float64. It encodes x = Δ + r
 (float64) and keeps r' = x − d, d the decoded value. If q = 0 then d = 0 and r' = x. Otherwise q =
 round(x/s) with |q| ≥ 1 puts x in [d/2, 2d], so x − d is exact in float64 (Sterbenz); the `none` codec's
 cast to the tensor's dtype is within a factor 2 as well. So d + r' == x bit for bit, and over rounds
@@ -51,14 +51,26 @@ the only loss is float64 rounding, 2⁻⁵³ of the entry. The residual costs 8 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from raylowcomm.core.packing import (
+    PACKERS,
+    SCALE_DTYPE,
+    UNPACKERS,
+    Reader,
+    as_bytes,
+    ceil_div,
+    dequantize_blocks,
+    in_blocks,
+    index_layout,
+    per_entry,
+    quantize_blocks,
+)
+
 CODECS = ("none", "int8", "int4", "int2", "topk", "sign")
-SCALE_DTYPE = torch.bfloat16
 
 
 class TensorSpec(NamedTuple):
@@ -91,141 +103,6 @@ class Payload(dict):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.values())
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _as_bytes(t: Tensor) -> Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-class _Reader:
-    """Reads consecutive typed parts out of one packed buffer (copied, so any alignment is fine)."""
-
-    def __init__(self, buffer: Tensor):
-        self.buffer, self.offset = buffer, 0
-
-    def take(self, count: int, dtype: torch.dtype) -> Tensor:
-        size = count * torch.empty(0, dtype=dtype).element_size()
-        part = self.buffer[self.offset : self.offset + size].clone()
-        self.offset += size
-        return part.view(dtype)
-
-
-class IndexLayout(NamedTuple):
-    """How top-k stores a kept entry's index: a count of kept entries per chunk of `chunk` entries (the
-    last chunk's implied) and the entry's offset inside its chunk, stored as offset − `shift`."""
-
-    chunk: int
-    offset_dtype: torch.dtype
-    shift: int
-    count_dtype: torch.dtype
-
-    def nbytes(self, n: int, k: int) -> int:
-        return _itemsize(self.count_dtype) * max(_ceil_div(n, self.chunk) - 1, 0) + _itemsize(self.offset_dtype) * k
-
-
-INDEX_LAYOUTS = (
-    IndexLayout(255, torch.uint8, 0, torch.uint8),  # a count of up to 255 fits a byte
-    IndexLayout(1 << 16, torch.int16, 1 << 15, torch.int32),
-)
-
-
-def index_layout(n: int, k: int) -> IndexLayout:
-    """The smaller index layout for k kept entries of n (the byte-sized one on a tie)."""
-    return min(INDEX_LAYOUTS, key=lambda layout: layout.nbytes(n, k))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _round_up_to_scale_dtype(value: Tensor) -> Tensor:
-    """The smallest bf16 ≥ value (value ≥ 0, float64), so that |x| ≤ qmax·scale and no code clips."""
-    scale = value.to(SCALE_DTYPE)
-    low = scale.to(torch.float64) < value
-    if low.any():
-        scale[low] = (scale[low].view(torch.int16) + 1).view(SCALE_DTYPE)  # next positive bf16 up
-    if not torch.isfinite(scale).all():
-        raise ValueError("a block's absmax is too large for bf16 scales")
-    return scale
-
-
-def _in_blocks(x: Tensor, block: int) -> Tensor:
-    """Flat x zero-padded to whole blocks, one block a row (a view of x where it fills them)."""
-    pad = _ceil_div(x.numel(), block) * block - x.numel()
-    return (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(-1, block)
-
-
-def _per_entry(scales: Tensor, block: int, n: int) -> Tensor:
-    """Each block's scale repeated for its entries, in float64 (exact: bf16 values)."""
-    return scales.to(torch.float64).repeat_interleave(block)[:n]
-
-
-def _quantize_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
-    """Blockwise absmax quantization of flat float64 x: (codes int8 of len n, bf16 scale per block)."""
-    n = x.numel()
-    blocks = _in_blocks(x, block)
-    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()  # = |x|'s max, without |x|
-    scales = _round_up_to_scale_dtype(absmax / qmax)
-    divisor = torch.where(scales > 0, scales.to(torch.float64), 1.0)
-    codes = (blocks / divisor[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8)
-    return codes.view(-1)[:n], scales
-
-
-def _dequantize_blocks(codes: Tensor, scales: Tensor, block: int) -> Tensor:
-    """q·scale in float64 (exact: a 7-bit code times an 8-bit bf16 significand). The whole blocks are
-    one broadcast product, without repeating each scale for its entries first (a round's decode runs
-    over every weight of the model, on every node)."""
-    n, whole = codes.numel(), codes.numel() // block
-    scales = scales.to(torch.float64)
-    out = codes.to(torch.float64)  # exact; multiplying in place is twice as fast as a mixed-dtype product
-    head = whole * block
-    out[:head].view(whole, block).mul_(scales[:whole, None])
-    if head < n:
-        out[head:].mul_(scales[whole])
-    return out
-
-
-def _pack_int4(codes: Tensor) -> Tensor:
-    """Codes in [−7, 7] → ⌈n/2⌉ bytes, q + 8 per nibble, even entries low."""
-    nibbles = (codes + 8).to(torch.uint8)
-    if nibbles.numel() % 2:
-        nibbles = torch.cat([nibbles, nibbles.new_full((1,), 8)])
-    pairs = nibbles.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
-
-
-def _unpack_int4(packed: Tensor, n: int) -> Tensor:
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:n]
-    return nibbles.to(torch.int16) - 8
-
-
-_CRUMB_SHIFTS = (0, 2, 4, 6)
-
-
-def _pack_int2(codes: Tensor) -> Tensor:
-    """Codes in [−1, 1] → ⌈n/4⌉ bytes, q + 2 per 2-bit field, entry i at bits 2·(i mod 4)."""
-    fields = (codes + 2).to(torch.uint8)
-    pad = -fields.numel() % 4
-    if pad:
-        fields = torch.cat([fields, fields.new_full((pad,), 2)])
-    quads = fields.view(-1, 4)
-    packed = quads[:, 0].clone()
-    for i in (1, 2, 3):
-        packed |= quads[:, i] << _CRUMB_SHIFTS[i]
-    return packed
-
-
-def _unpack_int2(packed: Tensor, n: int) -> Tensor:
-    fields = torch.stack([(packed >> shift) & 0x03 for shift in _CRUMB_SHIFTS], dim=1).view(-1)[:n]
-    return fields.to(torch.int16) - 2
-
-
-_PACKERS = {8: (lambda codes: _as_bytes(codes.to(torch.int8))), 4: _pack_int4, 2: _pack_int2}
-_UNPACKERS = {8: (lambda packed, n: packed.view(torch.int8).to(torch.int16)), 4: _unpack_int4, 2: _unpack_int2}
 
 
 class Codec:
@@ -270,20 +147,20 @@ class Codec:
         """Δ (any float dtype) → Payload, without error feedback (see `ErrorFeedback.encode`)."""
         payload = Payload()
         for name, spec in layout_of(delta).items():
-            payload[name] = self.pack(_flat_float64(delta[name], name), spec)
+            payload[name] = self.pack(flat_float64(delta[name], name), spec)
         return payload
 
     def decode(self, payload: Payload, layout: Layout, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Payload → float tensors in the layout's shapes and order; dtype None restores each tensor's own
         dtype (bf16 then rounds q·scale), torch.float32 or float64 keeps the decoded values exact."""
         out = {}
-        for name in _names_in_layout_order(payload, layout):
+        for name in names_in_layout_order(payload, layout):
             spec = layout[name]
             out[name] = self.unpack(payload[name], spec).to(dtype or spec.dtype).view(spec.shape)
         return out
 
 
-def _flat_float64(tensor: Tensor, name: str) -> Tensor:
+def flat_float64(tensor: Tensor, name: str) -> Tensor:
     x = tensor.detach().reshape(-1).to(torch.float64)
     # A sum is finite when every entry is; the entry-wise check (a pass and a bool tensor more) only
     # confirms a non-finite sum, since finite entries can overflow it.
@@ -292,7 +169,7 @@ def _flat_float64(tensor: Tensor, name: str) -> Tensor:
     return x
 
 
-def _names_in_layout_order(payload: Payload, layout: Layout) -> list[str]:
+def names_in_layout_order(payload: Payload, layout: Layout) -> list[str]:
     unknown = set(payload) - set(layout)
     if unknown:
         raise ValueError(f"payload has tensors the layout does not: {sorted(unknown)[:5]}")
@@ -311,17 +188,17 @@ class NoCompression(Codec):
         sent = x.to(spec.dtype)
         if not torch.isfinite(sent).all():
             raise ValueError(f"outer gradient overflows {spec.dtype}")
-        return _as_bytes(sent).clone()
+        return as_bytes(sent).clone()
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
-        return _Reader(packed).take(spec.numel, spec.dtype).to(torch.float64)
+        return Reader(packed).take(spec.numel, spec.dtype).to(torch.float64)
 
 
 class BlockwiseInt(Codec):
     """Blockwise absmax-scaled int8, int4 or int2 (bits 8, 4, 2): [bf16 scales | codes]."""
 
     def __init__(self, bits: int, block_size: int = 64):
-        if bits not in _PACKERS:
+        if bits not in PACKERS:
             raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
         if block_size < 1:
             raise ValueError(f"block_size must be ≥ 1, got {block_size}")
@@ -330,28 +207,28 @@ class BlockwiseInt(Codec):
         self.name = f"int{bits}"
 
     def _code_nbytes(self, n: int) -> int:
-        return _ceil_div(n * self.bits, 8)
+        return ceil_div(n * self.bits, 8)
 
     def packed_nbytes(self, spec: TensorSpec) -> int:
         n = spec.numel
-        return 2 * _ceil_div(n, self.block_size) + self._code_nbytes(n)
+        return 2 * ceil_div(n, self.block_size) + self._code_nbytes(n)
 
     def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
-        return self._pack_codes(*_quantize_blocks(x, self.block_size, self.qmax))
+        return self._pack_codes(*quantize_blocks(x, self.block_size, self.qmax))
 
     def _pack_codes(self, codes: Tensor, scales: Tensor) -> Tensor:
-        return torch.cat([_as_bytes(scales), _PACKERS[self.bits](codes)])
+        return torch.cat([as_bytes(scales), PACKERS[self.bits](codes)])
 
     def pack_decoded(self, x: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
         """The codes and scales are the decoded values' factors: q·scale from them, the bytes unread."""
-        codes, scales = _quantize_blocks(x, self.block_size, self.qmax)
-        return self._pack_codes(codes, scales), _dequantize_blocks(codes, scales, self.block_size)
+        codes, scales = quantize_blocks(x, self.block_size, self.qmax)
+        return self._pack_codes(codes, scales), dequantize_blocks(codes, scales, self.block_size)
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
-        n, reader = spec.numel, _Reader(packed)
-        scales = reader.take(_ceil_div(n, self.block_size), SCALE_DTYPE)
-        codes = _UNPACKERS[self.bits](reader.take(self._code_nbytes(n), torch.uint8), n)
-        return _dequantize_blocks(codes, scales, self.block_size)
+        n, reader = spec.numel, Reader(packed)
+        scales = reader.take(ceil_div(n, self.block_size), SCALE_DTYPE)
+        codes = UNPACKERS[self.bits](reader.take(self._code_nbytes(n), torch.uint8), n)
+        return dequantize_blocks(codes, scales, self.block_size)
 
 
 class TopK(Codec):
@@ -378,18 +255,18 @@ class TopK(Codec):
         at = index_layout(n, k)
         index = torch.topk(x.abs(), k, sorted=False).indices.sort().values
         chunk, offset = index // at.chunk, index % at.chunk
-        counts = torch.bincount(chunk, minlength=_ceil_div(n, at.chunk))[:-1].to(at.count_dtype)
+        counts = torch.bincount(chunk, minlength=ceil_div(n, at.chunk))[:-1].to(at.count_dtype)
         values = self.values.pack(x[index], TensorSpec(torch.Size([k]), spec.dtype))
-        scale_bytes = 2 * _ceil_div(k, self.values.block_size)
+        scale_bytes = 2 * ceil_div(k, self.values.block_size)
         offsets = (offset - at.shift).to(at.offset_dtype)
-        return torch.cat([values[:scale_bytes], _as_bytes(counts), _as_bytes(offsets), values[scale_bytes:]])
+        return torch.cat([values[:scale_bytes], as_bytes(counts), as_bytes(offsets), values[scale_bytes:]])
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         n, k = spec.numel, self.kept(spec.numel)
         at = index_layout(n, k)
-        scale_bytes = 2 * _ceil_div(k, self.values.block_size)
-        reader = _Reader(packed[scale_bytes:])
-        counts = reader.take(max(_ceil_div(n, at.chunk) - 1, 0), at.count_dtype).to(torch.int64)
+        scale_bytes = 2 * ceil_div(k, self.values.block_size)
+        reader = Reader(packed[scale_bytes:])
+        counts = reader.take(max(ceil_div(n, at.chunk) - 1, 0), at.count_dtype).to(torch.int64)
         offsets = reader.take(k, at.offset_dtype).to(torch.int64) + at.shift
         last = k - int(counts.sum())
         if (counts < 0).any() or last < 0:
@@ -398,7 +275,7 @@ class TopK(Codec):
         index = torch.repeat_interleave(chunks, torch.cat([counts, counts.new_full((1,), last)])) * at.chunk + offsets
         if k and (int(index.max()) >= n or int(offsets.max()) >= at.chunk or (index[1:] <= index[:-1]).any()):
             raise ValueError("top-k payload has indices out of range or out of order")
-        values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - _ceil_div(k, 2) :]])
+        values_packed = torch.cat([packed[:scale_bytes], packed[packed.numel() - ceil_div(k, 2) :]])
         out = torch.zeros(n, dtype=torch.float64, device=packed.device)
         out[index] = self.values.unpack(values_packed, TensorSpec(torch.Size([k]), spec.dtype))
         return out
@@ -416,28 +293,28 @@ class ScaledSign(Codec):
 
     def packed_nbytes(self, spec: TensorSpec) -> int:
         n = spec.numel
-        return 2 * _ceil_div(n, self.block_size) + _ceil_div(n, 8)
+        return 2 * ceil_div(n, self.block_size) + ceil_div(n, 8)
 
     def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
         n, block = x.numel(), self.block_size
-        blocks = _in_blocks(x.abs(), block)
+        blocks = in_blocks(x.abs(), block)
         sizes = torch.full((blocks.shape[0],), float(block), dtype=torch.float64, device=x.device)
         if n % block:
             sizes[-1] = n % block
         scales = (blocks.sum(dim=1) / sizes).to(SCALE_DTYPE)
         if not torch.isfinite(scales).all():
             raise ValueError("a block's mean |x| is too large for bf16 scales")
-        bits = _in_blocks((x >= 0).to(torch.uint8), 8)
+        bits = in_blocks((x >= 0).to(torch.uint8), 8)
         weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=x.device)
-        return torch.cat([_as_bytes(scales), (bits * weights).sum(dim=1, dtype=torch.uint8)])
+        return torch.cat([as_bytes(scales), (bits * weights).sum(dim=1, dtype=torch.uint8)])
 
     def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
-        n, reader = spec.numel, _Reader(packed)
-        scales = reader.take(_ceil_div(n, self.block_size), SCALE_DTYPE)
+        n, reader = spec.numel, Reader(packed)
+        scales = reader.take(ceil_div(n, self.block_size), SCALE_DTYPE)
         shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-        bits = ((reader.take(_ceil_div(n, 8), torch.uint8)[:, None] >> shifts) & 1).view(-1)[:n]
-        per_entry = _per_entry(scales, self.block_size, n)
-        return torch.where(bits.bool(), per_entry, -per_entry)
+        bits = ((reader.take(ceil_div(n, 8), torch.uint8)[:, None] >> shifts) & 1).view(-1)[:n]
+        magnitude = per_entry(scales, self.block_size, n)
+        return torch.where(bits.bool(), magnitude, -magnitude)
 
 
 def make_codec(name: str, block_size: int = 64, topk_fraction: float = 0.01) -> Codec:
@@ -451,78 +328,3 @@ def make_codec(name: str, block_size: int = 64, topk_fraction: float = 0.01) -> 
     if name == "sign":
         return ScaledSign(block_size)
     raise ValueError(f"unknown compression {name!r}; choose one of {CODECS}")
-
-
-class ErrorFeedback:
-    """A node's memory of what compression dropped: adds it to the next Δ before encoding and keeps the
-    new residual, so nothing is lost, only delayed. Residuals are float64 (see the module docstring for
-    why that makes Σ sent + kept = Σ Δ exact). Tensors not in a round's Δ (other fragments) keep theirs."""
-
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        self.residual: dict[str, Tensor] = {}
-
-    def encode(self, delta: dict[str, Tensor]) -> Payload:
-        payload = Payload()
-        for name, spec in layout_of(delta).items():
-            x = _flat_float64(delta[name], name)
-            if name in self.residual:
-                kept = self.residual[name]
-                if kept.shape != spec.shape:
-                    raise ValueError(f"residual of {name!r} is {tuple(kept.shape)}, Δ is {tuple(spec.shape)}")
-                x = x + kept.to(x.device).reshape(-1)
-            payload[name], decoded = self.codec.pack_decoded(x, spec)
-            self.residual[name] = decoded.neg_().add_(x).view(spec.shape)  # x − d, in d's memory
-        return payload
-
-    def forget(self, names) -> None:
-        """Drop the residuals of `names`: tensors restarted from scratch (LoRA factors after a merge), whose
-        old residual would be noise in the new factors."""
-        for name in names:
-            self.residual.pop(name, None)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """Plain name → float64 tensor, ready for safetensors."""
-        return {name: r.clone() for name, r in self.residual.items()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        bad = [name for name, r in state.items() if r.dtype != torch.float64]
-        if bad:
-            raise ValueError(f"residuals must be float64 to stay exact; not so: {bad[:5]}")
-        self.residual = {name: r.clone() for name, r in state.items()}
-
-
-def _weighted(decoded: Tensor, weight: float) -> Tensor:
-    """w·d; for w = 1 the product is d itself (exact in IEEE arithmetic), so no pass over it."""
-    return decoded if weight == 1.0 else decoded * weight
-
-
-def average_decoded(
-    codec: Codec,
-    payloads: Sequence[Payload],
-    layout: Layout,
-    weights: Sequence[float] | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> dict[str, Tensor]:
-    """Δ̄ = Σ_k w_k·d_k / Σ_k w_k over the nodes' payloads, in the given order (pass them by node index).
-
-    Accumulates in float64, one node at a time, multiply and add as separate kernels, then divides once:
-    every replica that decodes the same payloads in the same order gets the same bits. Holds one
-    tensor's sum and one decoded tensor at a time, never N decoded models."""
-    if not payloads:
-        raise ValueError("nothing to average")
-    weights = [1.0] * len(payloads) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(payloads) or any(not w > 0 for w in weights):
-        raise ValueError(f"need one positive weight per payload, got {weights} for {len(payloads)}")
-    names = _names_in_layout_order(payloads[0], layout)
-    if any(set(p) != set(names) for p in payloads):
-        raise ValueError("payloads carry different sets of tensors")
-    total = math.fsum(weights)
-    out = {}
-    for name in names:
-        spec = layout[name]
-        acc = _weighted(codec.unpack(payloads[0][name], spec), weights[0])  # a fresh tensor: summed in place
-        for payload, weight in zip(payloads[1:], weights[1:]):
-            acc.add_(_weighted(codec.unpack(payload[name], spec), weight))
-        out[name] = acc.div_(total).to(dtype).view(spec.shape)
-    return out

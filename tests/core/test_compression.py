@@ -7,17 +7,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raylowcomm.common.ledger import payload_nbytes
+from raylowcomm.core.aggregation import average_decoded
 from raylowcomm.core.compression import (
     BlockwiseInt,
-    ErrorFeedback,
     Payload,
     TensorSpec,
     TopK,
-    average_decoded,
-    index_layout,
     layout_of,
     make_codec,
 )
+from raylowcomm.core.feedback import ErrorFeedback
+from raylowcomm.core.packing import index_layout
 
 SIZES = [0, 1, 7, 63, 64, 65, 129, 1000]
 WIDE = 1 << 16  # the sparse index layout's chunk

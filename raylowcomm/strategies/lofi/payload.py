@@ -10,7 +10,9 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from raylowcomm.core.compression import ErrorFeedback, NoCompression, Payload, average_decoded, layout_of, make_codec
+from raylowcomm.core.aggregation import average_decoded
+from raylowcomm.core.compression import NoCompression, Payload, layout_of, make_codec
+from raylowcomm.core.feedback import ErrorFeedback
 from raylowcomm.strategies.lofi.probe import head_names
 
 BN_STATISTICS = (".running_mean", ".running_var")

@@ -42,6 +42,7 @@ from raylowcomm.actors import NodeGroup, ReplicaMismatch
 from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.core.aggregation import staleness_weight
 from raylowcomm.core.membership import ScheduleError, check_schedule
 from raylowcomm.failures import all_left, cause_of
 from raylowcomm.strategies.base import RunContext
@@ -187,12 +188,6 @@ def quorum_of(quorum: int | float, live: int) -> int:
     """Payloads a round needs: a count, or a fraction of the live nodes (rounded up), at most `live`."""
     need = quorum if isinstance(quorum, int) else math.ceil(quorum * live)
     return max(1, min(need, live))
-
-
-def staleness_weight(weight: float, missed: int, exponent: float) -> float:
-    """A payload's weight in the round that merges it, `missed` rounds after the one its Δ started from
-    (FedBuff's polynomial discount; exactly `weight` for a fresh one)."""
-    return weight if missed == 0 else weight * (1 + missed) ** -exponent
 
 
 def check_membership(cfg: RunConfig, o: LofiConfig, steps: int | None) -> None:
