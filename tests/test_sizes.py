@@ -37,7 +37,7 @@ CEILINGS = {
     "strategies/lofi/node.py::LofiNode.train": 69,
     "strategies/lofi/node_rounds.py": 405,
     "strategies/lofi/node_rounds.py::NodeRounds": 295,
-    "strategies/lofi/quorum.py": 691,
+    "strategies/lofi/quorum.py": 643,
     "strategies/lofi/quorum.py::QuorumExchange": 477,
     "strategies/lofi/quorum.py::QuorumExchange.train": 69,
     "strategies/spsa/driver.py": 387,

@@ -79,12 +79,6 @@ MEAN = WeightedMean()
 """Every lo-fi round's rule today."""
 
 
-def staleness_weight(weight: float, missed: int, exponent: float) -> float:
-    """A quorum round's weight for a payload `missed` rounds after the one its Δ started from (FedBuff's
-    polynomial discount; exactly `weight` for a fresh one)."""
-    return weight if missed == 0 else weight * (1 + missed) ** -exponent
-
-
 def average_decoded(
     codec: Codec,
     payloads: Sequence[Payload],

@@ -31,7 +31,6 @@ payload at the same boundaries as lockstep rounds: the same model, bit for bit.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -42,8 +41,15 @@ from raylowcomm.actors import NodeGroup, ReplicaMismatch
 from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.core.aggregation import staleness_weight
 from raylowcomm.core.membership import ScheduleError, check_schedule
+from raylowcomm.core.round_policy import (
+    boundary_after,
+    in_phase_s,
+    pace_share,
+    quorum_of,
+    staleness_weight,
+    tail_steps,
+)
 from raylowcomm.failures import all_left, cause_of
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.lofi.config import LofiConfig
@@ -127,54 +133,6 @@ class NodeLog:
     segments: list[dict] = field(default_factory=list)
 
 
-def boundary_after(plan: Plan, step: int) -> int:
-    """The next round boundary after `step` on a node's own schedule: the plan's boundaries, then on
-    past the run's steps with the plan's last gap (a fast node taking a slow one's share)."""
-    for b in plan.boundaries:
-        if b > step:
-            return b
-    bounds = plan.boundaries
-    gap = bounds[-1] - bounds[-2] if len(bounds) > 1 else bounds[-1]
-    return step + gap
-
-
-def tail_steps(steps: int, step_s: float, others_step_s: list[float], work: float, grace_s: float) -> int:
-    """A segment of `steps` at `step_s` a step, cut where it would end well after the other nodes (at
-    `others_step_s` a step each) have trained `work` node-steps, what is left of the budget besides it:
-    by more than half of its own length or `grace_s`, whichever is more (nodes at the same pace are
-    never cut). Cut, it is what its node trains by the time all of them, it too, are predicted to
-    spend the budget: at the end of the run nobody waits for the slowest node's whole segment."""
-    if not others_step_s:
-        return steps
-    others = sum(1 / s for s in others_step_s)
-    own = steps * step_s
-    if own - work / others <= max(grace_s, own / 2):
-        return steps
-    return max(1, math.ceil((work + steps) / (others + 1 / step_s) / step_s))
-
-
-def pace_share(left: int, step_s: float | None, free: list[float | None]) -> int:
-    """A node's cap on its next segment under `sync: time`: its share of the `left` node-steps among the
-    nodes free to take them (`free`: each one's time a step, it among them), in proportion to its pace,
-    so that near the end the slow node is not handed the steps the fast ones would finish first; an
-    equal share where a pace is not known yet."""
-    if step_s is None or None in free:
-        return math.ceil(left / max(1, len(free)))
-    return math.ceil(left / step_s / sum(1 / s for s in free))
-
-
-def in_phase_s(period: float, others_left_s: list[float], overhead_s: float) -> float:
-    """Under `sync: time`, the training seconds of a node's next segment: it ends when the median of the
-    other nodes' segments in flight is expected to arrive (`others_left_s`, seconds from now), less its
-    own landing and encoding (`overhead_s`), so a node restarted or joining mid-period meets the others'
-    round instead of waiting most of a period for the next one; whole periods more where that leaves
-    under half of one, and a period where no other node trains with a known pace."""
-    if not others_left_s:
-        return period
-    left = sorted(others_left_s)[len(others_left_s) // 2] - overhead_s
-    return left if left >= period / 2 else left + period * math.ceil((period / 2 - left) / period)
-
-
 def book_catch_up(ledger, phase: str, k: int, rounds: list[LandedRound]) -> None:
     """What node k is sent to land `rounds` (their numbers, refs and weights) and fetches for them: every
     payload in them but its own."""
@@ -182,12 +140,6 @@ def book_catch_up(ledger, phase: str, k: int, rounds: list[LandedRound]) -> None
         refs = sum(len(a.ref.binary()) for a in r.payloads)
         ledger.record(phase, "round_args", payload_nbytes(r.number) + refs + payload_nbytes(r.weights))
         ledger.record(phase, "outer_gradients", sum(a.nbytes for a in r.payloads if a.node != k))
-
-
-def quorum_of(quorum: int | float, live: int) -> int:
-    """Payloads a round needs: a count, or a fraction of the live nodes (rounded up), at most `live`."""
-    need = quorum if isinstance(quorum, int) else math.ceil(quorum * live)
-    return max(1, min(need, live))
 
 
 def check_membership(cfg: RunConfig, o: LofiConfig, steps: int | None) -> None:
@@ -500,7 +452,7 @@ class QuorumExchange(PeerExchange):
         """Node k's next segment, to its next boundary within the budget, with the rounds it has not landed."""
         node, seconds = self.nodes[k], None
         if self.seconds is None:
-            until = min(boundary_after(plan, node.step), node.step + self.budget - self.assigned)
+            until = min(boundary_after(plan.boundaries, node.step), node.step + self.budget - self.assigned)
             until = node.step + self._tail_cut(k, until - node.step)
         else:  # a cap only: the segment ends after `seconds` of training; what it leaves returns to the pool
             flying, starting = {f[0] for f in self.flights.values()} - {k}, set(self.appearing.values())
