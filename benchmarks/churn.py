@@ -30,7 +30,7 @@ import math
 import random
 from pathlib import Path
 
-from raylowcomm.runner import run
+from benchmarks.sweep import seed_record
 from raylowcomm.seedstats import interval, plus_minus
 from raylowcomm.strategies import load_config
 
@@ -101,19 +101,14 @@ def measure(
 ) -> dict:
     """One run's figures: read from its results.json, or run it first (`cpu_quota`: every node held to its
     half CPU, `churn.cpu_quota`)."""
-    where = out / folder(epochs, every, every_s) / setting / f"seed_{seed}"
-    path = where / "results.json"
-    if not path.is_file():
-        overrides, churned = settings(every, every_s)[setting]
-        quota = ["churn.cpu_quota=true"] if cpu_quota else []
-        length = [f"optim.epochs={epochs}"]
-        cfg = load_config(
-            WORKLOAD,
-            [*BASE, *length, *overrides, *(churn(seed, epochs) if churned else []), *quota, f"seed={seed}"],
-        )
-        logger.info("churn: %s seed %d -> %s", setting, seed, where)
-        run(cfg, where, bar=False)
-    [rec] = json.loads(path.read_text())
+    overrides, churned = settings(every, every_s)[setting]
+    quota = ["churn.cpu_quota=true"] if cpu_quota else []
+    length = [f"optim.epochs={epochs}"]
+    cfg = load_config(
+        WORKLOAD,
+        [*BASE, *length, *overrides, *(churn(seed, epochs) if churned else []), *quota, f"seed={seed}"],
+    )
+    rec = seed_record(cfg, seed, out / folder(epochs, every, every_s) / setting, f"churn: {setting}")
     row = {"setting": setting, "seed": seed}
     if "error" in rec:
         logger.warning("churn: %s seed %d failed: %s", setting, seed, rec["error"])

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 from pathlib import Path
 
-from raylowcomm.runner import run
+from benchmarks.sweep import seed_record
 from raylowcomm.seedstats import interval, plus_minus
 from raylowcomm.strategies import load_config
 
@@ -326,17 +325,15 @@ def run_dir(out: Path, workload: str, setting: str, seed: int, length: str | Non
 
 
 def measure(out: Path, workload: str, setting: str, seed: int, length: str | None = None) -> dict:
-    """One run's figures: read from its results.json, or run it first."""
-    where = run_dir(out, workload, setting, seed, length)
-    path = where / "results.json"
-    if path.is_file() and any("error" in rec for rec in json.loads(path.read_text())):
-        shutil.rmtree(where)  # a failed run (its actors were killed, say) runs again, from the start
-    if not path.is_file():
-        overrides = [*LENGTHS[workload].get(length, []), *SETTINGS[setting], f"seed={seed}"]
-        cfg = load_config(WORKLOADS[workload], overrides)
-        logger.info("dial: %s %s %s seed %d -> %s", workload, length or "", setting, seed, where)
-        run(cfg, where, bar=False)
-    [rec] = json.loads(path.read_text())
+    """One run's figures: read from its results.json, or run it first (`seed_record`; a failed one again)."""
+    overrides = [*LENGTHS[workload].get(length, []), *SETTINGS[setting], f"seed={seed}"]
+    rec = seed_record(
+        load_config(WORKLOADS[workload], overrides),
+        seed,
+        run_dir(out, workload, setting, seed, length).parent,
+        f"dial: {workload} {length or ''} {setting}",
+        rerun_failed=True,
+    )
     row = {"workload": workload, "length": length, "setting": setting, "seed": seed, "strategy": rec["strategy"]}
     if "error" in rec:  # a failed run is shown, not averaged
         logger.warning("dial: %s %s seed %d failed: %s", workload, setting, seed, rec["error"])

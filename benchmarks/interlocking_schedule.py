@@ -18,7 +18,6 @@ same predicted wall time.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import json
@@ -32,15 +31,14 @@ import torch
 import yaml
 
 from raylowcomm.common.batches import Source
-from raylowcomm.core.interlock.heads import LOSSES, aux_heads
+from raylowcomm.core.interlock.heads import LOSSES
 from raylowcomm.core.interlock.routing import InterlockStage, message_plan
 from raylowcomm.core.interlock.schedule import Link, StageCost, batch_calls, simulate
-from raylowcomm.core.interlock.splitting import split_model, untie_lm_head
 from raylowcomm.runner import prepare
 from raylowcomm.runtime import init_ray
 from raylowcomm.strategies import from_dict
 from raylowcomm.strategies.base import RunContext
-from raylowcomm.strategies.interlocking import Interlocking
+from raylowcomm.strategies.interlocking import Interlocking, build_stages
 from raylowcomm.strategies.interlocking.stage import StageWorker
 from raylowcomm.tasks import CausalLM
 from raylowcomm.training import make_optimizer
@@ -72,39 +70,26 @@ def smollm2_config(
 
 
 def build_workers(ctx: RunContext) -> tuple[list[StageWorker], Source]:
-    """The stages exactly as `Interlocking.run` builds them (untied head, split, aux heads, each its
-    own optimizer), as in-process workers, and stage 0's source of micro-batches."""
+    """The stages `Interlocking.run` builds (`build_stages`: untied head, split, aux heads), each its
+    own optimizer, as in-process workers, and stage 0's source of micro-batches."""
     cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
-    model = copy.deepcopy(ctx.load_driver_weights()).float().train()
-    untie_lm_head(model)
-    modules = split_model(model, "hf_causal_lm", opts.stages, opts.balance, opts.split)
-    heads = aux_heads(
-        model,
-        modules,
-        "hf_causal_lm",
-        None,
-        opts.aux_widths,
-        opts.aux_init_from_lm_head,
-        opts.aux_positions,
-        cfg.seed,
-    )
+    built = build_stages(ctx, opts)
     workers = []
-    for k, module in enumerate(modules):
+    for k, module in enumerate(built.modules):
         stage = InterlockStage(
             k,
             opts.stages,
             opts.width,
             opts.rule,
             module,
-            heads[k] if k < opts.stages - 1 else None,
+            built.heads[k] if k < opts.stages - 1 else None,
             LOSSES["causal_lm"],
             lambda params: make_optimizer(cfg.optim, params),
             opts.micro_batches,
         )
         workers.append(StageWorker(stage, opts.micro_batches, k == opts.stages - 1, CausalLM()))
-    source = Source("tokens", None, ctx.eval_sets(), cfg.optim.batch_size, cfg.seed)
-    source.train = ctx.data.train.load(0, 1)
-    return workers, source
+    built.source.train = ctx.data.train.load(0, 1)
+    return workers, built.source
 
 
 def replay(workers: list[StageWorker], source: Source, plan, micro_batches: int, batches: int) -> dict:

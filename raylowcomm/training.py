@@ -22,8 +22,9 @@ from raylowcomm.storage import Storage
 
 def make_optimizer(cfg: OptimConfig, model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
     """The run's optimizer over a model's trainable parameters (or a given list of them). Fused
-    (one kernel over all parameters) on CPU and CUDA: the same update, and on one CPU thread
-    AdamW's step over MiniLM's 22.7 M parameters takes 0.04 s instead of 0.24 s."""
+    (one kernel over all parameters) on CPU and CUDA: the same update, in a fraction of the time of
+    one kernel per parameter, where a step over a whole model is a visible share of a CPU node's
+    step (docs/benchmarks.md has the measurement)."""
     params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.requires_grad]
     devices = {p.device.type for p in params}
     fused = len(devices) == 1 and devices <= {"cpu", "cuda"}

@@ -10,7 +10,7 @@ import pytest
 import timm
 import yaml
 
-from raylowcomm.bench import BenchError, ddp_budget, wan_runs
+from raylowcomm.bench import BenchError, baseline_budget, wan_runs
 from raylowcomm.cli import main
 from raylowcomm.config import ConfigError
 from raylowcomm.report import summarize_run
@@ -188,7 +188,7 @@ def test_a_budget_from_ddp_runs_ddp_alone_first_and_gives_its_time_to_every_stra
     assert meta["config"]["optim"]["budget_s"] == 12.5
     (tmp_path / "out" / "ddp_time" / "results.json").write_text(json.dumps([{"strategy": "ddp", "error": "boom"}]))
     with pytest.raises(BenchError, match="boom"):
-        ddp_budget(tmp_path / "out" / "ddp_time" / "results.json")
+        baseline_budget(tmp_path / "out" / "ddp_time" / "results.json")
 
 
 @pytest.mark.heavy

@@ -55,3 +55,29 @@ def test_lengths_are_kept_apart_and_each_compared_with_its_own_ddp_paired_by_see
     assert summary[("62", "ddp")]["id_minus_ddp"] is None
     assert frontier(list(summary.values()), "w", "62") == ["a"]  # its mean over 3 seeds (0.90) beats DDP's
     assert frontier(list(summary.values()), "w", "125") == ["a", "ddp"]
+
+
+def test_a_run_is_read_from_its_seed_folder_and_a_failed_one_runs_again(tmp_path, monkeypatch):
+    """`measure` keeps each (workload, length, setting, seed) in OUT/dial/<workload>/<length>/<setting>/seed_<s>
+    (`raylowcomm.seeds.seed_config`'s folder): a results.json there is read, not rerun; a failed one runs again
+    with that seed, into that folder."""
+    import json
+
+    from benchmarks import dial
+
+    where = dial.run_dir(tmp_path, "mnist", "ddp", 3, "62")
+    where.mkdir(parents=True)
+    (where / "results.json").write_text(json.dumps([{"strategy": "ddp", "error": "RuntimeError: killed"}]))
+    ran = []
+
+    def fake_run(cfg, out, bar=None):
+        ran.append((cfg.seed, out))
+        record = {"strategy": "ddp", "metrics": {"id_accuracy": 0.9}, "comm": {"by_phase": {}, "total_bytes": 5}}
+        record.update(details={"steps_per_worker": 62}, train_s=1.0, wall_s=2.0)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps([record]))
+
+    monkeypatch.setattr("benchmarks.sweep.run", fake_run)
+    row = dial.measure(tmp_path, "mnist", "ddp", 3, "62")
+    assert ran == [(3, where)] and row["id"] == 0.9 and row["steps"] == 62
+    assert dial.measure(tmp_path, "mnist", "ddp", 3, "62") == row and len(ran) == 1  # read, not rerun

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "model, data, tasks",
         [
             "raylowcomm.models",
+            "raylowcomm.timm_checkpoints",  # a timm architecture with a checkpoint's weights, checked to fit
             "raylowcomm.model_overrides",  # config_overrides applied, and checked against the tokenizer and data
             "raylowcomm.finetune",
             "raylowcomm.lora",
@@ -36,6 +37,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         "actors",
         [
             "raylowcomm.actors",
+            "raylowcomm.node_group",  # the driver's handle on a strategy's actors (NodeGroup)
+            "raylowcomm.group_scoring",  # NodeGroup's scoring on the nodes
             "raylowcomm.failures",  # a node's or stage's own exception, named: the first cause
             "raylowcomm.runtime",
             "raylowcomm.execution",  # placement: execution.Gang
@@ -57,6 +60,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "raylowcomm.report",
             "raylowcomm.tensorboard",
             "raylowcomm.cluster",
+            "raylowcomm.netns",  # the cluster's namespaces, bridge, tc and killing by namespace
             "raylowcomm.configref",
             "raylowcomm.seedstats",
             "raylowcomm.planner",  # calibrates from records, or from a run (runner)

@@ -35,15 +35,17 @@ def shard_indices(n: int, num_shards: int, seed: int) -> list[torch.Tensor]:
 @functools.lru_cache(maxsize=8)
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     """A shard's row order in epoch `epoch`, a pure function of (n, seed, epoch); cached, as
-    every step of the epoch reads it (drawing it anew cost 25 ms a step for 100,000 rows).
+    every step of the epoch reads it and drawing it anew each step would cost a permutation of
+    the whole shard per step.
     Callers index it and never write to it."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
 
 
 GROUP_BATCHES = 8
-"""optim.group_by_length sorts each run of 8 batches' rows by length: on the MiniLM main job a
-step's real tokens go from 55% of its trimmed batch to 88% (86% for DDP, whose ranks wait for
-the longest batch), where whole-epoch sorting would reach 98% but order the epoch by length."""
+"""optim.group_by_length sorts each run of 8 batches' rows by length: a batch trimmed to its
+longest row then carries far less padding (docs/benchmarks.md has the main job's figures), while
+the batches stay random in content; sorting the whole epoch would trim a little more but order
+the epoch by length."""
 
 
 def length_grouped_batch(

@@ -68,8 +68,8 @@ class ModelConfig:
     memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
     """How an image model's 4-D weights (and so the activations its convolutions produce) lie in
     memory where it trains. channels_last: pixels with their channels side by side, where oneDNN runs
-    depthwise and grouped convolutions (EfficientNet, MobileNet) about twice as fast on a CPU
-    (docs/models.md); contiguous: torch's default; auto: channels_last for timm models on CPU,
+    depthwise and grouped convolutions (EfficientNet, MobileNet) fastest on a CPU (docs/models.md;
+    docs/benchmarks.md); contiguous: torch's default; auto: channels_last for timm models on CPU,
     contiguous elsewhere (GPUs: not measured here). The same values cross and are counted; results
     differ from contiguous only in float rounding. SPSA's nodes stay contiguous (they perturb each
     weight in memory order, the same order on every replica)."""
@@ -179,7 +179,7 @@ class OptimConfig:
     their lengths come in groups of 8 batches."""
     eval_batch_size: int | None = None
     """Rows per evaluation batch; None: 32 on CPU, where a small batch's activations stay in
-    cache (MiniLM scores 1,000 reviews in 5.3 s at 16-32 rows, 10.5 s at 256), 256 on GPUs."""
+    cache and scoring is faster than in large batches (docs/benchmarks.md), 256 on GPUs."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16: forward and backward under torch.autocast(bfloat16); weights, optimizer state and
     SPSA's updates stay fp32. SPSA replicas stay bit-identical either way (every replica applies

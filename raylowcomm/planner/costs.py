@@ -43,8 +43,8 @@ def star_up_s(nbytes: float, n: int, link: Link) -> float:
 
 def star_down_s(nbytes: float, n: int, link: Link) -> float:
     """The average goes back from the driver's host over its one link, a copy to each of the n − 1 other
-    hosts: Ray's object store does not relay it between nodes that already hold it (measured at N = 4:
-    three copies from the driver's host, docs/planning.md)."""
+    hosts: Ray's object store does not relay it between nodes that already hold it (docs/planning.md
+    has the measurement)."""
     if n < 2:
         return 0.0
     return link.latency_s + (n - 1) * nbytes / link.bytes_per_s
@@ -71,7 +71,7 @@ class Cost:
     round_s: float = 0.0
     """peers: a round's own work on a node besides its transfer (encoding, decoding and averaging the peers'
     payloads, the round's calls) at `nodes` nodes; it grows with the n − 1 payloads a node lands
-    (EfficientNet-Lite0, top-k 3%: 0.8 s a round at N = 2, a CPU a node, 2.0 s at N = 4, half a CPU).
+    (`benchmarks.round_cost` measures it; docs/benchmarks.md has the figures).
     star: the driver's averaging of the n states, its round file and the nodes' loading of the average;
     it grows with the n states the driver averages."""
     nodes: int = 2

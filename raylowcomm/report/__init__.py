@@ -3,7 +3,7 @@ and per run (link rate) the time and bytes each strategy needs to reach a target
 DDP, the baseline every strategy must beat (`raylowcomm report DIR`).
 
 A bench directory holds `bench.json` ({"mode", "config", "runs": [{"label", "rate", "dir",
-"collect_note"?}]}), each run's `results.json` (records of raylowcomm/run.py) and optionally
+"collect_note"?}]}), each run's `results.json` (records of raylowcomm/runner.py) and optionally
 `benchmarks/*.json` (python -m benchmarks). A plain run directory (results.json only) is read as
 one local run; a multi-seed one (`raylowcomm run --seeds`: seeds.json, seed_<s>/results.json) as
 one run per seed, with the table across seeds (raylowcomm.seedstats) first. Nothing here needs Ray or torch.

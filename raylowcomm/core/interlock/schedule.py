@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -179,6 +179,25 @@ def simulate(
             times.append(None if end is None else end + link.seconds(nbytes))
         return None if None in times else max(times, default=0.0)
 
+    timeline = _play(queues, order, arrival, work, cores, done)
+    step_ends = [[done[(b, last[k])] for b in range(batches)] for k in range(K)]
+    busy = [sum(end - start for _, c, start, end in timeline if c.stage == k) for k in range(K)]
+    return Timeline(timeline, step_ends, busy)
+
+
+def _play(
+    queues: list[list[tuple[int, int]]],
+    order: Sequence[Call],
+    arrival: Callable[[int, int], float | None],
+    work: Callable[[int, int], float],
+    cores: float | None,
+    done: dict[tuple[int, int], float],
+) -> list:
+    """Run every stage's queue of (batch, call index) in order, a call starting once its `arrival` is
+    known and past, taking `work` seconds (stretched where more stages run than `cores`); each call's
+    end goes into `done` as it happens (`arrival` reads it) and the (batch, call, start, end) timeline
+    is returned."""
+    K = len(queues)
     t, pos, running, timeline = 0.0, [0] * K, {}, []
     while any(p < len(q) for p, q in zip(pos, queues)) or running:
         for k in range(K):
@@ -207,6 +226,4 @@ def simulate(
                 done[key] = t
                 timeline.append((key[0], order[key[1]], start, t))
                 del running[k]
-    step_ends = [[done[(b, last[k])] for b in range(batches)] for k in range(K)]
-    busy = [sum(end - start for _, c, start, end in timeline if c.stage == k) for k in range(K)]
-    return Timeline(timeline, step_ends, busy)
+    return timeline

@@ -1,6 +1,7 @@
 """Interlocking's stages: a timm CNN (stem + blocks) or a Hugging Face decoder (its layers) cut
 into K contiguous stages that share the model's modules, balanced by block count, parameters or
-measured forward + backward time (aux heads included)."""
+measured forward + backward time (aux heads included): how many units each stage gets is
+`balance`'s, the timing that feeds it `measure_balance` here."""
 
 from __future__ import annotations
 
@@ -9,83 +10,14 @@ import inspect
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from raylowcomm.core.interlock.balance import Balance, StageCosts, stage_sizes, unit_costs
+from raylowcomm.core.interlock.balance import balanced_sizes as balanced_sizes
 from raylowcomm.core.interlock.heads import decoder_aux_heads, resnet_aux_heads
-
-
-@dataclass
-class StageCosts:
-    """Measured seconds (forward + backward) per unit, and of the aux head that a stage ending
-    after unit i carries (``boundaries[i]``, one fewer than units): what a stage costs in
-    1-way training is its units plus its head."""
-
-    units: list[float]
-    boundaries: list[float]
-
-
-Balance = str | Sequence[float] | StageCosts
-
-
-def balanced_sizes(costs: Sequence[float], num_parts: int, boundaries: Sequence[float] | None = None) -> list[int]:
-    """Contiguous partition of ``costs`` into ``num_parts`` non-empty parts minimising the
-    largest part's total, a part that ends after unit i (not the last) adding ``boundaries[i]``
-    (its aux head); among optimal partitions later parts are kept small (the last stage also
-    carries the real head)."""
-    boundaries = list(boundaries) if boundaries is not None else [0.0] * len(costs)
-    units = len(costs)
-    if not 1 <= num_parts <= units:
-        raise ValueError(f"cannot split {units} units into {num_parts} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[p][i]: smallest possible max part cost for the first i units in p parts.
-    best = [[inf] * (units + 1) for _ in range(num_parts + 1)]
-    start = [[0] * (units + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for p in range(1, num_parts + 1):
-        for i in range(p, units + 1):
-            head = boundaries[i - 1] if p < num_parts and i < units else 0.0
-            for j in range(p - 1, i):  # last part = units j..i-1; larger j wins ties
-                value = max(best[p - 1][j], prefix[i] - prefix[j] + head)
-                if value <= best[p][i]:
-                    best[p][i], start[p][i] = value, j
-    sizes, i = [], units
-    for p in range(num_parts, 0, -1):
-        sizes.append(i - start[p][i])
-        i = start[p][i]
-    return sizes[::-1]
-
-
-def _unit_costs(units: Sequence[nn.Module], balance: Balance) -> list[float]:
-    if balance == "blocks":
-        return [1.0] * len(units)
-    if balance == "params":
-        return [float(sum(p.numel() for p in u.parameters())) for u in units]
-    if isinstance(balance, StageCosts):
-        balance = balance.units
-    if isinstance(balance, str):
-        raise ValueError(f"balance must be 'blocks', 'params' or per-unit costs, got {balance!r}")
-    if len(balance) != len(units):
-        raise ValueError(f"got {len(balance)} unit costs for {len(units)} units")
-    return [float(c) for c in balance]
-
-
-def _sizes(costs: list[float], num_stages: int, balance: Balance, sizes: Sequence[int] | None) -> list[int]:
-    """Units per stage: the given `sizes` (checked), or balanced by cost (and measured aux heads)."""
-    if sizes is None:
-        return balanced_sizes(costs, num_stages, balance.boundaries if isinstance(balance, StageCosts) else None)
-    if len(sizes) != num_stages or sum(sizes) != len(costs) or min(sizes) < 1:
-        raise ValueError(
-            f"a split of {len(costs)} units into {num_stages} stages needs {num_stages} sizes >= 1 "
-            f"summing to {len(costs)}, got {list(sizes)}"
-        )
-    return list(sizes)
 
 
 def _chunks(items: Sequence, sizes: Sequence[int]) -> list[list]:
@@ -131,10 +63,10 @@ def _group_units(
     units: list[nn.Module], head: nn.Module, num_stages: int, balance: Balance, sizes: Sequence[int] | None = None
 ) -> list[nn.Sequential]:
     """Contiguous groups of units by cost (or of the given `sizes`); the head ends the last."""
-    costs = _unit_costs(units, balance) if sizes is None else [1.0] * len(units)  # given sizes need no costs
+    costs = unit_costs(units, balance) if sizes is None else [1.0] * len(units)  # given sizes need no costs
     if balance == "params" and sizes is None:
         costs[-1] += sum(p.numel() for p in head.parameters())
-    groups = _chunks(units, _sizes(costs, num_stages, balance, sizes))
+    groups = _chunks(units, stage_sizes(costs, num_stages, balance, sizes))
     groups[-1].append(head)
     return [nn.Sequential(*g) for g in groups]
 
@@ -248,11 +180,11 @@ def split_hf_decoder(
     if num_stages > 1 and model.lm_head.weight is inner.embed_tokens.weight:
         raise ValueError("lm_head is tied to embed_tokens; untie it (clone the weight) before splitting")
     layers = list(inner.layers[: model.config.num_hidden_layers])
-    costs = _unit_costs(layers, balance) if sizes is None else [1.0] * len(layers)
+    costs = unit_costs(layers, balance) if sizes is None else [1.0] * len(layers)
     if balance == "params" and sizes is None:
         costs[0] += inner.embed_tokens.weight.numel()
         costs[-1] += sum(p.numel() for p in (*inner.norm.parameters(), *model.lm_head.parameters()))
-    groups = _chunks(layers, _sizes(costs, num_stages, balance, sizes))
+    groups = _chunks(layers, stage_sizes(costs, num_stages, balance, sizes))
     last = num_stages - 1
     return [
         DecoderStage(

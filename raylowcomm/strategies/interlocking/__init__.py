@@ -9,68 +9,50 @@ clock. Bytes: every tensor one stage sends another."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
-from dataclasses import asdict
 from typing import ClassVar
 
 import ray
 import torch
 
-from raylowcomm import catalog
 from raylowcomm.actors import NodeGroup
-from raylowcomm.common.batches import Source, batch_at, num_examples
-from raylowcomm.common.goodput import NodeAccount, goodput
+from raylowcomm.common.batches import Source
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
-from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.core.interlock.heads import LOSS_OF_FAMILY, aux_heads
-from raylowcomm.core.interlock.splitting import (
-    is_hf_decoder,
-    is_timm_cnn,
-    measure_balance,
-    model_units,
-    split_model,
-    units_per_stage,
-    untie_lm_head,
-)
+from raylowcomm.config import RunConfig
+from raylowcomm.core.interlock.heads import LOSS_OF_FAMILY
 from raylowcomm.data import TrainSource
 from raylowcomm.execution import node_bundle
-from raylowcomm.models import ASSET_TIMM_ARCH, ModelSpec, state_dict_of
+from raylowcomm.models import ModelSpec, state_dict_of
 from raylowcomm.strategies.base import (
     RunContext,
     RunRecord,
     Strategy,
-    budget_details,
     curve_point,
     eval_points,
     finish_record,
 )
+from raylowcomm.strategies.interlocking.building import Stages, build_stages, stage_source
+from raylowcomm.strategies.interlocking.checks import check_loaded, refuse_churn, validate_config
 from raylowcomm.strategies.interlocking.config import OPTION_RULES, InterlockingConfig
 from raylowcomm.strategies.interlocking.pipeline import evaluate_chained, final_head_metrics, train_interlocked
+from raylowcomm.strategies.interlocking.record import run_details, stage_goodput
 from raylowcomm.strategies.interlocking.stage import StageActor
-from raylowcomm.tasks import make_task
 from raylowcomm.training import total_steps
 
+__all__ = [
+    "Interlocking",
+    "Stages",
+    "build_stages",
+    "evaluate_chained",
+    "final_head_metrics",
+    "refuse_churn",
+    "stage_goodput",
+    "stage_source",
+    "train_interlocked",
+]
+
 logger = logging.getLogger(__name__)
-
-
-def refuse_churn(cfg: RunConfig) -> None:
-    if cfg.churn.active:
-        raise ConfigError(
-            "churn",
-            "set",
-            "interlocking's stages each hold layers no other has and are not restarted: run churn "
-            "with lofi, ddp or spsa, or remove the churn section",
-        )
-
-
-def stage_goodput(busy: list[float], train_s: float) -> dict:
-    """A stage's useful time is its forwards, backwards and optimizer steps (every one reaches the model:
-    a lost stage ends the run); the rest of the training phase it waits for activations or gradients,
-    the pipeline's bubble and transfers (`idle_at_barriers_s`)."""
-    return goodput([NodeAccount(k, b, max(0.0, train_s - b), 0.0) for k, b in enumerate(busy)], train_s)
 
 
 class Interlocking(Strategy[InterlockingConfig]):
@@ -95,76 +77,8 @@ class Interlocking(Strategy[InterlockingConfig]):
         return [node_bundle(cfg)] * Interlocking.count(cfg)
 
     @staticmethod
-    def _validate_heads(cfg: RunConfig, o: InterlockingConfig) -> None:
-        if not 0 < o.aux_positions <= 1:
-            raise ConfigError("interlocking.aux_positions", o.aux_positions, "a fraction in (0, 1] of the positions")
-        if o.aux_positions < 1 and cfg.model.family != "hf_causal_lm":
-            raise ConfigError(
-                "interlocking.aux_positions",
-                o.aux_positions,
-                "reads a subset of a decoder's token positions: set it to 1 for this model",
-            )
-
-    @staticmethod
     def validate(cfg: RunConfig) -> None:
-        o = Interlocking.opts(cfg)
-        refuse_churn(cfg)
-        for name in ("stages", "micro_batches", "max_batches_ahead"):
-            if getattr(o, name) < 1:
-                raise ConfigError(f"interlocking.{name}", getattr(o, name), "must be >= 1")
-        if not 1 <= o.n <= o.stages:
-            raise ConfigError("interlocking.n", o.n, f"must be in 1..interlocking.stages ({o.stages})")
-        if cfg.optim.batch_size % o.micro_batches:
-            raise ConfigError(
-                "interlocking.micro_batches",
-                o.micro_batches,
-                f"must divide optim.batch_size ({cfg.optim.batch_size}) evenly",
-            )
-        Interlocking._validate_heads(cfg, o)
-        if o.time_budget_s is not None and o.time_budget_s <= 0:
-            raise ConfigError("interlocking.time_budget_s", o.time_budget_s, "must be > 0, or null for no budget")
-        for name, per_stage in (("aux_widths", False), ("split", True)):
-            value = getattr(o, name)
-            if value is not None and (not value or min(value) < 1 or (per_stage and len(value) != o.stages)):
-                raise ConfigError(
-                    f"interlocking.{name}",
-                    value,
-                    "must be a non-empty list of positive numbers" + (", one per stage" if per_stage else ""),
-                )
-        if cfg.model.family == "hf_classifier":
-            raise ConfigError(
-                "model.family", cfg.model.family, "interlocking splits timm CNNs and causal LMs (hf_causal_lm)"
-            )
-        if cfg.data.node_files is not None or cfg.data.eval_on_nodes:
-            field = "data.node_files" if cfg.data.node_files is not None else "data.eval_on_nodes"
-            raise ConfigError(
-                field,
-                getattr(cfg.data, field[5:]),
-                "interlocking trains one model on one stream of "
-                "batches and scores it on the driver's sets: not offered",
-            )
-        kind = catalog.declared_kind(cfg.data.name, cfg.data.source, cfg.data.columns)
-        if cfg.model.family == "hf_causal_lm" and kind not in ("text", None):
-            raise ConfigError(
-                "data.name",
-                cfg.data.name,
-                f"interlocking trains a causal LM on plain text: {catalog.FAMILY_DATA['text']}",
-            )
-        arch = cfg.model.timm_arch or ASSET_TIMM_ARCH.get(cfg.model.name, cfg.model.name)
-        if cfg.model.family == "timm" and not any(kind in arch for kind in ("resnet", "efficientnet", "mobilenet")):
-            raise ConfigError(
-                "model.name",
-                cfg.model.name,
-                "interlocking splits timm ResNets and EfficientNet/MobileNet models (e.g. resnet18)",
-            )
-        if cfg.model.family == "hf_causal_lm" and cfg.model.lora is not None:
-            raise ConfigError(
-                "model.lora",
-                dataclasses.asdict(cfg.model.lora),
-                "interlocking splits a causal LM's own "
-                "decoder layers, not adapters wrapped around them: train it without LoRA "
-                "(model.lora: null)",
-            )
+        validate_config(cfg, Interlocking.opts(cfg))
 
     @staticmethod
     def driver_weights(cfg: RunConfig) -> str | None:
@@ -172,126 +86,30 @@ class Interlocking(Strategy[InterlockingConfig]):
 
     @staticmethod
     def check(ctx: RunContext) -> None:
-        """The options against the loaded model and data: how many units (stem + blocks, or decoder
-        layers) the model has and how many test rows time a measured split are known only now."""
-        cfg, opts, family = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family
-        if family == "timm" and not is_timm_cnn(ctx.architecture):
-            raise ConfigError(
-                "model.name",
-                cfg.model.name,
-                "has neither ResNet layers (layer1..4) nor conv_stem + "
-                "blocks: interlocking splits timm ResNets and EfficientNet/MobileNet models "
-                "(e.g. resnet18)",
-            )
-        if family == "hf_causal_lm" and not is_hf_decoder(ctx.architecture):
-            field = "model.path" if cfg.model.path else "model.name"
-            raise ConfigError(
-                field,
-                getattr(cfg.model, field[6:]),
-                "is not a Llama-style decoder (model.embed_tokens, "
-                "layers, norm, rotary_emb and lm_head): interlocking splits those",
-            )
-        units, what = model_units(ctx.architecture, family), "stem + blocks" if family == "timm" else "decoder layers"
-        if opts.split is not None and sum(opts.split) != units:
-            raise ConfigError(
-                "interlocking.split",
-                opts.split,
-                f"must add up to the model's {units} units ({what}), one entry per stage",
-            )
-        if opts.stages > units:
-            raise ConfigError("interlocking.stages", opts.stages, f"the model has only {units} units ({what}) to split")
-        micro, test = cfg.optim.batch_size // opts.micro_batches, num_examples(ctx.data.eval_sets["test"])
-        if opts.balance == "measured" and opts.split is None and test < micro:
-            raise ConfigError(
-                "interlocking.balance",
-                opts.balance,
-                f"times a micro-batch ({micro} rows) of the test "
-                f"set, which has {test}: raise data.test_size, or use blocks or params",
-            )
+        """The options against the loaded model and data (`check_loaded`): how many units the model has
+        and how many test rows time a measured split are known only now."""
+        check_loaded(ctx, Interlocking.opts(ctx.cfg))
 
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts, family, clock = ctx.cfg, Interlocking.opts(ctx.cfg), ctx.spec.family, TrainClock()
         torch.manual_seed(cfg.seed)
-        K = opts.stages
-        model = copy.deepcopy(ctx.load_driver_weights()).float().train()  # the driver's copy: final weights land in it
-        untied = family == "hf_causal_lm" and untie_lm_head(model)
-        task = ctx.data.task  # one stream of batches from one source: stage 0 reads the training rows
-        source = Source(
-            "image" if family == "timm" else "tokens",
-            None,
-            ctx.eval_sets(),
-            cfg.optim.batch_size,
-            cfg.seed,
-            task.image_size,
-            cfg.eval_rows,
-            task.mean,
-            task.std,
-        )
-        balance = opts.balance  # measured: timed on a micro-batch of the test set (the driver holds no training row)
-        if opts.balance == "measured" and opts.split is None:
-            size = cfg.optim.batch_size // opts.micro_batches
-            x = make_task(task).inputs(batch_at(ctx.data.eval_sets["test"], 0, size, cfg.seed))
-            balance = measure_balance(model, family, x, ctx.spec.num_classes, opts.aux_widths, cfg.nodes.cpus)
-        modules = split_model(model, family, K, balance, opts.split)
-        heads = aux_heads(
-            model,
-            modules,
-            family,
-            ctx.spec.num_classes,
-            opts.aux_widths,
-            opts.aux_init_from_lm_head,
-            opts.aux_positions,
-            cfg.seed,
-        )
+        built = build_stages(ctx, opts)  # the driver's copy: final weights land in built.model
         with (
             NodeGroup(StageActor, cfg, Ledger(), bundles=self.bundles(cfg)) as group,
             group.stop_on_death("interlocking stage", "each stage holds layers no other has"),
         ):
-            self._load(group, modules, heads, source, ctx.data.train, cfg, ctx.spec)
-            trained, stage_losses, busy, curve = self._train(ctx, group, source)
+            self._load(group, built.modules, built.heads, built.source, ctx.data.train, cfg, ctx.spec)
+            trained, stage_losses, busy, curve = self._train(ctx, group, built.source)
             per_set, eval_bytes = evaluate_chained(
-                group.handles(), source.eval_sets, cfg.eval_rows, group.fetch, LOSS_OF_FAMILY[family]
+                group.handles(), built.source.eval_sets, cfg.eval_rows, group.fetch, LOSS_OF_FAMILY[family]
             )
             group.ledger.record("final", "eval_activations", eval_bytes)
             fetched_eval = {key: getattr(group.fetch, key) - trained["fetched"][key] for key in ("bytes", "tensors")}
             infos = group.call("info", phase="final", what="stage_info")
-            for module, (state, _) in zip(modules, group.call("state", phase="final", what="stage_weights")):
+            for module, (state, _) in zip(built.modules, group.call("state", phase="final", what="stage_weights")):
                 module.load_state_dict(state)
         train_s, batches = trained["train_s"], trained["batches"]
-        details = {
-            "stages": K,
-            "n": opts.width,
-            "rule": opts.rule,
-            "micro_batches": opts.micro_batches,
-            "stage_batches": opts.max_batches_ahead if opts.overlap else 1,
-            "micro_batch_size": cfg.optim.batch_size // opts.micro_batches,
-            "balance": opts.balance,
-            "units_per_stage": units_per_stage(modules, family),
-            "batches": batches,
-            "step_time_s": train_s / batches if batches else None,
-            **(
-                {  # it stops submitting at the budget; the batches in flight then finish
-                    "budget": {
-                        **budget_details(cfg.optim.budget_s, trained["stopped_at_s"], batches, trained["last_step_s"]),
-                        "train_s_with_batches_in_flight": train_s,
-                    }
-                }
-                if cfg.optim.budget_s is not None and "stopped_at_s" in trained
-                else {}
-            ),
-            "steady_step_time_s": max(
-                (i["median_step_interval_s"] for i in infos if i["median_step_interval_s"] is not None), default=None
-            ),
-            "busy_fraction": [b / train_s for b in busy] if train_s > 0 else None,
-            "heads": {
-                name: {f"head{k}" + ("_final" if k == K - 1 else "_aux"): m for k, m in enumerate(heads_m)}
-                for name, heads_m in per_set.items()
-            },
-            "train_head_loss_last": [v[-1] if v else None for v in stage_losses],
-            "driver_fetched": {"train": trained["fetched"], "eval": fetched_eval},
-            "lm_head_untied": untied,
-            **({"measured_costs_s": asdict(balance)} if balance != opts.balance else {}),
-        }
+        details = run_details(cfg, opts, built, trained, infos, busy, per_set, stage_losses, fetched_eval)
         return finish_record(
             self.name,
             ctx,
@@ -302,7 +120,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             samples=batches * cfg.optim.batch_size,
             train_s=train_s,
             infos=infos,
-            weights=state_dict_of(model),
+            weights=state_dict_of(built.model),
             curve=curve,
             nodes=[{**i, "busy_s": b} for i, b in zip(infos, busy)],
             details=details,

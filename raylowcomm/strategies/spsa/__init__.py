@@ -34,8 +34,10 @@ from raylowcomm.strategies.base import (
 )
 from raylowcomm.strategies.spsa.config import NAME, OPTION_RULES, SpsaConfig, check_membership
 from raylowcomm.strategies.spsa.driver import SpsaRun
+from raylowcomm.strategies.spsa.inprocess import node_batch, planned_steps, step_as_nodes
 from raylowcomm.strategies.spsa.node import SpsaNode
-from raylowcomm.training import total_steps
+
+__all__ = ["Spsa", "SpsaRun", "node_batch", "planned_steps", "step_as_nodes"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class Spsa(Strategy[SpsaConfig]):
         matches none stops the run before Ray starts."""
         opts = Spsa.opts(ctx.cfg)
         sizes = ctx.data.train.sizes(ctx.cfg.nodes.count + len(opts.join))
-        steps = opts.steps or (total_steps(ctx.cfg.optim, min(sizes)) if sizes else None)
+        steps = planned_steps(ctx.cfg, opts, sizes)
         check_kills(ctx.cfg, steps, {ev.node: ev.step for ev in opts.leave}, "spsa.leave")
         include = opts.include
         if not include:
@@ -119,7 +121,7 @@ class Spsa(Strategy[SpsaConfig]):
     def run(self, ctx: RunContext) -> RunRecord:
         cfg, opts = ctx.cfg, Spsa.opts(ctx.cfg)
         sizes = ctx.data.train.sizes(cfg.nodes.count + len(opts.join))  # one shard per slot; None: the nodes know
-        steps = opts.steps or (total_steps(cfg.optim, min(sizes)) if sizes else None)
+        steps = planned_steps(cfg, opts, sizes)
         if steps is not None:
             check_membership(cfg.nodes.count, opts, steps)
         with NodeGroup(SpsaNode, cfg, Ledger(), bundles=self.bundles(cfg)) as group:  # joiners' slots too

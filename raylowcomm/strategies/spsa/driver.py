@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 
 import ray
 
 from raylowcomm.actors import NodeGroup, check_replicas
-from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.core.zo.estimators import forwards_per_step
@@ -25,40 +24,17 @@ from raylowcomm.strategies.base import (
     finish_record,
 )
 from raylowcomm.strategies.spsa.config import NAME, SpsaConfig, check_membership
+from raylowcomm.strategies.spsa.counts import DRIVER_STATE, DriverCounts
+from raylowcomm.strategies.spsa.membership import NodeMembership
 from raylowcomm.strategies.spsa.node import CHECKPOINT, LOSS_BYTES, LOSS_FORMAT
+from raylowcomm.strategies.spsa.record import run_details
 from raylowcomm.tasks import mean_metrics
 from raylowcomm.training import total_steps
 
 logger = logging.getLogger(__name__)
 
-DRIVER_STATE = "spsa/driver.json"
-"""In storage: the driver's counts at the last checkpoint (what `--resume` continues from)."""
 
-
-@dataclass
-class DriverCounts:
-    """What the driver has counted so far: kept in DRIVER_STATE at every checkpoint beside the step, the
-    running nodes, the ledger and the nodes' records, so that a resumed run continues them."""
-
-    samples: int = 0
-    forwards: int = 0
-    curve: list = field(default_factory=list)
-    verified: list = field(default_factory=list)
-    per_step: dict = field(default_factory=lambda: {"payload": [], "wire": [], "control": [], "wall": []})
-    step0: dict = field(default_factory=dict)
-    ckpt_step: int = 0
-    ckpt_size: int = 0
-    node_s: dict = field(default_factory=dict)
-    """Per node (its id as a string, as JSON keeps it): seconds on steps whose codes every replica applied
-    (`useful_s`) and seconds waiting for the slowest node's codes or replay (`idle_s`), as the driver times
-    each node's calls."""
-
-    @classmethod
-    def restored(cls, state: dict) -> DriverCounts:
-        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})  # older states: fewer counts
-
-
-class SpsaRun:
+class SpsaRun(NodeMembership):
     """The driver's side of one SPSA run: membership, the byte exchange, checks and the curve."""
 
     def __init__(self, ctx: RunContext, group: NodeGroup, steps: int | None, opts: SpsaConfig):
@@ -97,31 +73,6 @@ class SpsaRun:
             self.steps = total_steps(self.cfg.optim, min(group.call("examples", phase="setup", what="shard_sizes")))
             check_membership(count, self.opts, self.steps)
         return state["step"] if state else 0
-
-    def start_node(self, k: int, phase: str, until: int | None) -> None:
-        """Node `k`: the initial weights, or (`until`) the checkpoint and log in storage, on top of
-        the initial weights where the checkpoint holds only what SPSA tunes (LoRA). It reads its
-        own shard (of `slots`) where it runs: only the recipe crosses."""
-        initial = until is None or self.ctx.fine_tune.trainable_only()
-        if initial:
-            if self.weights_ref is None:  # the driver's weights, or the recipe the node loads them by
-                self.start = self.ctx.initial_model()
-                self.weights_ref = ray.put(self.start[1])
-            self.ledger.send(phase, *self.start)
-        recipe = self.group.put(self.ctx.data.train, phase, "data_recipe")
-        self.group.start(
-            k,
-            k,
-            self.ctx.spec,
-            self.ctx.data.task,
-            recipe,
-            self.slots,
-            self.cfg,
-            self.opts,
-            self.storage,
-            weights=self.weights_ref if initial else None,
-            until=until,
-        )
 
     def checkpoint(self, step: int) -> None:
         """θ at `step` (from the lowest running node) and the driver's counts, into storage."""
@@ -192,39 +143,6 @@ class SpsaRun:
                 break
         return self.finish(self.counts.step0)
 
-    def leave(self, k: int, step: int, how: str) -> None:
-        if how == "remove":
-            self.infos[k] = self.group.fetch.get([self.group[k].info.remote()], "final", "node_info")[0]
-        self.group.remove(k, kill=how == "remove")
-        died = {"died_of": self.group.died_of.get(k)} if how == "died" else {}  # the node's own cause, where known
-        self.records[k].update(left_step=step, left_how=how, left_at_s=self.train_clock.elapsed(), **died)
-        logger.info("[spsa] step %d: node %d left (%s); running: %s", step, k, how, self.group.keys())
-
-    def membership(self, step: int) -> None:
-        for ev in self.opts.leave:
-            if ev.step == step and ev.how == "kill":
-                self.group[ev.node].crash.remote()  # found dead by the compute call that follows
-            elif ev.step == step:
-                self.leave(ev.node, step, "remove")
-        for i, ev in enumerate(self.opts.join):
-            if ev.step == step:
-                k, group = self.cfg.nodes.count + i, self.group
-                # a node writes it, the joiner reads it
-                log_size = ray.get(group[min(group.keys())].save_log.remote(self.counts.ckpt_step))
-                self.ledger.record("train", "join_log", log_size)
-                self.ledger.record("train", "join_checkpoint", self.counts.ckpt_size)
-                self.start_node(k, "train", step)
-                self.records[k] = {
-                    "node": k,
-                    "joined_step": step,
-                    "left_step": None,
-                    "left_how": None,
-                    "joined_at_s": self.train_clock.elapsed(),
-                    "joined_from_checkpoint_step": self.counts.ckpt_step,
-                    "join_log_bytes": log_size,
-                }
-                self.verify(step)
-
     def exchange(self, step: int) -> dict:
         """Every node's step message up, the others' codes down; returns the step's progress."""
         t0, group, ledger = time.perf_counter(), self.group, self.ledger
@@ -248,7 +166,7 @@ class SpsaRun:
         _, dead, replaying = group.gather_timed(applies, sent, "apply")
         for k in dead:
             self.leave(k, step + 1, "died")  # its codes are in the others' replicas all the same
-        self.book_node_time(pubs, computing, {k: s for k, s in replaying.items() if k not in dead})
+        self.counts.book_node_time(pubs, computing, {k: s for k, s in replaying.items() if k not in dead})
         self.counts.samples += len(pubs) * self.cfg.optim.batch_size
         self.counts.forwards += len(pubs) * self.node_forwards
         for key, value in (
@@ -265,35 +183,6 @@ class SpsaRun:
             "bytes": ledger.total_bytes,
             "train_loss": sum(losses) / len(pubs),
         }
-
-    def book_node_time(self, pubs: list[int], computing: dict[int, float], replaying: dict[int, float]) -> None:
-        """A published step is useful on every node that computed it (every replica applies its codes) and on
-        every node that replayed it; the rest of each call's wait, to the slowest node's, is idle."""
-        for calls, nodes in ((computing, pubs), (replaying, [k for k in pubs if k in replaying])):
-            slowest = max((calls[k] for k in nodes), default=0.0)
-            for k in nodes:
-                account = self.counts.node_s.setdefault(str(k), {"useful_s": 0.0, "idle_s": 0.0})
-                account["useful_s"] += calls[k]
-                account["idle_s"] += slowest - calls[k]
-
-    def goodput(self, train_s: float) -> dict:
-        """Each node's account (`node_s`) over its time in the run: from its join to its leave or death,
-        or the whole training phase. A node that died loses the step it was computing, not timed."""
-        accounts = []
-        for k, r in sorted(self.records.items()):
-            times = self.counts.node_s.get(str(k), {"useful_s": 0.0, "idle_s": 0.0})
-            whole = r["joined_step"] == 0 and r["left_step"] is None
-            accounts.append(
-                NodeAccount(
-                    k,
-                    times["useful_s"],
-                    times["idle_s"],
-                    None if r["left_how"] == "died" else 0.0,
-                    joins=int(r["joined_step"] > 0),
-                    reserved_s=None if whole else r.get("left_at_s", train_s) - r.get("joined_at_s", 0.0),
-                )
-            )
-        return goodput(accounts, train_s)
 
     def verify(self, step: int) -> None:
         digest = check_replicas(self.group.actors, step, self.ledger)
@@ -324,7 +213,7 @@ class SpsaRun:
         return self.group.fetch.get([self.group[k].weights.remote()], "final", "model_weights")[0]
 
     def finish(self, step0: dict) -> RunRecord:
-        group, steps, opts = self.group, self.steps, self.opts
+        group, steps = self.group, self.steps
         train_s = self.train_clock.elapsed()
         metrics = self.evaluate(steps)
         if self.cfg.data.eval_on_nodes:  # identical replicas, each scored on its own held-out rows
@@ -337,37 +226,20 @@ class SpsaRun:
             {**self.records[k], **self.infos.get(k, {}), "final_hash": hashes.get(k)} for k in sorted(self.records)
         ]
         infos = list(self.infos.values())
-        compute, replay = (max((i[key] for i in infos), default=0.0) for key in ("compute_s", "replay_s"))
-        total = {key: sum(values) for key, values in self.counts.per_step.items()}
-        details = {
-            **({"budget": self.budget} if self.budget else {}),
-            "step0_metrics": step0,
-            "steps": steps,
-            "codec": opts.codec,
-            "codec_bytes": self.codec.nbytes,
-            "perturbation": opts.perturbation,
-            "samples_per_node_step": opts.samples,
-            "estimator": opts.estimator,
-            "step_rule": opts.step,
-            "density": opts.density,
-            "forwards": self.counts.forwards,
-            "forwards_per_node_step": self.node_forwards,
-            "lr": opts.lr or self.cfg.optim.lr,
-            "eps": opts.eps,
-            "shard_slots": self.slots,
-            "verified": self.counts.verified,
-            "grad_bytes": total["payload"],
-            "grad_wire_bytes": total["wire"],
-            "grad_relay_bytes": self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
-            "payload_bytes_per_step": total["payload"] / steps,
-            "wire_bytes_per_step": total["wire"] / steps,
-            "control_wire_bytes_per_step": total["control"] / steps,
-            "mean_step_s": total["wall"] / steps,
-            "curve_eval_s": self.train_clock.paused_s,
-            "mean_compute_s": compute / steps,
-            "mean_replay_s": replay / steps,
-            "mean_exchange_s": max(0.0, (total["wall"] - compute - replay) / steps),
-        }
+        details = run_details(
+            self.cfg,
+            self.opts,
+            self.counts,
+            steps,
+            infos,
+            step0=step0,
+            budget=self.budget,
+            codec_bytes=self.codec.nbytes,
+            node_forwards=self.node_forwards,
+            slots=self.slots,
+            relay_bytes=self.ledger.bytes_by_kind.get("train/projected_grads_relay", 0),
+            curve_eval_s=self.train_clock.paused_s,
+        )
         return finish_record(
             NAME,
             self.ctx,
@@ -383,5 +255,5 @@ class SpsaRun:
             nodes=nodes,
             details=details,
             final_point={"forwards": self.counts.forwards},
-            goodput=self.goodput(train_s),
+            goodput=self.counts.goodput(self.records, train_s),
         )

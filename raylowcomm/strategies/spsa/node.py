@@ -9,14 +9,14 @@ import time
 import ray
 
 from raylowcomm.actors import Node
-from raylowcomm.common.batches import batch_at, group_seed, num_examples
-from raylowcomm.common.seeding import node_seed
+from raylowcomm.common.batches import num_examples
 from raylowcomm.config import RunConfig
 from raylowcomm.core.zo.estimators import measured_loss
 from raylowcomm.data import TrainSource
 from raylowcomm.execution.churn import Churn
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.spsa.config import NAME, SpsaConfig
+from raylowcomm.strategies.spsa.inprocess import node_batch
 from raylowcomm.training import autocast, load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class SpsaNode(Node):
         super().__init__(node, cfg, spec, task, weights)
         self.storage, self.shard = storage, data.load(node, slots)  # read on the node's host
         self.hold_out(data, slots)
-        self.seed, self.losses = node_seed(cfg.seed, node), []
+        self.losses = []
         self.replica = o.make_replica(self.model, node, cfg.seed, cfg.optim, step=until or 0)
         self.times = {"compute_s": 0.0, "replay_s": 0.0}
         self.churn = Churn.for_node(cfg, node, slots, storage, NAME)
@@ -69,7 +69,7 @@ class SpsaNode(Node):
         count, so no step number needs to travel."""
         t0, step = time.perf_counter(), self.replica.step
         with autocast(self.cfg.optim.precision, self.device):  # the losses only: replicas apply fp32 updates
-            batch = batch_at(self.shard, step, self.cfg.optim.batch_size, self.seed, group_seed(self.cfg))
+            batch = node_batch(self.shard, step, self.cfg, self.replica.node)
             payload, pairs = self.replica.compute(self.task.loss, batch)
         self.losses.append(measured_loss(self.replica.estimator, pairs))
         if self.churn is not None:
