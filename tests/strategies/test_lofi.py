@@ -136,7 +136,9 @@ def _kill_a_node_when_checkpointed(ckpt_dir, killed: list):
         time.sleep(0.005)
 
 
-@pytest.mark.slow
+# CI's time: a killed node restarting from its checkpoint and ending bit for bit as the clean run is
+# test_churn's preempted-node test; curves through a run are test_curve_point's
+@pytest.mark.heavy
 def test_killed_node_restarts_from_its_checkpoint(ray_session, tmp_path):
     cfg = tiny_config(bn_recalibrate=False)
     cfg.optim.epochs, cfg.eval_every = 3, 16

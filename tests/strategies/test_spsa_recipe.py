@@ -151,7 +151,9 @@ def test_a_step_of_the_two_point_recipe_is_the_reference_two_point_step_and_move
     assert moved == ["model.norm.weight"]
 
 
-@pytest.mark.slow
+# CI's time: the benchmark's replica is benchmarks/zo's, which steps the package's own SPSA code
+# (test_spsa's replicas run in CI)
+@pytest.mark.heavy
 def test_the_benchmark_replica_is_bit_for_bit_a_one_node_run(ray_session, tmp_path):
     """`python -m benchmarks.zo` runs a node's loop in-process (a third of the memory): its weights
     and its curve must be those of `raylowcomm run` with one node, under both estimators."""
