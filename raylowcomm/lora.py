@@ -210,7 +210,7 @@ def _mean(states: Sequence[State], w: list[float], key: str) -> torch.Tensor:
 def _merged_weight(base: torch.Tensor, layer: AdaptedLayer, states: Sequence[State], w: list[float]) -> torch.Tensor:
     """base + the nodes' mean of scale·B_k·A_k (`core.aggregation.MEAN`, float64), rounded once to base's
     dtype, on base's device."""
-    delta = MEAN.combine((layer.delta(s) for s in states), w, owned=True)
+    delta = MEAN.combine((layer.delta(s) for s in states), w)
     return (base.double() + delta.to(base.device)).to(base.dtype)
 
 

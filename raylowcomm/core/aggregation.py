@@ -47,13 +47,12 @@ class WeightedMean:
     name = "mean"
 
     @staticmethod
-    def start(value: Tensor, weight: float, owned: bool = False) -> Tensor:
-        """A running sum from the first value: a new float64 tensor (`owned`: `value` is already a
-        float64 tensor of the caller's own that may become the sum)."""
+    def start(value: Tensor, weight: float) -> Tensor:
+        """A running sum from the first value: a new float64 tensor, never the caller's."""
         total = value.detach().to(torch.float64)
         if weight != 1.0:
             return total * weight
-        return total if owned or value.dtype != torch.float64 else total.clone()  # .to() copied all but float64
+        return total if value.dtype != torch.float64 else total.clone()  # .to() copied all but float64
 
     @staticmethod
     def add(total: Tensor, value: Tensor, weight: float) -> None:
@@ -66,10 +65,9 @@ class WeightedMean:
         """The mean from the running sum (divided in place)."""
         return total.div_(weight_sum)
 
-    def combine(self, values: Iterable[Tensor], weights: Sequence[float], owned: bool = False) -> Tensor:
-        """`owned`: each value is a fresh float64 tensor the sum may take over (a decoded payload's)."""
+    def combine(self, values: Iterable[Tensor], weights: Sequence[float]) -> Tensor:
         it = iter(values)
-        total = self.start(next(it), float(weights[0]), owned)
+        total = self.start(next(it), float(weights[0]))
         for value, weight in zip(it, weights[1:]):
             self.add(total, value, float(weight))
         return self.finish(total, math.fsum(float(w) for w in weights))
@@ -103,9 +101,6 @@ def average_decoded(
     for name in names:
         spec = layout[name]
         decoded = (codec.unpack(payload[name], spec) for payload in payloads)  # each a fresh float64 tensor
-        if aggregator is MEAN:
-            combined = MEAN.combine(decoded, weights, owned=True)  # sums into the first decoded tensor
-        else:
-            combined = aggregator.combine(decoded, weights)
+        combined = aggregator.combine(decoded, weights)
         out[name] = combined.to(dtype).view(spec.shape)
     return out

@@ -4,7 +4,7 @@ it and the metrics that exist, not after a whole trial ran.
 
 A trial (`trials._trial`) reports each strategy's progress while it trains (`ctx.report`: step,
 steps, bytes, train_loss, and the curve's evaluations), then the strategy's record metrics (its
-evaluation sets' metrics, named by `tasks.metric_names`: id_*, val_*, shift_* and shift/<name>_*,
+evaluation sets' metrics, named by `tasks.metric_names` itself: id_*, val_*, shift_* and shift/<name>_*,
 each * a metric of the task's `summarize`) with total_bytes, wall_s and ray_nodes_used; with several
 strategies every name is prefixed by its strategy (lofi/id_accuracy). Tune adds its own counters.
 """
@@ -39,8 +39,8 @@ def task_metrics(cfg: RunConfig) -> set[str]:
     return {name for cls in chosen for name in cls.summarize(ones)}
 
 
-def eval_prefixes(cfg: RunConfig) -> list[str]:
-    """The prefixes of the run's evaluation sets' metrics: id, val (data.val_size), and shift and
+def eval_sets(cfg: RunConfig) -> list[str]:
+    """The run's evaluation sets, named as the driver holds them: test, val (data.val_size), and
     shift/<name> for each shift set (a preset's with data.shift auto, or the user's own)."""
     data = cfg.data
     if data.shift == "auto":
@@ -48,13 +48,17 @@ def eval_prefixes(cfg: RunConfig) -> list[str]:
         shifts = list(preset.shift) if preset is not None else []
     else:
         shifts = [] if data.shift == "none" else list(data.shift)
-    return ["id"] + (["val"] if data.val_size else []) + (["shift"] + [f"shift/{s}" for s in shifts] if shifts else [])
+    return ["test"] + (["val"] if data.val_size else []) + [f"shift/{s}" for s in shifts]
 
 
 def strategy_metrics(cfg: RunConfig) -> set[str]:
-    """What one strategy of `cfg` reports, unprefixed: its progress, its record metrics, its totals."""
-    scored = {f"{prefix}_{name}" for prefix in eval_prefixes(cfg) for name in task_metrics(cfg)}
-    return set(PROGRESS) | set(FINISHED) | scored
+    """What one strategy of `cfg` reports, unprefixed: its progress, its record metrics (named by the
+    records' own `tasks.metric_names`), its totals."""
+    from raylowcomm.tasks import metric_names
+
+    task = task_metrics(cfg)
+    scored = metric_names({name: dict.fromkeys(task, 0.0) for name in eval_sets(cfg)})
+    return set(PROGRESS) | set(FINISHED) | set(scored)
 
 
 def reported(cfg: RunConfig) -> set[str]:

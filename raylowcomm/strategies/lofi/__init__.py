@@ -175,10 +175,10 @@ class Lofi(Strategy[LofiConfig]):
         except ValueError as err:
             raise ConfigError("lofi.dense", o.dense, f"{err}: name its tensors by pattern (`classifier.*`)") from None
         sizes = ctx.data.train.sizes(node_slots(ctx.cfg, o))  # None with data.node_files: only the nodes know theirs
+        steps = total_steps(ctx.cfg.optim, min(sizes)) if sizes else None
         if sizes:
             check_schedule(ctx.cfg, o, min(sizes))
-            check_membership(ctx.cfg, o, total_steps(ctx.cfg.optim, min(sizes)))
-        steps = total_steps(ctx.cfg.optim, min(sizes)) if sizes else None
+            check_membership(ctx.cfg, o, steps)
         check_kills(ctx.cfg, steps, {ev.node: ev.step for ev in o.leave}, "lofi.leave")
 
     @staticmethod
