@@ -5,9 +5,11 @@ exception (type, message, which stage or node, which call) is the strategy's err
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
+import ray
 import yaml
 
 from raylowcomm import runner
@@ -17,6 +19,7 @@ from raylowcomm.failures import FirstFailure, NodeFailed, all_left, first_of
 from raylowcomm.model_overrides import check_overrides
 from raylowcomm.runner import failure_message, prepare, run
 from raylowcomm.strategies import from_dict
+from tests.test_actors import live_groups
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2}
 """A small Llama of SmolLM2's family, drawn at random: its tokenizer has 49,152 tokens."""
@@ -151,7 +154,14 @@ def test_a_stage_or_node_failing_at_its_first_batch_is_the_error_not_the_drivers
     lo-fi and SPSA nodes name the node and the call the same way."""
     monkeypatch.setattr(runner, "check_overrides", lambda *args: None)
     own = "IndexError: index out of range in self"
-    for record in run(from_dict(scratch_lm(strategies, vocab_size=8000)), tmp_path):
+    cpus = ray.available_resources().get("CPU", 0)
+    records = run(from_dict(scratch_lm(strategies, vocab_size=8000)), tmp_path)
+    deadline = time.time() + 30  # a killed actor's CPUs come back as Ray notices it gone
+    while ray.available_resources().get("CPU", 0) < cpus and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= cpus, "every CPU the failed runs took is free again"
+    assert live_groups() == {}, "a placement group outlived its failed run"
+    for record in records:
         failure = record["failure"]
         if record["strategy"] == "interlocking":
             assert record["error"] == f"{own} (interlocking stage 0 of 2, in forward, batch 0, micro-batch 0)"
