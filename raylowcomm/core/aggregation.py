@@ -7,6 +7,11 @@ A rule sees one tensor at a time, in node order, each node's value in float64 wi
 sum, never N copies), a rule that needs them all (a median) lists them. Every replica that combines
 the same values with the same weights in the same order gets the same bits: nothing here depends on
 threads or devices beyond IEEE float64 arithmetic, done as separate multiplies and adds.
+
+A rule that needs the whole round before any tensor (clipping each node's whole Δ to a bound from
+the round's norms) is a `RoundAggregator`: its `prepare` takes every node's L2 norm and returns a
+factor per node that each decoded value is multiplied by before `combine` (`core.robust` runs that
+pass and holds the robust rules). A rule without `prepare`, the mean among them, is fed straight.
 """
 
 from __future__ import annotations
@@ -29,6 +34,19 @@ class Aggregator(Protocol):
     def combine(self, values: Iterable[Tensor], weights: Sequence[float]) -> Tensor:
         """The round's value of one tensor, float64, from the nodes' values (float64, one shape, in node
         order), node k weighing weights[k] > 0."""
+
+
+class RoundAggregator(Aggregator, Protocol):
+    """An `Aggregator` with a whole-round step, run before any tensor is combined."""
+
+    def prepare(self, norms: Sequence[float], weights: Sequence[float]) -> list[float] | None:
+        """A factor per node (None: none) from each node's L2 norm of its whole Δ (every tensor of
+        the round), in node order."""
+
+
+def needs_norms(aggregator: Aggregator) -> bool:
+    """Whether the rule asks for the round's norms first (has `prepare`); the mean does not."""
+    return callable(getattr(aggregator, "prepare", None))
 
 
 def check_weights(weights: Sequence[float], count: int) -> list[float]:
