@@ -23,9 +23,6 @@ CEILINGS = {
     "strategies/lofi/node.py::LofiNode.train": 69,
     "strategies/lofi/node_rounds.py": 405,
     "strategies/lofi/node_rounds.py::NodeRounds": 295,
-    "strategies/lofi/quorum.py": 643,
-    "strategies/lofi/quorum.py::QuorumExchange": 477,
-    "strategies/lofi/quorum.py::QuorumExchange.train": 69,
 }
 """What is past its limit at the third house step (issue 57): each place's lines today, the most it may hold."""
 

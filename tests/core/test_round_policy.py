@@ -15,7 +15,8 @@ from raylowcomm.core.round_policy import (
 
 
 def test_the_policy_imports_neither_ray_nor_torch():
-    code = "import sys, raylowcomm.core.round_policy; print(sorted({'ray', 'torch'} & set(sys.modules)))"
+    modules = "raylowcomm.core.round_policy, raylowcomm.core.rounds, raylowcomm.core.rounds.policy"
+    code = f"import sys, {modules}; print(sorted({{'ray', 'torch'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
