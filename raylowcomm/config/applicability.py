@@ -20,6 +20,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from raylowcomm.config.bad_nodes import check_bad_nodes
 from raylowcomm.config.schema import ConfigError, RunConfig
 
 logger = logging.getLogger("raylowcomm")
@@ -133,6 +134,11 @@ SHARED_RULES: dict[str, Rule] = {
         "draws the victims of churn.kill_every_s, which is not set: remove it or set kill_every_s",
     ),
     "churn.cpu_quota": always,
+    "bad_nodes": lambda cfg, _: check_bad_nodes(cfg),  # refuses a bad entry itself, naming its field
+    "bad_nodes.node": always,
+    "bad_nodes.update": always,
+    "bad_nodes.scale": always,
+    "bad_nodes.round": always,
     "strategies": always,
     "seed": always,
     "out_dir": always,

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raylowcomm.core.bad_updates import BadNode
+
 
 class ConfigError(ValueError):
     """A bad config value; the message names the field, the value and the fix."""
@@ -66,18 +68,16 @@ class ModelConfig:
     adapters and head fp32. Without: SPSA only (lo-fi, DDP and interlocking update every weight,
     which needs fp32). See docs/models.md for what each combination keeps exact."""
     memory_format: Literal["auto", "channels_last", "contiguous"] = "auto"
-    """How an image model's 4-D weights (and so the activations its convolutions produce) lie in
-    memory where it trains. channels_last: pixels with their channels side by side, where oneDNN runs
-    depthwise and grouped convolutions (EfficientNet, MobileNet) fastest on a CPU (docs/models.md;
-    docs/benchmarks.md); contiguous: torch's default; auto: channels_last for timm models on CPU,
-    contiguous elsewhere (GPUs: not measured here). The same values cross and are counted; results
-    differ from contiguous only in float rounding. SPSA's nodes stay contiguous (they perturb each
+    """How an image model's 4-D weights (and so the activations its convolutions produce) lie in memory where it trains.
+    channels_last: pixels with their channels side by side, where oneDNN runs depthwise and grouped convolutions
+    (EfficientNet, MobileNet) fastest on a CPU (docs/models.md; docs/benchmarks.md); contiguous: torch's default; auto:
+    channels_last for timm models on CPU, contiguous elsewhere (GPUs: not measured here). The same values cross and are
+    counted; results differ from contiguous only in float rounding. SPSA's nodes stay contiguous (they perturb each
     weight in memory order, the same order on every replica)."""
     source: Literal["auto", "nodes", "driver"] = "auto"
-    """Who loads the pretrained weights. nodes: each node from model.path / the asset / its hub
-    cache, only a recipe of a few KB crosses; driver: the driver loads them and sends them through
-    the object store; auto: nodes when every node can read the source and no strategy of the run
-    needs the weights on the driver (docs/models.md)."""
+    """Who loads the pretrained weights. nodes: each node from model.path / the asset / its hub cache, only a recipe of
+    a few KB crosses; driver: the driver loads them and sends them through the object store; auto: nodes when every node
+    can read the source and no strategy of the run needs the weights on the driver (docs/models.md)."""
 
 
 @dataclass
@@ -181,20 +181,18 @@ class OptimConfig:
     """Rows per evaluation batch; None: 32 on CPU, where a small batch's activations stay in
     cache and scoring is faster than in large batches (docs/benchmarks.md), 256 on GPUs."""
     precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16: forward and backward under torch.autocast(bfloat16); weights, optimizer state and
-    SPSA's updates stay fp32. SPSA replicas stay bit-identical either way (every replica applies
-    the same decoded updates); a resumed or restarted node is bit-exact only on the same kind of
-    device, as autocast kernels differ between devices."""
+    """bf16: forward and backward under torch.autocast(bfloat16); weights, optimizer state and SPSA's updates stay fp32.
+    SPSA replicas stay bit-identical either way (every replica applies the same decoded updates); a resumed or restarted
+    node is bit-exact only on the same kind of device, as autocast kernels differ between devices."""
 
 
 @dataclass
 class NodesConfig:
     count: int | list[int] = 2
-    """Node actors (lo-fi, SPSA) or Ray Train workers (DDP); the training set is split into this many
-    disjoint shards. Interlocking runs interlocking.stages actors instead. Or a range [min, max] (lo-fi's
-    quorum rounds): the run starts once min nodes fit, takes more as the cluster holds them, up to max, and
-    the training set is split into max shards (docs/fault-tolerance.md#elastic-node-count). Read as a
-    number, `count` is the min; `most` is the max."""
+    """Node actors (lo-fi, SPSA) or Ray Train workers (DDP); the training set is split into this many disjoint shards.
+    Interlocking runs interlocking.stages actors instead. Or a range [min, max] (lo-fi's quorum rounds): the run starts
+    once min nodes fit, takes more as the cluster holds them, up to max, and the training set is split into max shards
+    (docs/fault-tolerance.md#elastic-node-count). Read as a number, `count` is the min; `most` is the max."""
     cpus: float = 1.0
     """CPUs per node actor (also torch threads in the actor)."""
     gpus: float = 0.0
@@ -301,6 +299,8 @@ class RunConfig:
     """The actors: how many, and the CPUs, GPUs and custom resources of each."""
     churn: ChurnConfig = field(default_factory=ChurnConfig)
     """Slow and preempted nodes, injected to measure what churn costs each strategy."""
+    bad_nodes: list[BadNode] = field(default_factory=list)
+    """Nodes that send a wrong outer update, [{node, update, scale, round}], injected to measure what one costs."""
     strategies: list[str] | None = None
     """The strategies to run, one after another, on identical model, data and hyper-parameters:
     lofi, ddp, spsa, interlocking. null: those the registry runs by default, lofi and ddp (the

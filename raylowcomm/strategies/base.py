@@ -16,7 +16,7 @@ from torch import nn
 from raylowcomm.common.batches import Split
 from raylowcomm.common.ledger import Ledger
 from raylowcomm.common.timing import TrainClock
-from raylowcomm.config import RunConfig
+from raylowcomm.config import RunConfig, bad_nodes
 from raylowcomm.data import PreparedData
 from raylowcomm.execution import churn, hosts_without, node_bundle
 from raylowcomm.finetune import FineTune, ModelRecipe, fine_tune_for, on_meta
@@ -296,6 +296,8 @@ def finish_record(
     details = details or {}
     if ctx.cfg.churn.active:
         details["churn"] = churn.booked_events(ctx.storage, name)
+    if (bad := bad_nodes.booked(ctx.cfg, name)) is not None:
+        details["bad_nodes"] = bad  # which nodes sent a wrong update, and how
     if ctx.data.classes:
         details["classes"] = ctx.data.classes  # class index -> the data's own label name
     params = list(ctx.architecture.parameters())  # what `raylowcomm plan` scales bytes and compute by

@@ -114,6 +114,9 @@ class Ddp(Strategy[DdpConfig]):
     runs_by_default: ClassVar[bool] = True  # the baseline every run is compared with
     Config: ClassVar[type] = DdpConfig
     option_rules: ClassVar[dict] = {"backend": always}  # validate: nccl needs GPUs
+    ignores: ClassVar[dict[str, str]] = {
+        "bad_nodes": "its workers all-reduce gradients every step; no round carries one node's outer update"
+    }
 
     @staticmethod
     def validate(cfg: RunConfig) -> None:

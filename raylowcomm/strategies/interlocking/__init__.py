@@ -65,6 +65,7 @@ class Interlocking(Strategy[InterlockingConfig]):
         "checkpoint_every": "stages keep no checkpoints",
         "log_every": "it logs each stage's first and last head loss",
         "optim.group_by_length": "it cuts one stream of batches, not grouped by length",
+        "bad_nodes": "its stages pass activations and gradients; no round carries a node's outer update",
     }
     count_field: ClassVar[str] = "interlocking.stages"  # the option that sets how many actors it starts
 

@@ -1,9 +1,8 @@
-"""A lo-fi node's side of peer rounds (`NodeRounds`): at a round's boundary it encodes its Δ and puts
-the payload in the object store itself; given its peers' refs it fetches their payloads, decodes and
-averages them in node order (the same bits on every node), takes the outer step (plain: θ_global −
-Δ̄; or `OuterNesterov`), loads the new global model and checkpoints it (round file first). Integer
-tensors (BatchNorm's `num_batches_tracked`) do not cross: each node keeps its own count, the same on
-every node. A node that dies between putting its payload and applying the round takes the payload
+"""A lo-fi node's side of peer rounds (`NodeRounds`): at a round's boundary it encodes its Δ and puts the payload in the
+object store itself; given its peers' refs it fetches their payloads, decodes and averages them in node order (the same
+bits on every node), takes the outer step (plain: θ_global − Δ̄; or `OuterNesterov`), loads the new global model and
+checkpoints it (round file first). Integer tensors (BatchNorm's `num_batches_tracked`) do not cross: each node keeps its
+own count, the same on every node. A node that dies between putting its payload and applying the round takes the payload
 with it: the round ends with `ActorDied` naming the node and the round (`died_during`)."""
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from raylowcomm.actors import ActorDied
 from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.seeding import epoch_seed
 from raylowcomm.core.averaging import OuterNesterov
+from raylowcomm.core.bad_updates import bad_update
 from raylowcomm.core.compression import Payload
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi import streaming
@@ -167,10 +167,12 @@ class NodeRounds:
         return list(self.global_state) if fragment == streaming.ALL else self.fragments[fragment]
 
     def _delta(self, fragment: int = streaming.ALL) -> dict:
-        """Δ = θ_global − θ_k in float64 over the fragment's floating-point tensors (exact for float32 weights)."""
+        """Δ = θ_global − θ_k in float64 (exact for float32 weights), or a bad node's update for the round it is sent
+        for (`bad_nodes`): before the codec, so what compression drops of it stays in the bad node's own residual."""
         mine = floats(self.node.weights())
         base = self.pending.base if self.pending is not None and self.pending.base is not None else self.global_state
-        return {k: base[k].to(torch.float64, copy=True).sub_(mine[k]) for k in self._names(fragment)}  # one pass less
+        delta = {k: base[k].to(torch.float64, copy=True).sub_(mine[k]) for k in self._names(fragment)}  # one pass less
+        return bad_update(self.node.cfg.bad_nodes, self.node.rank, self.node.rounds + 1, self.seed, delta)
 
     def encode_delta(self, fragment: int = streaming.ALL, final: bool = False) -> Payload:
         """This node's payload: Δ plus what compression dropped before (error feedback); `final`: in the
@@ -200,9 +202,7 @@ class NodeRounds:
 
     def sent(self) -> str | None:
         """After `encode_delta` of a node that keeps training: its payload's token (`PendingProgress.sent`)."""
-        if self.pending is None:
-            return None
-        return self.pending.sent(floats(self.node.weights()), self.global_state)
+        return None if self.pending is None else self.pending.sent(floats(self.node.weights()), self.global_state)
 
     def catch_up(
         self, rounds: list[tuple[int, list[list], list[float]]], reset: bool = False, merged: list[str] = ()

@@ -51,6 +51,7 @@ class Spsa(Strategy[SpsaConfig]):
         "optim.name": "it steps plain SGD on its zeroth-order estimate",
         "optim.momentum": "it steps plain SGD on its zeroth-order estimate",
         "model.memory_format": "its nodes perturb each weight in memory order, contiguous on every replica",
+        "bad_nodes": "every node applies the same seeded update; no round carries one node's outer update",
     }
     fp32_updates: ClassVar[bool] = False  # every replica applies the same seeded update, bf16/fp16 weights alike
 
