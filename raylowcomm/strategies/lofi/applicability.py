@@ -1,7 +1,7 @@
 """When each of lo-fi's options can take effect (`config.applicability`): a rule per field of
 `LofiConfig`, asked only of the fields a user set away from their defaults. Ranges and the
-combinations a topology cannot run are checked in `Lofi.validate`; these say what an option needs
-to change anything at all."""
+combinations a topology cannot run are checked by the option groups (`options.LofiOptions`); these
+say what an option needs to change anything at all."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _blockwise(cfg, o) -> bool:
 
 OPTION_RULES = {
     "average_every": always,
-    "warmup_steps": always,  # Lofi.validate: needs average_every; Lofi.check: shorter than the run
+    "warmup_steps": always,  # RoundOptions: needs average_every, shorter than the run
     "average_unit": needs(lambda cfg, o: o.average_every is not None, f"counts lofi.average_every's period: {_ROUNDS}"),
     "outer_optimizer": always,
     "outer_lr": needs(
@@ -30,20 +30,20 @@ OPTION_RULES = {
     ),
     "weighting": always,
     "soup": always,
-    "bn_recalibrate": always,  # Lofi.check: only for a model with BatchNorm
+    "bn_recalibrate": always,  # ending.finish_run: only for a model with BatchNorm
     "bn_batches": needs(lambda cfg, o: o.bn_recalibrate, "sizes the BatchNorm recalibration: set bn_recalibrate: true"),
     "lora_average": needs(lambda cfg, o: cfg.model.lora is not None, "averages LoRA adapters: set model.lora"),
     "exchange": always,
     "compress": always,
     "topk_fraction": needs(lambda cfg, o: o.compress == "topk", "is top-k's fraction: set lofi.compress: topk"),
-    "dense": always,  # Lofi._validate_exchange: beside a compress, in peer rounds
+    "dense": always,  # CodecOptions: beside a compress, in peer rounds
     "dense_codec": needs(
         lambda cfg, o: bool(o.dense), "is the codec of lofi.dense's tensors, and none are named: set lofi.dense"
     ),
     "compress_block": needs(_blockwise, f"sizes a blockwise codec's blocks, and nothing crosses in one: {_CODEC}"),
     "error_feedback": needs(lambda cfg, o: o.compress != "none", f"keeps what a codec drops: {_CODEC}"),
-    "fragments": always,  # streaming.validate: peer rounds every H steps
-    "overlap": always,  # streaming.validate: peer rounds every H steps
+    "fragments": always,  # RoundOptions: peer rounds every H steps
+    "overlap": always,  # RoundOptions: peer rounds every H steps
     "probe_steps": always,
     "final_round": needs(lambda cfg, o: o.compress != "none", f"is a codec's final round: {_CODEC}"),
     "final_residual": needs(
@@ -51,7 +51,7 @@ OPTION_RULES = {
         f"adds error feedback's residual to the final round: {_CODEC} with lofi.error_feedback: true",
     ),
     "mix": needs(lambda cfg, o: o.overlap > 0, "mixes a fragment that lands while a node trains on: set lofi.overlap"),
-    "round_momentum": always,  # Lofi.validate: needs whole-model rounds
+    "round_momentum": always,  # RoundOptions: needs whole-model rounds
     "sync": always,
     "sync_every_s": needs(lambda cfg, o: o.sync == "time", "is the period of sync by time: set lofi.sync: time"),
     "quorum": always,
@@ -63,7 +63,7 @@ OPTION_RULES = {
         lambda cfg, o: on_quorum(o, cfg.nodes.elastic),
         "weighs payloads that missed their round, and rounds are lockstep: set lofi.quorum (or sync: time)",
     ),
-    "keep_training": always,  # Lofi._validate_exchange: quorum rounds or overlap
+    "keep_training": always,  # QuorumOptions: quorum rounds or overlap
     "join": always,
     "join.step": always,
     "leave": always,

@@ -1,12 +1,17 @@
-"""lo-fi's options (`lofi:` in a config): what averages when, how rounds travel and what they compress."""
+"""lo-fi's options (`lofi:` in a config): what averages when, how rounds travel and what they compress.
+Flat, as the YAML has them; `options.LofiOptions` groups them by what they set, and each group checks
+its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config import RunConfig
 from raylowcomm.core.membership import JoinEvent, LeaveEvent
+
+NAME = "lofi"
+"""The strategy's name, and its section in a config (`lofi:`)."""
 
 MAX_COMPRESS_BLOCK = 65536
 """lofi.compress_block's upper bound: every node pads each tensor to whole blocks."""
@@ -135,24 +140,25 @@ class LofiConfig:
     remove only (a crash is `churn.kill` with nodes.max_restarts: 0)."""
 
 
-def node_slots(cfg: RunConfig, o: LofiConfig) -> int:
+def node_slots(cfg: RunConfig, o) -> int:
     """Node slots, one training shard each: the first nodes (node 0 to `nodes.count` - 1), the joiners
-    (lofi.join) after them, and last a range's nodes past its min (`nodes.count: [min, max]`)."""
+    (lofi.join) after them, and last a range's nodes past its min (`nodes.count: [min, max]`). `o`: the
+    `LofiConfig`, or its `QuorumOptions` (`option_groups`), as for the helpers below."""
     return cfg.nodes.most + len(o.join)
 
 
-def on_quorum(o: LofiConfig, elastic: bool = False) -> bool:
+def on_quorum(o, elastic: bool = False) -> bool:
     """Whether the rounds land on a quorum (`quorum`, sync by time, or a membership that changes: on a
     schedule, or as the cluster holds nodes, `elastic`)."""
     return o.quorum is not None or o.sync == "time" or bool(o.join or o.leave) or elastic
 
 
-def fixed_period(o: LofiConfig) -> bool:
+def fixed_period(o) -> bool:
     """Whether rounds come every H `average_unit`s (a number, no warm-up): what fragments and overlap need."""
     return isinstance(o.average_every, int) and not o.warmup_steps
 
 
-def round_gaps(o: LofiConfig, per_epoch: int) -> list[int] | None:
+def round_gaps(o, per_epoch: int) -> list[int] | None:
     """The steps between successive rounds, the last repeating (None: no rounds): the warm-up's single
     steps, then average_every's entries in steps."""
     if o.average_every is None:
@@ -169,46 +175,3 @@ def round_boundaries(gaps: list[int], steps: int) -> list[int]:
         bounds.append(t)
         i += 1
     return bounds + [steps]
-
-
-def check_schedule(cfg: RunConfig, o: LofiConfig, smallest_shard: int) -> None:
-    """lofi.average_every and warmup_steps against the run's length (the steps of its smallest shard):
-    a period longer than the run never comes round, and the run would train as plain lo-fi, one
-    average at its end, while the config asks for rounds; a warm-up as long as the run leaves no
-    step to `average_every`."""
-    from raylowcomm.common.batches import steps_per_epoch
-    from raylowcomm.training import total_steps
-
-    if o.average_every is None:
-        return
-    steps, per_epoch = total_steps(cfg.optim, smallest_shard), steps_per_epoch(smallest_shard, cfg.optim.batch_size)
-    if o.warmup_steps and o.warmup_steps >= steps and cfg.optim.budget_s is None:
-        raise ConfigError(
-            "lofi.warmup_steps",
-            o.warmup_steps,
-            f"the run takes {steps} steps per node, so a warm-up of {o.warmup_steps} rounds every step would last "
-            f"it all and lofi.average_every would never take over: set warmup_steps below {steps}, or 0",
-        )
-    every = round_gaps(o, per_epoch)[0]
-    if every <= steps:
-        return
-    listed = isinstance(o.average_every, list)
-    first, which = (o.average_every[0], " (its first round)") if listed else (o.average_every, "")
-    run = f"the run takes {steps} steps per node"
-    end = "no round would come before its end (one average there, as plain lo-fi)"
-    if o.average_unit == "steps":
-        raise ConfigError(
-            "lofi.average_every",
-            o.average_every,
-            f"{every} steps{which} is longer than the run: {run}, so {end}: set lofi.average_every to at "
-            f"most {steps}, or null for one average at the end",
-        )
-    epochs = steps / per_epoch
-    fix = f"at most {steps // per_epoch} (epochs)" if epochs >= 1 else f"at most {steps} with lofi.average_unit: steps"
-    raise ConfigError(
-        "lofi.average_every",
-        o.average_every,
-        f"{first} epoch{'s' * (first != 1)} ({every} steps){which} is longer than the run: "
-        f"{run} ({epochs:g} epoch{'s' * (epochs != 1)} of {per_epoch} steps), so {end}: set "
-        f"lofi.average_every to {fix}, or null for one average at the end",
-    )

@@ -10,7 +10,8 @@ lives. The strategy's loop only trains to each boundary and asks its exchange fo
 - `QuorumExchange` (`lofi.quorum`): peer rounds that land on a quorum of nodes, each node training at
   its own pace (`quorum`).
 
-`exchange_for` (in the strategy's module) is the one place that picks one.
+`options.exchange_for` is the one place that picks one; the options refused on a topology are
+checked by the option groups, given the exchange (`options.LofiOptions.validate`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ class FinalModel:
     what node 0 merges and saves where the driver holds no base."""
 
 
+@dataclass
+class Trained:
+    """What lo-fi's training loop hands the end of the run: every node's reports (the record's
+    `nodes[k].train`: each call's, or each quorum segment's, wire dict), the training seconds, the
+    snapshots of the curve ((step, training seconds at it, bytes sent by then)) and the goodput."""
+
+    nodes: list[list[dict]]
+    train_s: float
+    snapshots: list[tuple[int, float, int]]
+    goodput: dict
+    samples: int
+    """Examples trained on, by every node (quorum rounds: those that left too)."""
+    last_step_s: float = 0.0
+    """The slowest node's last step (and a round after it): what a budget's overshoot is measured by."""
+
+
 class Exchange(Protocol):
     """One averaging topology: what a lo-fi run asks of it, in the order it asks."""
 
@@ -55,10 +72,6 @@ class Exchange(Protocol):
 
     def __init__(self, ctx: RunContext, opts: LofiConfig, start: dict | None):
         """`start`: the pretrained weights, where the driver holds them (None: the nodes load them)."""
-
-    @staticmethod
-    def validate(cfg: RunConfig, opts: LofiConfig) -> None:
-        """The options this topology refuses (a ConfigError), before anything starts."""
 
     @staticmethod
     def driver_weights(cfg: RunConfig, opts: LofiConfig) -> str | None:
@@ -76,8 +89,8 @@ class Exchange(Protocol):
     def round(self, group: NodeGroup, plan: Plan, round_: int, until: int) -> None:
         """Averaging round `round_`, at step `until` of every node."""
 
-    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> dict:
-        """Where `paced`: the whole training loop, {nodes: each node's train stats per call, train_s, snapshots}."""
+    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan, launch) -> Trained:
+        """Where `paced`: the whole training loop (`launch(k)` starts node k's actor, a joiner's)."""
 
     def finish(
         self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]

@@ -19,6 +19,7 @@ from raylowcomm.execution.churn import Churn
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import merging_for
+from raylowcomm.strategies.lofi.messages import ResumePoint, SegmentResult, TrainReport
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
 from raylowcomm.strategies.lofi.payload import dense_names
 from raylowcomm.strategies.lofi.probe import head_names
@@ -143,13 +144,13 @@ class LofiNode(Node):
         seconds: float | None = None,
         nearest: bool = False,
     ) -> dict:
-        """Steps up to `until`; at each step in `snapshot_at`, a snapshot on local disk and the
-        training time so far in this call (saving the snapshot is not training). `landing`: [round,
-        step] of the peer round in flight (lofi.overlap), landed at that step (after a checkpoint of
-        the weights it merges into: a restart in between merges again from there); how long training
-        waited for it is `round_wait_s` in what it returns. `seconds`: stop after the step that reaches
-        that much training time, if before `until` (a budget), checkpointed there; `nearest`: at the step
-        end nearest to it (`lofi.sync: time`)."""
+        """Steps up to `until`, reported as a `TrainReport`'s wire dict; at each step in `snapshot_at`, a
+        snapshot on local disk and the training time so far in this call (saving the snapshot is not
+        training). `landing`: [round, step] of the peer round in flight (lofi.overlap), landed at that
+        step (after a checkpoint of the weights it merges into: a restart in between merges again from
+        there); how long training waited for it is `round_wait_s` in what it returns. `seconds`: stop
+        after the step that reaches that much training time, if before `until` (a budget), checkpointed
+        there; `nearest`: at the step end nearest to it (`lofi.sync: time`)."""
         clock, snaps, snapshot_s, waited = TrainClock(), set(snapshot_at), {}, {}
         if self.peer is not None:
             self.peer.expect_landing(landing)
@@ -196,14 +197,7 @@ class LofiNode(Node):
         elif done != until:  # stopped by time: the checkpoint `on_step` keeps for `until`
             self.save_state(done)
         self.step, restored, self.restored_from = done, self.restored_from, None
-        return {
-            "node": self.rank,
-            "step": done,
-            "restored_from": restored,
-            "snapshot_s": snapshot_s,
-            **stats,
-            **waited,
-        }
+        return TrainReport.of(self.rank, done, restored, snapshot_s, stats, **waited).wire()
 
     def snapshot(self, step: int) -> dict:
         return self.storage.load_tensors(self._snapshot_path(step))[0]
@@ -269,22 +263,20 @@ class LofiNode(Node):
         self, rounds: list, until: int, seconds: float | None = None, reset: bool = False, merged: list[str] = ()
     ) -> tuple[dict, object]:
         """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until` (or for
-        `seconds` of training, `lofi.sync: time`), and return what it did and its payload, Δ from the
-        global model it started from (`reset`: a restarted node starts from it again; `lofi.keep_training`:
-        Δ from where it last sent, `merged` the tokens of its payloads that `rounds` hold). The payload is this
-        call's second return value: the driver owns it, so it outlives this process, and nobody fetches it
-        but the nodes that land it."""
+        `seconds` of training, `lofi.sync: time`), and return what it did (a `SegmentResult`'s wire dict) and
+        its payload, Δ from the global model it started from (`reset`: a restarted node starts from it again;
+        `lofi.keep_training`: Δ from where it last sent, `merged` the tokens of its payloads that `rounds`
+        hold). The payload is this call's second return value: the driver owns it, so it outlives this
+        process, and nobody fetches it but the nodes that land it."""
         t0 = time.perf_counter()
         landed = self.peer.catch_up(rounds, reset, merged)
         t1 = time.perf_counter()
-        stats = self.train(until, [], seconds=seconds, nearest=True)
+        trained = TrainReport.from_wire(self.train(until, [], seconds=seconds, nearest=True))
         t2 = time.perf_counter()
         payload = self.peer.encode_delta()
-        meta = {"base_round": self.rounds, "base_hash": self.peer.global_hash(), "nbytes": payload.nbytes}
-        if (token := self.peer.sent()) is not None:
-            meta["token"] = token
+        hashed, token = self.peer.global_hash(), self.peer.sent()
         parts = {"land_s": t1 - t0, "train_call_s": t2 - t1, "encode_s": time.perf_counter() - t2}
-        return {**stats, **meta, "landed": landed, "segment_parts_s": parts}, payload
+        return SegmentResult(trained, self.rounds, hashed, payload.nbytes, token, landed, parts).wire(), payload
 
     def catch_up(self, rounds: list, reset: bool = False, merged: list[str] = ()) -> int:
         return self.peer.catch_up(rounds, reset, merged)
@@ -307,7 +299,7 @@ class LofiNode(Node):
     def global_hash(self) -> str:
         return self.peer.global_hash()
 
-    def join(self, path: str | None) -> tuple[int, int]:
+    def join(self, path: str | None) -> ResumePoint:
         """A node joining quorum rounds (`lofi.join`): the global model of the round file at `path` (the
         member that had landed the most rounds; None before the first round: it holds the start) becomes
         its own; returns `round_of`."""
@@ -315,9 +307,9 @@ class LofiNode(Node):
             self.peer.adopt(path)
         return self.round_of()
 
-    def round_of(self) -> tuple[int, int]:
+    def round_of(self) -> ResumePoint:
         """The rounds this node has landed and the step it has trained to."""
-        return self.rounds, self.step
+        return ResumePoint(self.rounds, self.step)
 
     def examples(self) -> int:
         return num_examples(self.shard)

@@ -21,7 +21,7 @@ import torch
 from raylowcomm.actors import NodeGroup, ReplicaMismatch, check_replicas, count_tensors
 from raylowcomm.common.hashing import parameter_hash
 from raylowcomm.common.ledger import Ledger, payload_nbytes
-from raylowcomm.config import ConfigError, RunConfig
+from raylowcomm.config import RunConfig
 from raylowcomm.core.averaging import OuterNesterov
 from raylowcomm.models import state_dict_of
 from raylowcomm.strategies.base import RunContext
@@ -54,34 +54,6 @@ class PeerExchange:
         self.opts = o
         self.on_nodes = nodes_hold_result(self.opts, merging_for(ctx.spec).merges_rounds)
         self.fetched = {"bytes": 0, "tensors": 0}  # what the driver read back during training: refs and sizes
-
-    @staticmethod
-    def validate(cfg: RunConfig, o: LofiConfig) -> None:
-        field = "lofi.compress" if o.compress != "none" else "lofi.exchange"
-        value = o.compress if o.compress != "none" else o.exchange
-        if cfg.model.lora is not None and o.overlap and o.mix:
-            raise ConfigError(
-                "lofi.mix",
-                o.mix,
-                "with model.lora a landed round restarts the adapters it merged, "
-                "which leaves nothing of the node's own to mix: set lofi.mix: 0",
-            )
-        if o.keep_training and o.overlap and cfg.model.lora is not None:
-            raise ConfigError(
-                "lofi.keep_training",
-                o.keep_training,
-                "with model.lora a landed round restarts the adapters it merged, "
-                "which leaves nothing of the node's own to keep: set lofi.keep_training: false",
-            )
-        if o.keep_training and o.overlap and o.mix:
-            raise ConfigError(
-                "lofi.mix",
-                o.mix,
-                "with lofi.keep_training a landed round keeps all the node trained while it was in flight: "
-                "set lofi.mix: 0",
-            )
-        if o.soup == "greedy":
-            raise ConfigError(field, value, "a greedy soup needs every node's full model: set lofi.soup: uniform")
 
     @staticmethod
     def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:

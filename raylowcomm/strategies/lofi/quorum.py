@@ -15,14 +15,12 @@ from typing import ClassVar
 
 from raylowcomm.actors import NodeGroup
 from raylowcomm.common.goodput import NodeAccount, goodput
-from raylowcomm.config import ConfigError, RunConfig
-from raylowcomm.core.membership import ScheduleError, check_schedule
+from raylowcomm.config import RunConfig
 from raylowcomm.core.rounds import NodeLog, QuorumPolicy, Rules, RunRecord
 from raylowcomm.core.rounds.events import Finish, Land
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.lofi.config import LofiConfig
-from raylowcomm.strategies.lofi.exchange import FinalModel
-from raylowcomm.strategies.lofi.payload import final_is_own
+from raylowcomm.strategies.lofi.exchange import FinalModel, Trained
 from raylowcomm.strategies.lofi.peers import PeerExchange, check_global
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.quorum_loop import ROUNDS, QuorumLoop, book_catch_up, land_everywhere
@@ -31,29 +29,7 @@ from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROUNDS", "QuorumExchange", "check_membership"]
-
-
-def check_membership(cfg: RunConfig, o: LofiConfig, steps: int | None) -> None:
-    """lofi.join and lofi.leave against the first nodes and, once known, the run's steps per node."""
-    for i, ev in enumerate(o.leave):
-        if ev.how != "remove":
-            raise ConfigError(
-                f"lofi.leave[{i}].how",
-                ev.how,
-                "a node leaves quorum rounds by `remove`; a crash is churn.kill (with nodes.max_restarts: 0 it "
-                "does not come back): set how: remove",
-            )
-    if o.join and cfg.data.node_files is not None:
-        raise ConfigError(
-            "lofi.join",
-            [ev.step for ev in o.join],
-            "a joiner's shard is cut from one shared training set: not offered with data.node_files; remove lofi.join",
-        )
-    try:
-        check_schedule(cfg.nodes.count, o.leave, o.join, steps)
-    except ScheduleError as err:
-        raise ConfigError(f"lofi.{err.field}", err.value, err.allowed) from None
+__all__ = ["ROUNDS", "QuorumExchange"]
 
 
 class QuorumExchange(PeerExchange):
@@ -71,64 +47,6 @@ class QuorumExchange(PeerExchange):
         self.policy: QuorumPolicy | None = None
 
     @staticmethod
-    def validate(cfg: RunConfig, o: LofiConfig) -> None:
-        PeerExchange.validate(cfg, o)
-        q, n = o.quorum, cfg.nodes.most
-        whole = isinstance(q, int) and not isinstance(q, bool)
-        if q is not None and not ((whole and 1 <= q <= n) or (isinstance(q, float) and 0 < q <= 1)):
-            raise ConfigError(
-                "lofi.quorum", q, f"a node count in 1..{n} (nodes.count), a fraction in (0, 1], or null for lockstep"
-            )
-        if cfg.nodes.elastic:
-            refused = [("data.node_files", cfg.data.node_files), ("nodes.hosts", cfg.nodes.hosts)]
-            for name, value in refused:
-                if value is not None:
-                    raise ConfigError(
-                        "nodes.count",
-                        cfg.nodes.count_as_given(),
-                        f"a range's nodes start wherever the cluster holds them, with a shard cut from one "
-                        f"training set: not offered with {name}; give one number",
-                    )
-        if o.grace_s < 0:
-            raise ConfigError("lofi.grace_s", o.grace_s, "must be >= 0 seconds")
-        if o.staleness < 0:
-            raise ConfigError("lofi.staleness", o.staleness, "must be >= 0 (0: a late payload counts fully)")
-        check_membership(cfg, o, None)
-        timed = o.sync == "time"
-        if timed and not (o.sync_every_s and o.sync_every_s > 0):
-            raise ConfigError(
-                "lofi.sync_every_s", o.sync_every_s, "sync: time needs the seconds between payloads (> 0)"
-            )
-        refused = {
-            "lofi.average_every": (
-                (o.average_every is None) != timed,
-                "sync: time replaces average_every: set one of them"
-                if timed
-                else "quorum rounds need rounds: set lofi.average_every (or lofi.sync: time)",
-            ),
-            "lofi.warmup_steps": (timed and o.warmup_steps > 0, "a warm-up counts steps: with sync: time set it to 0"),
-            "model.lora": (cfg.model.lora is not None, "not offered with quorum rounds yet: remove lofi.quorum"),
-            "lofi.fragments": (o.fragments > 1, "quorum rounds sync the whole model: set lofi.fragments: 1"),
-            "lofi.overlap": (o.overlap > 0, "a quorum round lands between segments: set lofi.overlap: 0"),
-            "lofi.final_round": (
-                final_is_own(o),
-                "a quorum round may merge a late payload with the last ones, so every payload is encoded "
-                "alike: set lofi.final_round: compressed and lofi.final_residual: true",
-            ),
-            "eval_every": (cfg.eval_every > 0, "a curve from snapshots needs lockstep nodes: set eval_every: 0"),
-            "optim.budget_s": (
-                cfg.optim.budget_s is not None,
-                "quorum rounds run a budget of node-steps: remove optim.budget_s",
-            ),
-        }
-        for name, (bad, fix) in refused.items():
-            if bad:
-                value = {"model.lora": "set", "eval_every": cfg.eval_every, "optim.budget_s": cfg.optim.budget_s}.get(
-                    name, getattr(o, name[5:], None)
-                )
-                raise ConfigError(name, value, fix)
-
-    @staticmethod
     def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:
         """The final round lands on the nodes, which hold the average: the driver needs the weights for a
         curve at most."""
@@ -141,19 +59,19 @@ class QuorumExchange(PeerExchange):
         (`ROUNDS`, written as each round landed)."""
         keys = group.keys()
         held = dict(zip(keys, group.call("round_of", phase="train")))
-        ahead = max(keys, key=lambda k: held[k][0])
-        latest = held[ahead][0]
+        ahead = max(keys, key=lambda k: held[k].rounds)
+        latest = held[ahead].rounds
         if latest:
             group.call("adopt_round", round_path(ahead), phase="train")
         else:  # every node still holds the start as its global model: it starts from there again
             group.call("catch_up", [], True, phase="train")
         landed = ctx.storage.read_json(ROUNDS) if ctx.storage.exists(ROUNDS) else []
         self.record.landed = landed[:latest] + [[] for _ in range(latest - len(landed))]
-        self.resumed, self.resumed_at = {k: NodeLog(step=held[k][1], rounds=latest) for k in keys}, latest
+        self.resumed, self.resumed_at = {k: NodeLog(step=held[k].step, rounds=latest) for k in keys}, latest
         logger.info("[lofi] quorum rounds resume from round %d (node %d's global model)", latest, ahead)
         return latest
 
-    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan, launch=None) -> dict:
+    def train(self, ctx: RunContext, group: NodeGroup, plan: Plan, launch=None) -> Trained:
         """Segments until the budget of node-steps is spent, landing rounds as their quorums come in, nodes
         joining (`launch(k)` starts node k's actor) and leaving on their schedules. The last payloads stay
         pending: `finish` lands them as the final round."""
@@ -178,7 +96,7 @@ class QuorumExchange(PeerExchange):
         QuorumLoop(ctx, group, plan, self.policy, launch).run()
         return self._summary(group, began, time.perf_counter())
 
-    def _summary(self, group: NodeGroup, began: float, end: float) -> dict:
+    def _summary(self, group: NodeGroup, began: float, end: float) -> Trained:
         """The training's record: each node's segments and its goodput account (the payloads still pending
         count as useful: `finish` lands them)."""
         nodes, pending, rounds = self.policy.nodes, self.policy.pending, len(self.record.landed)
@@ -201,13 +119,13 @@ class QuorumExchange(PeerExchange):
             )
             for k, n in sorted(nodes.items())
         ]
-        return {
-            "nodes": [nodes[k].segments for k in group.keys()],  # the nodes still in the run
-            "samples": sum(s["samples"] for n in nodes.values() for s in n.segments),  # those that left too
-            "train_s": train_s,
-            "snapshots": [],
-            "goodput": goodput(accounts, train_s, late_payloads=len(late), late_staleness=late),
-        }
+        return Trained(
+            nodes=[nodes[k].segments for k in group.keys()],  # the nodes still in the run
+            train_s=train_s,
+            snapshots=[],
+            goodput=goodput(accounts, train_s, late_payloads=len(late), late_staleness=late),
+            samples=sum(s["samples"] for n in nodes.values() for s in n.segments),  # those that left too
+        )
 
     def finish(
         self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]

@@ -21,10 +21,11 @@ import ray
 
 from raylowcomm.actors import NodeGroup, ReplicaMismatch
 from raylowcomm.common.ledger import payload_nbytes
-from raylowcomm.core.rounds import LandedRound, QuorumPolicy, SegmentReport
+from raylowcomm.core.rounds import LandedRound, QuorumPolicy
 from raylowcomm.core.rounds import events as ev
 from raylowcomm.failures import all_left, cause_of
 from raylowcomm.strategies.base import RunContext
+from raylowcomm.strategies.lofi.messages import SegmentResult
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.round_file import round_path
 
@@ -96,21 +97,19 @@ class QuorumLoop:
         if ref in self.joining:
             k = self.joining.pop(ref)
             try:
-                rounds, step = ray.get(ref)
+                point = ray.get(ref)
             except ray.exceptions.RayActorError as err:  # died again while starting
                 return self._died(k, None, err)
-            return self.policy.decide(ev.Joined(k, rounds, step, time.perf_counter()))
+            return self.policy.decide(ev.Joined(k, point.rounds, point.step, time.perf_counter()))
         flight, k, payload = self.flights.pop(ref)
         try:
             meta = ray.get(ref)
         except ray.exceptions.RayActorError as err:
             return self._died(k, flight, err)
         self.group.ledger.send("train", "round_replies", meta)
-        self._check(k, meta)
-        report = SegmentReport(
-            meta["step"], meta["base_round"], meta["samples"], meta["train_s"], meta["nbytes"], meta.get("token"), meta
-        )
-        return self.policy.decide(ev.Arrived(k, flight, report, payload, time.perf_counter()))
+        segment = SegmentResult.from_wire(meta)
+        self._check(k, segment)
+        return self.policy.decide(ev.Arrived(k, flight, segment.for_policy(meta), payload, time.perf_counter()))
 
     def _died(self, k: int, flight: int | None, err: Exception) -> list[ev.Decision]:
         """A node that died leaves the quorum at once; restarted, it joins again at its next segment."""
@@ -128,12 +127,12 @@ class QuorumLoop:
             return []
         return self.policy.decide(ev.Restarted(k))
 
-    def _check(self, k: int, meta: dict) -> None:
+    def _check(self, k: int, segment: SegmentResult) -> None:
         """Every node that started from round r holds the same global model."""
-        seen = self.hashes.setdefault(meta["base_round"], {})
-        seen[k] = meta["base_hash"]
+        seen = self.hashes.setdefault(segment.base_round, {})
+        seen[k] = segment.base_hash
         if len(set(seen.values())) > 1:
-            raise ReplicaMismatch(f"lo-fi nodes hold different global models after round {meta['base_round']}: {seen}")
+            raise ReplicaMismatch(f"lo-fi nodes hold different global models after round {segment.base_round}: {seen}")
 
     def carry_out(self, decisions: list[ev.Decision]) -> ev.Wait | None:
         """Each decision in order; returns the wait the policy asks for (None: the training is over)."""

@@ -40,10 +40,6 @@ class StarExchange:
         )
 
     @staticmethod
-    def validate(cfg: RunConfig, o: LofiConfig) -> None:
-        """The star takes every lo-fi option that does not name peer rounds (`streaming.validate`)."""
-
-    @staticmethod
     def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:
         adapters = cfg.model.lora is not None
         if o.outer_optimizer != "none":

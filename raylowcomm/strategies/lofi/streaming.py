@@ -24,9 +24,6 @@ import threading
 
 import torch
 
-from raylowcomm.config import ConfigError
-from raylowcomm.strategies.lofi.config import LofiConfig, fixed_period
-
 ALL = -1
 """The fragment index of a round that syncs every fragment (the final round)."""
 
@@ -117,54 +114,3 @@ class InFlightRound:
         if self._error is not None:
             raise self._error
         return self._value
-
-
-def validate(o: LofiConfig, peers: bool) -> None:
-    """lofi.fragments, overlap and mix: in range, and with what they need (`peers`: peer rounds, every H steps)."""
-    if o.fragments < 1:
-        raise ConfigError("lofi.fragments", o.fragments, "must be >= 1 (1: the whole model every round)")
-    if o.overlap < 0:
-        raise ConfigError("lofi.overlap", o.overlap, "must be a number of steps >= 0")
-    if not 0 <= o.mix <= 1:
-        raise ConfigError("lofi.mix", o.mix, "must be in [0, 1]")
-    for field, value, on in (("lofi.fragments", o.fragments, o.fragments > 1), ("lofi.overlap", o.overlap, o.overlap)):
-        if not on:
-            continue
-        if not peers:
-            raise ConfigError(
-                field,
-                value,
-                "needs peer rounds: set lofi.compress (int8, int4, int2, topk, sign) or lofi.exchange: peers",
-            )
-        if o.average_every is None or o.average_unit != "steps":
-            raise ConfigError(
-                field, value, "needs rounds every H steps: set lofi.average_every and lofi.average_unit: steps"
-            )
-    if (o.fragments > 1 or o.overlap) and not fixed_period(o):
-        field, value = ("lofi.fragments", o.fragments) if o.fragments > 1 else ("lofi.overlap", o.overlap)
-        raise ConfigError(
-            field, value, "needs one period: set lofi.average_every to a number and lofi.warmup_steps to 0"
-        )
-    if o.fragments > 1 and o.average_every % o.fragments:
-        raise ConfigError("lofi.fragments", o.fragments, f"must divide lofi.average_every ({o.average_every})")
-    gap = o.average_every // o.fragments if fixed_period(o) and o.average_every else 0
-    if o.overlap and o.overlap > gap:
-        raise ConfigError(
-            "lofi.overlap", o.overlap, f"must be at most average_every/fragments ({gap}): one round in flight at a time"
-        )
-
-
-def check(opts, model, fine_tune, sync_unit) -> None:
-    """More fragments than units of what crosses (`sync_unit` of the floating-point tensors a node
-    sends: modules, or under LoRA adapted layers and the head) cannot be cut."""
-    if fine_tune.trainable_only():  # a node sends what trains (adapters and head); names only: the model may be meta
-        sent = [k for k, p in model.named_parameters() if p.requires_grad]
-    else:
-        sent = [k for k, v in model.state_dict().items() if v.is_floating_point()]
-    count = len({sync_unit(k) for k in sent})
-    if opts.fragments > count:
-        raise ConfigError(
-            "lofi.fragments",
-            opts.fragments,
-            f"the model sends {count} modules with floating-point tensors to cut into fragments: set at most {count}",
-        )
