@@ -67,7 +67,8 @@ def step_parts(samples: int, nodes: int, steps: int, threads: int) -> dict:
     its floor: 2·samples forwards + the replay of nodes·samples updates. The other publishers'
     codes are copies of its own: what they hold does not change the work."""
     from raylowcomm.core.zo.codec import codec_for
-    from raylowcomm.core.zo.perturb import _parked, _z_chunks
+    from raylowcomm.core.zo.draws import z_chunks
+    from raylowcomm.core.zo.perturb import parked
     from raylowcomm.core.zo.replay import Replica
 
     model, batch, task = _workload(threads)
@@ -83,11 +84,11 @@ def step_parts(samples: int, nodes: int, steps: int, threads: int) -> dict:
         walls.append(time.perf_counter() - t0)
 
     def park_and_restore() -> None:
-        with _parked(tensors, rep.spare):
+        with parked(tensors, rep.spare):
             pass
 
     row = {"samples": samples, "nodes": nodes, **{k: v / steps for k, v in rep.times.items()}}
-    row["z_gen_s"] = best_of(lambda: all(True for _ in _z_chunks(tensors, 1, "rademacher")), 2)  # a pass drawing z only
+    row["z_gen_s"] = best_of(lambda: all(True for _ in z_chunks(tensors, 1, "rademacher")), 2)  # a pass drawing z only
     row["restore_s"] = best_of(park_and_restore, 3)
     row["replay_per_update_s"] = row["replay_s"] / (nodes * samples)
     row["floor_s"] = row["forward_plus_s"] + row["forward_minus_s"] + row["replay_s"]

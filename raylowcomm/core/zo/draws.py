@@ -96,7 +96,7 @@ def _slices(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
             yield flat[start : start + CHUNK]
 
 
-def _z_chunks(
+def z_chunks(
     tensors: Iterable[torch.Tensor], seed: int, kind: str, scratch: _Scratch | None = None, density: float = 1.0
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(flat slice of a tensor, its z) for every CHUNK of every tensor, in order. The z is drawn

@@ -16,7 +16,7 @@ from torch import nn
 
 from raylowcomm.core.zo.draws import CHUNK as CHUNK
 from raylowcomm.core.zo.draws import KINDS as KINDS
-from raylowcomm.core.zo.draws import _Scratch, _slices, _z_chunks
+from raylowcomm.core.zo.draws import _Scratch, _slices, z_chunks
 from raylowcomm.core.zo.draws import mask_threshold as mask_threshold
 
 NamedParams = Sequence[tuple[str, torch.Tensor]]
@@ -56,7 +56,7 @@ def decay_mask(params: NamedParams) -> list[bool]:
 def iter_z(params: NamedParams, seed: int, kind: str = "rademacher", density: float = 1.0) -> Iterator[torch.Tensor]:
     """z for each parameter in order, one parameter materialised at a time."""
     tensors = [p for _, p in params]
-    chunks = _z_chunks(tensors, seed, kind, density=density)
+    chunks = z_chunks(tensors, seed, kind, density=density)
     for t in tensors:
         parts = [z.clone() for _, z in itertools.islice(chunks, -(-t.numel() // CHUNK))]
         yield torch.cat(parts).view(t.shape) if parts else torch.empty_like(t)
@@ -89,7 +89,7 @@ def apply_step_(
     tensors = [p for _, p in params]
     mask = (decay_mask(params) if decay is None else decay) if weight_decay else [False] * len(tensors)
     scratch = _Scratch()
-    streams = [(_z_chunks(tensors, seed, kind, scratch, density), lr * g / len(updates)) for seed, g in updates]
+    streams = [(z_chunks(tensors, seed, kind, scratch, density), lr * g / len(updates)) for seed, g in updates]
     with torch.no_grad():
         for t, decayed in zip(tensors, mask, strict=True):
             for part in _slices([t]):
@@ -115,7 +115,7 @@ def timed(times: dict[str, float] | None, key: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _parked(tensors: Sequence[torch.Tensor], spare: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+def parked(tensors: Sequence[torch.Tensor], spare: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     """Yields θ, parked in its own storage while the parameters use `spare`'s: they can hold
     θ ± εz, and θ comes back bitwise, even if a forward fails, by swapping storages again
     (no copy; a model that caches its weights' addresses, as CUDA graphs do, would not see it)."""
@@ -134,7 +134,7 @@ def _perturbed_(
 ) -> None:
     """out ← θ + alpha·z(seed): written from θ, so no restore is needed after the forward."""
     with torch.no_grad():
-        for (part, z), dst in zip(_z_chunks(theta, seed, kind, density=density), _slices(out), strict=True):
+        for (part, z), dst in zip(z_chunks(theta, seed, kind, density=density), _slices(out), strict=True):
             torch.add(part, z, alpha=alpha, out=dst)
 
 
@@ -176,7 +176,7 @@ def spsa_losses(
     """(L(θ+εz_s), L(θ−εz_s)) for each seed, on the same batch (n-SPSA); kept apart from
     `spsa_projected_grads` so a node can log the loss it measured for free.
 
-    Forward passes run in eval mode (`_eval_mode`) under inference mode; θ is parked (`_parked`);
+    Forward passes run in eval mode (`_eval_mode`) under inference mode; θ is parked (`parked`);
     θ + εz is written from θ into `spare`'s storage, then mirrored through θ into θ − εz: two
     passes over θ per sample, one draw of z (the update draws it again), and none to restore θ,
     which comes back bitwise (the MeZO +ε/−2ε/+ε walk is not exact). Memory: `spare`, one copy
@@ -186,7 +186,7 @@ def spsa_losses(
     """
     tensors = [p for _, p in params]
     spare = [torch.empty_like(t) for t in tensors] if spare is None else spare
-    with _eval_mode(model), _parked(tensors, spare) as theta, torch.inference_mode():
+    with _eval_mode(model), parked(tensors, spare) as theta, torch.inference_mode():
         pairs = []
         for seed in seeds:
             with timed(times, "perturb_s"):
@@ -227,7 +227,7 @@ def one_sided_losses(
     with _eval_mode(model):
         with timed(times, "forward_base_s"), torch.inference_mode():
             base = float(loss_fn(model, batch))
-        with _parked(tensors, spare) as theta, torch.inference_mode():
+        with parked(tensors, spare) as theta, torch.inference_mode():
             pairs = []
             for seed in seeds:
                 with timed(times, "perturb_s"):
