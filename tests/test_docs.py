@@ -347,3 +347,25 @@ def test_the_smallest_aggregator_shown_combines_decoded_payloads():
     got = average_decoded(codec, payloads, layout_of({"w": nodes[0]}), [1.0, 1.0, 1.0], torch.float64, median)
     assert torch.equal(got["w"], torch.stack(decoded).median(dim=0).values)
     assert got["w"][0, 0] == decoded[1][0, 0] and got["w"][1, 1] == decoded[2][1, 1]
+
+
+def test_the_round_policy_shown_lands_a_round_of_one_on_a_quorum_of_one():
+    """docs/python-api.md's policy block: both nodes get a segment to the first boundary; node 0's payload
+    alone makes the quorum, lands as round 1 with its node's weight, and node 0 goes on to the next
+    boundary, landing round 1 first. No Ray and no torch: the policy is plain Python."""
+    from raylowcomm.core.rounds.events import Assign, Land, Progress, Wait
+
+    started, arrived, ticked = shown_python("docs/python-api.md", "def first_round_of_two_nodes")[
+        "first_round_of_two_nodes"
+    ]()
+    assert [(type(d), getattr(d, "node", None), getattr(d, "until", None)) for d in started] == [
+        (Assign, 0, 4),
+        (Assign, 1, 4),
+        (Wait, None, None),
+    ]
+    assert arrived == []
+    land, assign, progress, wait = ticked
+    assert isinstance(land, Land) and [a.node for a in land.round.payloads] == [0] and land.round.weights == [1.0]
+    assert land.round.payloads[0].payload == "node 0's payload" and land.round.number == 1
+    assert isinstance(assign, Assign) and (assign.node, assign.until, assign.catch_up) == (0, 8, [land.round])
+    assert progress == Progress(2) and wait == Wait(None)  # 4 node-steps over 2 nodes; nobody else due yet

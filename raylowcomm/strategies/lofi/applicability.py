@@ -70,5 +70,16 @@ OPTION_RULES = {
     "leave.node": always,
     "leave.step": always,
     "leave.how": always,
+    "aggregate": always,  # RobustOptions: peer rounds, not model.lora
+    "clip_kappa": needs(lambda cfg, o: o.aggregate == "clip", "is clip's bound: set lofi.aggregate: clip"),
+    "trim": needs(
+        lambda cfg, o: o.aggregate == "trimmed_mean", "is the trimmed mean's fraction: set lofi.aggregate: trimmed_mean"
+    ),
+    "on_bad_payload": always,  # RobustOptions: peer rounds, not model.lora
+    "bad_norm_factor": needs(
+        lambda cfg, o: o.on_bad_payload == "drop" and o.aggregate != "mean",
+        "bounds the norm of a payload a robust round keeps: set lofi.on_bad_payload: drop and a lofi.aggregate "
+        "other than mean",
+    ),
 }
 """Every lo-fi option's rule, by its name in the `lofi:` section."""

@@ -138,6 +138,28 @@ class LofiConfig:
     """Nodes that leave quorum rounds, [{node, step}]: node k trains to its own step `step`, its last
     payload merges into the next round, and its actor ends; its shard is not trained after that. how:
     remove only (a crash is `churn.kill` with nodes.max_restarts: 0)."""
+    aggregate: Literal["mean", "clip", "trimmed_mean", "median"] = "mean"
+    """How a peer or quorum round combines the nodes' decoded Δ, every round including the final one
+    (docs/robust.md). mean: the weighted mean, bit for bit as without this field; clip: each node's Δ
+    scaled down to at most clip_kappa × the round's median norm, then the mean (bounds how far one node
+    moves the model); trimmed_mean: per coordinate, the trim fraction of the weight dropped from each end,
+    then the mean; median: the weighted median per coordinate. Quorum rounds' staleness weights are the
+    rules' weights. A top-k coordinate a node did not send counts as 0 (so the coordinate rules mostly
+    zero a top-k round). Peer rounds only (not the driver's star, not model.lora)."""
+    clip_kappa: float = 2.0
+    """aggregate: clip: κ, the bound on a node's Δ norm in units of the round's median norm (> 0)."""
+    trim: float = 0.25
+    """aggregate: trimmed_mean: β in [0, 0.5), the fraction of the round's weight dropped at each end of
+    every coordinate (with equal weights ⌊β·N⌋ nodes a side)."""
+    on_bad_payload: Literal["fail", "drop"] = "fail"
+    """A payload that cannot be combined. fail: a non-finite Δ stops the run (its node's codec refuses
+    it); drop: a node whose Δ is not finite sends a marker instead, and every node leaves it (and any
+    decoded payload with a non-finite entry; with a robust aggregate, any whose norm passes
+    bad_norm_factor × the round's median norm) out of that round, with a warning naming the node and the
+    round in the node's log. Peer rounds only."""
+    bad_norm_factor: float = 10.0
+    """on_bad_payload: drop with a robust aggregate: a payload whose norm passes this many times the
+    round's median norm is dropped from the round (≥ 1)."""
 
 
 def node_slots(cfg: RunConfig, o) -> int:

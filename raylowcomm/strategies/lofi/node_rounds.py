@@ -118,7 +118,7 @@ class NodeRounds:
         a resumed run)."""
         self.node, self.opts, self.seed, self.merging = node, opts, seed, merging
         self.params = params = {k for k, _ in node.model.named_parameters()}
-        self.codec = DeltaCodec(opts, initial, params, dense)
+        self.codec = DeltaCodec(opts, initial, params, dense, node)
         self.global_state = crossing(initial, opts)  # the caller's copy, kept
         sizes = self.codec.sizes()
         self.fragments = streaming.split(
@@ -220,7 +220,7 @@ class NodeRounds:
             if round_ <= self.node.rounds:
                 continue
             payloads = [ray.get(ref[0]) for ref in refs]
-            self._step_global(self.codec.average(payloads, weights))
+            self._step_global(self.codec.average(payloads, weights, round_=round_))
             landed += 1
             self.node.rounds = latest = round_
         if latest is not None:
@@ -297,7 +297,7 @@ class NodeRounds:
                 {k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
                 for delta in self.codec.decode_each(payloads, final)
             ], weights
-        return self.codec.average(payloads, weights, final)
+        return self.codec.average(payloads, weights, final, round_)
 
     def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
         """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint;

@@ -21,6 +21,7 @@ from raylowcomm.strategies.lofi.option_groups import (
 from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.quorum import QuorumExchange
 from raylowcomm.strategies.lofi.quorum_options import QuorumOptions
+from raylowcomm.strategies.lofi.robust_options import RobustOptions
 from raylowcomm.strategies.lofi.star import StarExchange
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class LofiOptions:
     outer: OuterOptions
     probe: ProbeOptions
     average: AverageOptions
+    robust: RobustOptions
 
     @classmethod
     def of(cls, o: LofiConfig) -> LofiOptions:
@@ -58,6 +60,7 @@ class LofiOptions:
             OuterOptions.of(o),
             ProbeOptions.of(o),
             AverageOptions.of(o),
+            RobustOptions.of(o),
         )
 
     def validate(self, cfg: RunConfig, exchange: type[Exchange]) -> None:
@@ -69,6 +72,7 @@ class LofiOptions:
         self.outer.check(cfg)
         self.probe.check(cfg, exchange, self.outer)
         self.average.check(cfg, exchange, self.rounds, self.codec)
+        self.robust.check(cfg, exchange)
 
     def check(self, ctx: RunContext) -> None:
         """The groups against the loaded model and data: the run's length from its smallest shard, where

@@ -14,6 +14,7 @@ from raylowcomm.core.aggregation import average_decoded
 from raylowcomm.core.compression import NoCompression, Payload, layout_of, make_codec
 from raylowcomm.core.feedback import ErrorFeedback
 from raylowcomm.strategies.lofi.probe import head_names
+from raylowcomm.strategies.lofi.robust_average import RobustAverage, is_robust, marker
 
 BN_STATISTICS = (".running_mean", ".running_var")
 FINAL_CODECS = {"compressed": None, "int8": "int8", "exact": "none"}
@@ -63,9 +64,10 @@ class DeltaCodec:
     head, say, which top-k would otherwise move a few percent a round) cross whole in `lofi.dense_codec`.
     One flat payload (name → bytes) holds every part; every node and the driver build the same parts
     from their own model. The final round may encode the parameters with a codec of its own
-    (`lofi.final_round`), flushing the residuals through it."""
+    (`lofi.final_round`), flushing the residuals through it. With `lofi.aggregate` other than mean or
+    `lofi.on_bad_payload: drop` rounds combine by `RobustAverage` (`host`: the node, None on the driver)."""
 
-    def __init__(self, opts, state: dict, params: set[str], dense: set[str] = frozenset()):
+    def __init__(self, opts, state: dict, params: set[str], dense: set[str] = frozenset(), host=None):
         fl = crossing(state, opts)
         codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
         weights = layout_of({k: v for k, v in fl.items() if k in params and k not in dense})
@@ -79,6 +81,7 @@ class DeltaCodec:
             final = make_codec(flush, opts.compress_block)
             self.final_parts = [(final, weights), (final, whole), buffers]
         self.final_residual = opts.final_residual
+        self.robust = RobustAverage(opts, host) if is_robust(opts) else None
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +105,9 @@ class DeltaCodec:
     def encode(self, delta: dict, final: bool = False) -> Payload:
         """Δ (float64, over all tensors or one fragment's) → payload; the none codec sends Δ in the
         weights' own dtype, rounded here. `final`: the final round's codec, and its residual unless
-        `lofi.final_residual` is false."""
+        `lofi.final_residual` is false. A Δ that is not finite, with `on_bad_payload: drop`: `marker()`."""
+        if self.robust is not None and not self.robust.sendable(delta):
+            return marker()
         payload, feedback = Payload(), self.feedback and (self.final_residual or not final)
         for i, (codec, layout) in enumerate(self._parts(final)):
             part = {
@@ -114,8 +119,11 @@ class DeltaCodec:
                 payload.update(self._feedback(i, codec).encode(part) if feedback else codec.encode(part))
         return payload
 
-    def average(self, payloads: list[Payload], weights: list[float], final: bool = False) -> dict:
-        """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order."""
+    def average(self, payloads: list[Payload], weights: list[float], final: bool = False, round_=None) -> dict:
+        """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order; by the rule of
+        `lofi.aggregate` where rounds are robust (`round_`: the round, for its warnings and record)."""
+        if self.robust is not None:
+            return self.robust.average(self._parts(final), payloads, weights, round_)
         mean = {}
         for codec, layout in self._parts(final):
             names = [k for k in layout if k in payloads[0]]  # one fragment's, or all

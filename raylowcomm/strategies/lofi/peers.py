@@ -31,6 +31,7 @@ from raylowcomm.strategies.lofi.exchange import FinalModel
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, dense_names, final_is_own
 from raylowcomm.strategies.lofi.plan import Plan
+from raylowcomm.strategies.lofi.robust_average import robust_details
 from raylowcomm.strategies.lofi.round_file import GLOBAL
 from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
 
@@ -51,7 +52,7 @@ class PeerExchange:
 
     def __init__(self, ctx: RunContext, o: LofiConfig, start: dict | None):
         """`start` is unused: every node starts from the weights it was given and keeps its own global model."""
-        self.opts = o
+        self.opts, self.storage = o, ctx.storage
         self.on_nodes = nodes_hold_result(self.opts, merging_for(ctx.spec).merges_rounds)
         self.fetched = {"bytes": 0, "tensors": 0}  # what the driver read back during training: refs and sizes
 
@@ -119,7 +120,7 @@ class PeerExchange:
         return FinalModel(everyone, on_nodes=True, weights=average)
 
     def details(self) -> dict:
-        return {"driver_fetched": {"train": self.fetched}}
+        return {"driver_fetched": {"train": self.fetched}, **robust_details(self.storage, self.opts)}
 
 
 def exchange_round(

@@ -24,6 +24,7 @@ from raylowcomm.strategies.lofi.exchange import FinalModel, Trained
 from raylowcomm.strategies.lofi.peers import PeerExchange, check_global
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.quorum_loop import ROUNDS, QuorumLoop, book_catch_up, land_everywhere
+from raylowcomm.strategies.lofi.robust_average import robust_details
 from raylowcomm.strategies.lofi.round_file import round_path
 from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
 
@@ -157,4 +158,5 @@ class QuorumExchange(PeerExchange):
             "left": r.left,
             **({"resumed_after_round": self.resumed_at} if self.resumed else {}),
             "restarts": {k: n.restarts for k, n in (self.policy.nodes if self.policy else {}).items() if n.restarts},
+            **robust_details(self.storage, self.opts, [[a["node"] for a in x] for x in r.landed]),
         }
