@@ -54,10 +54,11 @@ def prepare(cfg: RunConfig, out_dir: Path, timings: dict | None = None, resume: 
     if sizes:
         total_steps(cfg.optim, min(sizes))  # batch size vs shard size, checked now
     ctx = RunContext(cfg, model, spec, data, out_dir, storage=storage, resume=resume, recipe=recipe)
+    given = cfg.to_dict()  # as the user wrote it: a check may resolve settings (lofi.dial: auto) into ctx.cfg
     for name in cfg.strategies:
         STRATEGIES[name].check(ctx)  # options the loaded model or data cannot take
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (out_dir / "config.yaml").write_text(yaml.safe_dump(given, sort_keys=False))  # what --resume compares with
     return ctx
 
 

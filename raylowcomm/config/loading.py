@@ -69,6 +69,8 @@ def _coerce_union(tp, value, name: str):
 def _coerce_literal(tp, value, name: str):
     if value in typing.get_args(tp):
         return value
+    if isinstance(value, bool) and (word := "on" if value else "off") in typing.get_args(tp):
+        return word  # YAML reads a bare `off` (`on`) as a boolean
     raise ConfigError(name, value, f"expected {_describe(tp)}")
 
 

@@ -81,5 +81,9 @@ OPTION_RULES = {
         "bounds the norm of a payload a robust round keeps: set lofi.on_bad_payload: drop and a lofi.aggregate "
         "other than mean",
     ),
+    "dial": always,  # DialOptions: not with data.node_files
+    "dial_bytes": needs(
+        lambda cfg, o: o.dial == "auto", "is the byte budget of the dial's choice: set lofi.dial: auto"
+    ),
 }
 """Every lo-fi option's rule, by its name in the `lofi:` section."""

@@ -160,6 +160,17 @@ class LofiConfig:
     bad_norm_factor: float = 10.0
     """on_bad_payload: drop with a robust aggregate: a payload whose norm passes this many times the
     round's median norm is dropped from the round (≥ 1)."""
+    dial: Literal["auto", "off"] = "off"
+    """auto: the codec, period, dense tensors, block and final round chosen for the run, before any actor
+    starts, by the measured rule (the decision table of docs/strategies/lofi.md, `dial.RULES`) from the
+    model's kind and the run's steps a node; the settings given here win. The choice and its reason are
+    logged and kept in the record (`details.dial`). off: the options as given."""
+    dial_bytes: float = 0.01
+    """dial: auto: the bytes lo-fi's rounds may move after setup, as a fraction of DDP's gradient
+    all-reduce on the same run; a choice over it steps down (a longer period, then a cheaper codec)."""
+
+    dial_record = None
+    """Not an option: with dial: auto, the choice made for the run (`dial.resolve`), for the record."""
 
 
 def node_slots(cfg: RunConfig, o) -> int:

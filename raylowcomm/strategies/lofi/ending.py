@@ -40,6 +40,7 @@ def finish_run(
         "soup_nodes": final.nodes,
         "exchange": exchange.name,
         **exchange.details(),
+        **({"dial": opts.dial_record} if opts.dial_record else {}),  # lofi.dial: auto's choice
     }
     with watch("curve"):
         curve = _curve(ctx, group, plan, trained, collect_s)

@@ -1,7 +1,8 @@
 """lo-fi's options (`LofiConfig`, flat under `lofi:` in a config) as typed groups, each checking its own
 fields once: how rounds come and travel (`RoundOptions`), what they compress (`CodecOptions`), the
-outer step (`OuterOptions`), the probe before the nodes split (`ProbeOptions`) and how the final
-average is made (`AverageOptions`); quorum rounds and membership are `quorum_options.QuorumOptions`.
+outer step (`OuterOptions`), the probe before the nodes split (`ProbeOptions`), how the final
+average is made (`AverageOptions`) and whether the measured rule chooses for the run (`DialOptions`);
+quorum rounds and membership are `quorum_options.QuorumOptions`.
 
 A group's `check` takes the run's config, the exchange chosen once for it (`exchange_for`) and the
 groups whose fields its cross-field checks read; `check_loaded` (where a group has one) checks it
@@ -316,3 +317,23 @@ class AverageOptions(OptionGroup):
             raise ConfigError("lofi.soup", self.soup, "not offered with model.lora: set it to uniform")
         if self.bn_batches is not None and self.bn_batches <= 0:
             raise ConfigError("lofi.bn_batches", self.bn_batches, "must be > 0, or null for a full pass")
+
+
+@dataclass(frozen=True)
+class DialOptions(OptionGroup):
+    """`dial: auto`: the measured rule chooses the rounds' settings for the run (`dial.resolve`, against
+    the loaded model and data), within `dial_bytes` of DDP's bytes."""
+
+    dial: Literal["auto", "off"]
+    dial_bytes: float
+
+    def check(self, cfg: RunConfig) -> None:
+        if not 0 < self.dial_bytes:
+            raise ConfigError("lofi.dial_bytes", self.dial_bytes, "must be > 0: a fraction of DDP's bytes")
+        if self.dial == "auto" and cfg.data.node_files is not None:
+            raise ConfigError(
+                "lofi.dial",
+                self.dial,
+                "chooses by the run's steps a node, which with data.node_files only the nodes know: set the "
+                "lo-fi options yourself (docs/strategies/lofi.md), or dial: off",
+            )

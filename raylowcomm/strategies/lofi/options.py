@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from raylowcomm.config import RunConfig
+from raylowcomm.strategies.lofi import dial
 from raylowcomm.strategies.lofi.config import NAME, LofiConfig, node_slots, on_quorum
 from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.option_groups import (
     AverageOptions,
     CodecOptions,
+    DialOptions,
     OuterOptions,
     ProbeOptions,
     RoundOptions,
@@ -50,6 +52,7 @@ class LofiOptions:
     probe: ProbeOptions
     average: AverageOptions
     robust: RobustOptions
+    dial: DialOptions
 
     @classmethod
     def of(cls, o: LofiConfig) -> LofiOptions:
@@ -61,6 +64,7 @@ class LofiOptions:
             ProbeOptions.of(o),
             AverageOptions.of(o),
             RobustOptions.of(o),
+            DialOptions.of(o),
         )
 
     def validate(self, cfg: RunConfig, exchange: type[Exchange]) -> None:
@@ -73,13 +77,25 @@ class LofiOptions:
         self.probe.check(cfg, exchange, self.outer)
         self.average.check(cfg, exchange, self.rounds, self.codec)
         self.robust.check(cfg, exchange)
+        self.dial.check(cfg)
 
     def check(self, ctx: RunContext) -> None:
         """The groups against the loaded model and data: the run's length from its smallest shard, where
-        the driver knows the shards' sizes (not with data.node_files: only the nodes know theirs)."""
+        the driver knows the shards' sizes (not with data.node_files: only the nodes know theirs). First
+        the dial (`dial.resolve`): with `dial: auto` the options it chose replace the run's own, in
+        `cfg.options`, and are checked as given ones are; then every later reader sees them."""
         from raylowcomm.training import total_steps
 
         sizes = ctx.data.train.sizes(node_slots(ctx.cfg, self.quorum))
-        self.rounds.check_loaded(ctx, merging_for(ctx.spec).sync_unit, min(sizes) if sizes else None)
-        self.codec.check_loaded(ctx)
-        self.quorum.check_loaded(ctx.cfg, total_steps(ctx.cfg.optim, min(sizes)) if sizes else None)
+        smallest = min(sizes) if sizes else None
+        self.codec.check_loaded(ctx)  # the dense names given, before the dial sizes payloads by them
+        given = ctx.cfg.options[NAME]
+        resolved = dial.resolve(ctx, given, smallest)
+        groups = self
+        if resolved is not given:
+            ctx.cfg.options[NAME] = resolved
+            groups = LofiOptions.of(resolved)
+            groups.validate(ctx.cfg, exchange_for(ctx.cfg))
+            groups.codec.check_loaded(ctx)
+        groups.rounds.check_loaded(ctx, merging_for(ctx.spec).sync_unit, smallest)
+        groups.quorum.check_loaded(ctx.cfg, total_steps(ctx.cfg.optim, smallest) if sizes else None)
