@@ -302,7 +302,7 @@ def test_a_landing_at_a_segments_start_keeps_that_checkpoint_and_a_restart_merge
         peer.global_state, peer.outer, peer.pending, peer.payload, peer.sent_from = dict(start), None, None, None, None
         peer.merging = SimpleNamespace(merges_rounds=False)
         peer.codec = SimpleNamespace(
-            average=lambda payloads, weights: {"w": torch.tensor([0.25, 0.25], dtype=torch.float64)},
+            average=lambda payloads, weights, *_, **__: {"w": torch.tensor([0.25, 0.25], dtype=torch.float64)},
             residual=dict,
             load_residual=lambda residual: None,
         )
