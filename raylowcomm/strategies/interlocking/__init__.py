@@ -164,7 +164,7 @@ class Interlocking(Strategy[InterlockingConfig]):
 
     def _train(self, ctx: RunContext, group: NodeGroup, source: Source) -> tuple[dict, list, list, list]:
         cfg, opts = ctx.cfg, Interlocking.opts(ctx.cfg)
-        K, actors, ledger = opts.stages, group.handles(), group.ledger
+        K, actors = opts.stages, group.handles()
         steps = total_steps(cfg.optim, ctx.data.train.sizes(1)[0])
         budget = cfg.optim.budget_s if cfg.optim.budget_s is not None else opts.time_budget_s
         logger.info(
@@ -176,35 +176,7 @@ class Interlocking(Strategy[InterlockingConfig]):
             opts.micro_batches,
             f", budget {budget}s" if budget else "",
         )
-        stage_losses, busy, curve = [[] for _ in range(K)], [0.0] * K, []
-
-        def absorb(batch_reports: list[dict]) -> None:
-            for r in batch_reports:
-                k = r["stage"]
-                if r["losses"]:
-                    stage_losses[k].append(sum(r["losses"]) / len(r["losses"]))
-                busy[k] += r["busy_s"]
-                for what, size in ((what, size) for what, sizes in r["sent"].items() for size in sizes):
-                    ledger.record("train", what, size)
-            ctx.report(
-                {
-                    "step": len(stage_losses[K - 1]),
-                    "steps": steps,
-                    "bytes": ledger.total_bytes,
-                    **({"train_loss": stage_losses[K - 1][-1]} if stage_losses[K - 1] else {}),
-                }
-            )
-
-        def evaluate(batch: int, train_s: float) -> None:
-            per_set, sent = evaluate_chained(
-                actors, ctx.eval_sets(val=False), cfg.eval_rows, group.fetch, LOSS_OF_FAMILY[ctx.spec.family]
-            )
-            ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
-            sent_so_far = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-            curve.append(
-                curve_point(batch, train_s, batch * cfg.optim.batch_size, sent_so_far, final_head_metrics(per_set))
-            )
-
+        seen = _Reports(ctx, group, actors, K, steps)
         trained = train_interlocked(
             actors,
             K,
@@ -215,14 +187,59 @@ class Interlocking(Strategy[InterlockingConfig]):
             group.fetch,
             budget,
             opts.max_batches_ahead,
-            absorb,
+            seen.absorb,
             frozenset(eval_points(cfg, steps)),
-            evaluate,
+            seen.evaluate,
             opts.max_batches_ahead if opts.overlap else 1,
         )
+        stage_losses = seen.stage_losses
         for k in (k for k in range(K) if stage_losses[k]):
             logger.info(
                 "[interlocking] stage %d head loss: first %.4f last %.4f", k, stage_losses[k][0], stage_losses[k][-1]
             )
         trained["fetched"] = {"bytes": group.fetch.bytes, "tensors": group.fetch.tensors}
-        return trained, stage_losses, busy, curve
+        return trained, stage_losses, seen.busy, seen.curve
+
+
+class _Reports:
+    """What the driver gathers while the stages train: each stage's head losses (a mean per batch), its
+    busy time and the bytes it sent (booked in the ledger), the progress shown live, and the curve, a
+    point at each evaluation (the pipeline drained, every head scored through the chain)."""
+
+    def __init__(self, ctx: RunContext, group: NodeGroup, actors: list, stages: int, steps: int):
+        self.ctx, self.group, self.actors, self.steps = ctx, group, actors, steps
+        self.stage_losses: list[list[float]] = [[] for _ in range(stages)]
+        self.busy, self.curve = [0.0] * stages, []
+
+    def absorb(self, batch_reports: list[dict]) -> None:
+        ledger, last = self.group.ledger, self.stage_losses[-1]
+        for r in batch_reports:
+            k = r["stage"]
+            if r["losses"]:
+                self.stage_losses[k].append(sum(r["losses"]) / len(r["losses"]))
+            self.busy[k] += r["busy_s"]
+            for what, size in ((what, size) for what, sizes in r["sent"].items() for size in sizes):
+                ledger.record("train", what, size)
+        self.ctx.report(
+            {
+                "step": len(last),
+                "steps": self.steps,
+                "bytes": ledger.total_bytes,
+                **({"train_loss": last[-1]} if last else {}),
+            }
+        )
+
+    def evaluate(self, batch: int, train_s: float) -> None:
+        ctx, cfg, ledger = self.ctx, self.ctx.cfg, self.group.ledger
+        per_set, sent = evaluate_chained(
+            self.actors,
+            ctx.eval_sets(val=False),
+            cfg.eval_rows,
+            self.group.fetch,
+            LOSS_OF_FAMILY[ctx.spec.family],
+        )
+        ledger.record("final", "curve_eval_activations", sent)  # measurement: not in the point's bytes
+        sent_so_far = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
+        self.curve.append(
+            curve_point(batch, train_s, batch * cfg.optim.batch_size, sent_so_far, final_head_metrics(per_set))
+        )

@@ -10,12 +10,14 @@ by s plus one collection. Fetching the snapshots is measurement, outside the run
 Where the nodes meet, the averaging topology, is one object chosen once (`options.exchange_for`): the
 driver's star (`star`) or rounds that travel node to node, compressed (`peers`, with the node's side
 in `node_rounds`). The loop below trains to each boundary and asks the exchange for the round;
-`final` scores, recalibrates and saves the average the exchange ends with.
+`final` scores, recalibrates and saves the average the exchange ends with; `start_nodes` starts the
+node actors (and later the joiners).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import ClassVar
 
 from raylowcomm.actors import NodeGroup
@@ -27,6 +29,7 @@ from raylowcomm.strategies.base import RunContext, RunRecord, Strategy
 from raylowcomm.strategies.lofi.applicability import OPTION_RULES
 from raylowcomm.strategies.lofi.config import NAME, LofiConfig, node_slots
 from raylowcomm.strategies.lofi.ending import finish_run
+from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.lockstep import LockstepRounds
 from raylowcomm.strategies.lofi.merging import merging_for
 from raylowcomm.strategies.lofi.node import LofiNode
@@ -85,40 +88,7 @@ class Lofi(Strategy[LofiConfig]):
         exchange = exchange_for(cfg)(ctx, opts, initial)
         with NodeGroup(LofiNode, cfg, ledger, restarts=cfg.restarts, bundles=self.bundles(cfg)) as group:
             with watch("start"):
-                weights_ref = group.put(start, "setup", what, copies=n)
-                group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
-                # how to read the data, not the data
-                recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
-
-                def book_fetches() -> None:
-                    ledger.send("train", what, start)
-                    ledger.send("train", "data_recipe", ctx.data.train)
-
-                def launch(k: int, placed: bool = True):
-                    """Node k's actor; a joiner's fetch of the start and the recipe is booked as it starts.
-                    Unplaced (past a range's min), it waits for the cluster to hold it: the booking is
-                    returned, for the caller to make once the actor has started."""
-                    if k >= n and placed:
-                        book_fetches()
-                    (group.start if placed else group.start_unplaced)(
-                        k,
-                        k,
-                        ctx.spec,
-                        ctx.data.task,
-                        weights_ref,
-                        recipe,
-                        cfg,
-                        ctx.storage,
-                        ctx.live.poster(k),
-                        rounds=opts if exchange.nodes_keep_rounds else None,
-                        round_momentum=opts.round_momentum,
-                        slots=slots,
-                    )
-                    return None if placed else book_fetches
-
-                for k in range(n):
-                    launch(k)
-                group.ready()
+                launch = start_nodes(ctx, group, opts, exchange, slots, what, start)
             sizes = ctx.data.train.sizes(slots) or group.call("examples", phase="setup", what="shard_sizes")
             plan = plan_rounds(
                 cfg, opts, sizes, merging_for(ctx.spec).node_average(initial, ctx.architecture, opts.lora_average)
@@ -145,3 +115,47 @@ class Lofi(Strategy[LofiConfig]):
                 else:
                     trained = LockstepRounds(ctx, group, plan, exchange, start).run(first)
             return finish_run(self.name, opts, ctx, group, plan, exchange, trained, clock, watch)
+
+
+def start_nodes(
+    ctx: RunContext, group: NodeGroup, opts: LofiConfig, exchange: Exchange, slots: int, what: str, start
+) -> Callable[..., Callable[[], None] | None]:
+    """The first `nodes.count` node actors, started and ready: each fetches the start (`what`: the initial
+    weights, or the recipe the nodes load them by), the evaluation sets and how to read its shard (not the
+    data). Returns `launch`, which starts node k the same way later (a joiner, or a node past a range's min)."""
+    cfg, n, ledger = ctx.cfg, ctx.cfg.nodes.count, group.ledger
+    weights_ref = group.put(start, "setup", what, copies=n)
+    group.share_eval_sets(ctx.eval_sets(), keys=list(range(n)))
+    # how to read the data, not the data
+    recipe = group.put(ctx.data.train, "setup", "data_recipe", copies=n)
+
+    def book_fetches() -> None:
+        ledger.send("train", what, start)
+        ledger.send("train", "data_recipe", ctx.data.train)
+
+    def launch(k: int, placed: bool = True):
+        """Node k's actor; a joiner's fetch of the start and the recipe is booked as it starts.
+        Unplaced (past a range's min), it waits for the cluster to hold it: the booking is
+        returned, for the caller to make once the actor has started."""
+        if k >= n and placed:
+            book_fetches()
+        (group.start if placed else group.start_unplaced)(
+            k,
+            k,
+            ctx.spec,
+            ctx.data.task,
+            weights_ref,
+            recipe,
+            cfg,
+            ctx.storage,
+            ctx.live.poster(k),
+            rounds=opts if exchange.nodes_keep_rounds else None,
+            round_momentum=opts.round_momentum,
+            slots=slots,
+        )
+        return None if placed else book_fetches
+
+    for k in range(n):
+        launch(k)
+    group.ready()
+    return launch

@@ -4,8 +4,6 @@ and error feedback)."""
 
 from __future__ import annotations
 
-import time
-
 import ray
 
 from raylowcomm.actors import Node
@@ -19,17 +17,18 @@ from raylowcomm.execution.churn import Churn
 from raylowcomm.storage import Storage
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import merging_for
-from raylowcomm.strategies.lofi.messages import ResumePoint, SegmentResult, TrainReport
+from raylowcomm.strategies.lofi.messages import ResumePoint, TrainReport
+from raylowcomm.strategies.lofi.node_peer import PeerRoundCalls
 from raylowcomm.strategies.lofi.node_rounds import NodeRounds
 from raylowcomm.strategies.lofi.payload import dense_names
 from raylowcomm.strategies.lofi.probe import head_names
-from raylowcomm.strategies.lofi.streaming import ALL
 from raylowcomm.training import StepHooks, load_checkpoint, make_optimizer, save_checkpoint, train_steps
 
 
 @ray.remote
-class LofiNode(Node):
-    """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint."""
+class LofiNode(Node, PeerRoundCalls):
+    """One node: its own copy of the model, its own shard, its own optimizer, a checkpoint; the calls of
+    rounds that travel node to node from `PeerRoundCalls` (node_peer.py)."""
 
     label = "lofi node"
 
@@ -157,14 +156,11 @@ class LofiNode(Node):
 
         def on_step(step):
             if landing is not None and step == landing[1] and landing[0] > self.rounds:
-                self.save_state(step)
-                waited["round_wait_s"] = self.peer.land(landing[0], step)
+                waited["round_wait_s"] = self._land_at(landing[0], step)
             elif step % self.cfg.checkpoint_steps == 0 or step == until:
                 self.save_state(step)
             if step in snaps:
-                snapshot_s[step] = clock.elapsed()
-                with clock.paused():
-                    self.storage.save_tensors(self._snapshot_path(step), self.weights())
+                snapshot_s[step] = self._save_snapshot(step, clock)
 
         hooks = StepHooks(
             on_step=on_step,
@@ -192,12 +188,25 @@ class LofiNode(Node):
         )
         done = self.step + stats["steps"]
         if landing is not None and landing[0] > self.rounds:  # stopped by time before its step: it lands here
-            self.save_state(done)
-            waited["round_wait_s"] = self.peer.land(landing[0], done)
+            waited["round_wait_s"] = self._land_at(landing[0], done)
         elif done != until:  # stopped by time: the checkpoint `on_step` keeps for `until`
             self.save_state(done)
         self.step, restored, self.restored_from = done, self.restored_from, None
         return TrainReport.of(self.rank, done, restored, snapshot_s, stats, **waited).wire()
+
+    def _land_at(self, round_: int, step: int) -> float:
+        """The peer round in flight lands at `step`, after a checkpoint of the weights it merges into (a
+        restart in between merges again from there); returns how long training waited for it."""
+        self.save_state(step)
+        return self.peer.land(round_, step)
+
+    def _save_snapshot(self, step: int, clock: TrainClock) -> float:
+        """This node's weights at `step` on local disk, off the training clock (saving is not training);
+        returns the training time so far."""
+        elapsed = clock.elapsed()
+        with clock.paused():
+            self.storage.save_tensors(self._snapshot_path(step), self.weights())
+        return elapsed
 
     def snapshot(self, step: int) -> dict:
         return self.storage.load_tensors(self._snapshot_path(step))[0]
@@ -249,63 +258,6 @@ class LofiNode(Node):
         if missing:
             raise KeyError(f"BatchNorm statistics for tensors this model lacks: {sorted(missing)[:3]}")
         self.model.load_state_dict({names[k]: v for k, v in stats.items()}, strict=False)
-
-    def send_delta(self, fragment: int = ALL, final: bool = False) -> tuple[list, int]:
-        return self.peer.send_delta(fragment, final)
-
-    def apply_round(
-        self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL, final: bool = False
-    ) -> None:
-        self.peer.apply_round(round_, refs, weights, fragment, final)
-
-    @ray.method(num_returns=2)
-    def segment(
-        self, rounds: list, until: int, seconds: float | None = None, reset: bool = False, merged: list[str] = ()
-    ) -> tuple[dict, object]:
-        """Quorum rounds: land the rounds this node missed (`NodeRounds.catch_up`), train to `until` (or for
-        `seconds` of training, `lofi.sync: time`), and return what it did (a `SegmentResult`'s wire dict) and
-        its payload, Δ from the global model it started from (`reset`: a restarted node starts from it again;
-        `lofi.keep_training`: Δ from where it last sent, `merged` the tokens of its payloads that `rounds`
-        hold). The payload is this call's second return value: the driver owns it, so it outlives this
-        process, and nobody fetches it but the nodes that land it."""
-        t0 = time.perf_counter()
-        landed = self.peer.catch_up(rounds, reset, merged)
-        t1 = time.perf_counter()
-        trained = TrainReport.from_wire(self.train(until, [], seconds=seconds, nearest=True))
-        t2 = time.perf_counter()
-        payload = self.peer.encode_delta()
-        hashed, token = self.peer.global_hash(), self.peer.sent()
-        parts = {"land_s": t1 - t0, "train_call_s": t2 - t1, "encode_s": time.perf_counter() - t2}
-        return SegmentResult(trained, self.rounds, hashed, payload.nbytes, token, landed, parts).wire(), payload
-
-    def catch_up(self, rounds: list, reset: bool = False, merged: list[str] = ()) -> int:
-        return self.peer.catch_up(rounds, reset, merged)
-
-    def adopt_round(self, path: str) -> int:
-        return self.peer.adopt(path)
-
-    def land_round(self, round_: int) -> float:
-        """The exchange in flight lands where the node stands, with no step after it (`optim.budget_s`
-        spent by the round that sent it); returns how long it waited for it."""
-        if round_ <= self.rounds:
-            return 0.0
-        self.peer.expect_landing([round_, self.step])
-        self.save_state(self.step)
-        return self.peer.land(round_, self.step)
-
-    def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
-        self.peer.begin_round(round_, refs, weights, fragment)
-
-    def global_hash(self) -> str:
-        return self.peer.global_hash()
-
-    def join(self, path: str | None) -> ResumePoint:
-        """A node joining quorum rounds (`lofi.join`): the global model of the round file at `path` (the
-        member that had landed the most rounds; None before the first round: it holds the start) becomes
-        its own; returns `round_of`."""
-        if path is not None:
-            self.peer.adopt(path)
-        return self.round_of()
 
     def round_of(self) -> ResumePoint:
         """The rounds this node has landed and the step it has trained to."""
