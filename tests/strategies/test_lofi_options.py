@@ -12,7 +12,6 @@ from torch import nn
 from raylowcomm.config import ConfigError, LoraConfig
 from raylowcomm.core.membership import LeaveEvent
 from raylowcomm.finetune import FullWeights
-from raylowcomm.strategies import from_dict
 from raylowcomm.strategies import lofi as lofi_module
 from raylowcomm.strategies.lofi import Lofi, exchange_for
 from raylowcomm.strategies.lofi.options import LofiOptions
@@ -20,22 +19,14 @@ from raylowcomm.strategies.lofi.peers import PeerExchange
 from raylowcomm.strategies.lofi.quorum import QuorumExchange
 from raylowcomm.strategies.lofi.star import StarExchange
 from raylowcomm.strategies.lofi.streaming import module_of
+from tests.strategies.test_lofi import tiny_config
 
 GOOD = {"average_every": 4, "compress": "int8", "fragments": 2, "overlap": 1, "dense": ["head"]}
 """Peer rounds with every group's options in use: a config every group passes."""
 
 
-def config(**lofi):
-    return from_dict(
-        {
-            "model": {"name": "test_efficientnet", "family": "timm", "pretrained": False},
-            "data": {"name": "mnist", "train_size": 512, "test_size": 200, "image_size": 16},
-            "optim": {"name": "sgd", "lr": 0.05, "batch_size": 16, "epochs": 2},
-            "nodes": {"count": 2, "cpus": 1},
-            "strategies": ["lofi"],
-            "lofi": lofi,
-        }
-    )
+config = tiny_config
+"""The lo-fi tests' small config: the options under test are all that changes."""
 
 
 def refusal(cfg, **changes) -> ConfigError:
