@@ -37,6 +37,7 @@ SECTION_PAGES = {
     "data": "own-data.md",
     "data.shift.<name>": "own-data.md#shift-sets",
     "nodes": "clusters.md#resources",
+    "lofi.privacy": "privacy.md",
 }
 
 HEADER = """\

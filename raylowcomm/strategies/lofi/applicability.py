@@ -81,6 +81,11 @@ OPTION_RULES = {
         "bounds the norm of a payload a robust round keeps: set lofi.on_bad_payload: drop and a lofi.aggregate "
         "other than mean",
     ),
+    "privacy": always,  # PrivacyOptions: lockstep peer rounds, refusing what crosses un-noised
+    "privacy.epsilon": always,
+    "privacy.delta": always,
+    "privacy.clip": always,
+    "privacy.noise": always,
     "dial": always,  # DialOptions: not with data.node_files
     "dial_bytes": needs(
         lambda cfg, o: o.dial == "auto", "is the byte budget of the dial's choice: set lofi.dial: auto"

@@ -18,6 +18,21 @@ MAX_COMPRESS_BLOCK = 65536
 
 
 @dataclass
+class PrivacyConfig:
+    """`lofi.privacy`: distributed differential privacy of peer rounds (docs/privacy.md)."""
+
+    epsilon: float | None = None
+    """The ε the run's rounds may spend, at `delta` (> 0): a config whose rounds would spend more is refused."""
+    delta: float = 1.0e-5
+    """δ of the (ε, δ) guarantee, in (0, 1): well below 1 / the number of nodes."""
+    clip: float = 1.0
+    """C: each node's round Δ is scaled to L2 norm at most this (over all its tensors) before its noise."""
+    noise: float | None = None
+    """σ, the noise multiplier: each node adds Gaussian noise of σ·C/√N per entry, so that the N nodes'
+    sum carries σ·C. None: the smallest σ whose ε over the run's rounds fits `epsilon`."""
+
+
+@dataclass
 class LofiConfig:
     average_every: int | list[int] | None = None
     """Average and re-broadcast every this many `average_unit`s; None = lo-fi, once at the end. A list is
@@ -169,8 +184,16 @@ class LofiConfig:
     """dial: auto: the bytes lo-fi's rounds may move after setup, as a fraction of DDP's gradient
     all-reduce on the same run; a choice over it steps down (a longer period, then a cheaper codec)."""
 
+    privacy: PrivacyConfig | None = None
+    """Distributed differential privacy ({epsilon, delta, clip, noise}): each node clips its round Δ to
+    `clip` in L2 and adds Gaussian noise before it encodes; ε over the run's rounds from opacus's RDP
+    accountant, in the log and the record (`details.privacy`). Peer rounds in lockstep only
+    (docs/privacy.md). None: off."""
+
     dial_record = None
     """Not an option: with dial: auto, the choice made for the run (`dial.resolve`), for the record."""
+    privacy_plan = None
+    """Not an option: with privacy, the σ and rounds resolved for the run (`privacy.PrivacyPlan`)."""
 
 
 def node_slots(cfg: RunConfig, o) -> int:

@@ -40,7 +40,7 @@ def finish_run(
         "soup_nodes": final.nodes,
         "exchange": exchange.name,
         **exchange.details(),
-        **({"dial": opts.dial_record} if opts.dial_record else {}),  # lofi.dial: auto's choice
+        **_resolved(opts, plan),
     }
     with watch("curve"):
         curve = _curve(ctx, group, plan, trained, collect_s)
@@ -75,6 +75,16 @@ def finish_run(
         curve_wall_s=trained.train_s + collect_s + bn_s,
         goodput=trained.goodput,
     )
+
+
+def _resolved(opts: LofiConfig, plan: Plan) -> dict:
+    """What was settled for the run before it started: lofi.dial: auto's choice, and with lofi.privacy its
+    accounting over the rounds whose Δ crossed (`plan.boundaries`: the final round's too; fewer where a
+    budget ended the run early)."""
+    out = {"dial": opts.dial_record} if opts.dial_record else {}
+    if opts.privacy_plan is not None:
+        out["privacy"] = opts.privacy_plan.record(len(plan.boundaries))
+    return out
 
 
 def _curve(ctx: RunContext, group: NodeGroup, plan: Plan, trained: Trained, collect_s: float) -> list[dict]:

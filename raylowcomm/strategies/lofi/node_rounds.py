@@ -27,6 +27,7 @@ from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import RoundMerging
 from raylowcomm.strategies.lofi.node_catch_up import RoundCatchUp
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, floats
+from raylowcomm.strategies.lofi.privacy import NodeNoise
 from raylowcomm.strategies.lofi.round_file import round_path
 
 
@@ -133,24 +134,30 @@ class NodeRounds(RoundCatchUp):
         self.keep_in_flight = opts.keep_training and opts.overlap > 0
         self.sent_from: dict | None = None
         """With `keep_in_flight`: the parameters this node sent its payload from, until its round lands."""
+        self.noise = NodeNoise(opts.privacy_plan, node.storage, node.rank) if opts.privacy is not None else None
+        """lofi.privacy: this node's clipping and noise, its secret made at its first start and kept in storage."""
         if node.storage.exists(round_path(node.rank)):
             self._restore_round()
 
     def _names(self, fragment: int) -> list[str]:
         return list(self.global_state) if fragment == streaming.ALL else self.fragments[fragment]
 
-    def _delta(self, fragment: int = streaming.ALL) -> dict:
-        """Δ = θ_global − θ_k in float64 (exact for float32 weights), or a bad node's update for the round it is sent
-        for (`bad_nodes`): before the codec, so what compression drops of it stays in the bad node's own residual."""
+    def _delta(self, fragment: int = streaming.ALL, final: bool = False) -> dict:
+        """Δ = θ_global − θ_k in float64 (exact for float32 weights); with lofi.privacy clipped and noised (for the
+        round, step and `final` it is sent at); or a bad node's update for the round it is sent for (`bad_nodes`).
+        All before the codec: error feedback only ever holds what the noised Δ leaves, and what compression drops
+        of a bad update stays in the bad node's own residual."""
         mine = floats(self.node.weights())
         base = self.pending.base if self.pending is not None and self.pending.base is not None else self.global_state
         delta = {k: base[k].to(torch.float64, copy=True).sub_(mine[k]) for k in self._names(fragment)}  # one pass less
+        if self.noise is not None:
+            delta = self.noise.apply(delta, (self.node.rounds + 1, self.node.step, int(final)))
         return bad_update(self.node.cfg.bad_nodes, self.node.rank, self.node.rounds + 1, self.seed, delta)
 
     def encode_delta(self, fragment: int = streaming.ALL, final: bool = False) -> Payload:
         """This node's payload: Δ plus what compression dropped before (error feedback); `final`: in the
         final round's codec (`lofi.final_round`)."""
-        self.payload = self.codec.encode(self._delta(fragment), final)
+        self.payload = self.codec.encode(self._delta(fragment, final), final)
         return self.payload
 
     def send_delta(self, fragment: int = streaming.ALL, final: bool = False) -> tuple[list, int]:

@@ -21,6 +21,7 @@ from raylowcomm.strategies.lofi.option_groups import (
     RoundOptions,
 )
 from raylowcomm.strategies.lofi.peers import PeerExchange
+from raylowcomm.strategies.lofi.privacy import PrivacyOptions
 from raylowcomm.strategies.lofi.quorum import QuorumExchange
 from raylowcomm.strategies.lofi.quorum_options import QuorumOptions
 from raylowcomm.strategies.lofi.robust_options import RobustOptions
@@ -53,6 +54,7 @@ class LofiOptions:
     average: AverageOptions
     robust: RobustOptions
     dial: DialOptions
+    privacy: PrivacyOptions
 
     @classmethod
     def of(cls, o: LofiConfig) -> LofiOptions:
@@ -65,11 +67,14 @@ class LofiOptions:
             AverageOptions.of(o),
             RobustOptions.of(o),
             DialOptions.of(o),
+            PrivacyOptions.of(o),
         )
 
     def validate(self, cfg: RunConfig, exchange: type[Exchange]) -> None:
         """Every group's checks before anything starts (a ConfigError), on the topology `exchange`
-        the run was given (`exchange_for`, chosen once)."""
+        the run was given (`exchange_for`, chosen once). Privacy first: what it refuses beside it is
+        refused as privacy's, whatever else a group would say of it."""
+        self.privacy.check(cfg, exchange, self)
         self.rounds.check(cfg, exchange, timed=self.quorum.sync == "time")
         self.codec.check(self.rounds)
         self.quorum.check(cfg, exchange, self.rounds, self.codec)
@@ -99,3 +104,4 @@ class LofiOptions:
             groups.codec.check_loaded(ctx)
         groups.rounds.check_loaded(ctx, merging_for(ctx.spec).sync_unit, smallest)
         groups.quorum.check_loaded(ctx.cfg, total_steps(ctx.cfg.optim, smallest) if sizes else None)
+        groups.privacy.check_loaded(ctx, ctx.cfg.options[NAME], smallest)
