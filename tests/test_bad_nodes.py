@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylowcomm.config import ConfigError
-from raylowcomm.core.bad_updates import BadNode, bad_update, corrupt, update_seed
+from raylowcomm.core.bad_updates import BadNode, bad_update, corrupt, learning_rate_of, relabelled, update_seed
 from raylowcomm.strategies import from_dict
 
 BASE = {
@@ -79,6 +79,29 @@ def test_an_entry_without_a_round_applies_every_round():
         assert torch.equal(bad_update(entries, 0, round_, 0, delta)["a.bias"], -2.0 * delta["a.bias"])
 
 
+def test_a_node_that_trains_wrongly_sends_its_own_delta_as_it_is():
+    delta = _delta()
+    entries = [BadNode(node=1, update="learning_rate", scale=100.0), BadNode(node=2, update="permuted_labels")]
+    assert bad_update(entries, 1, 1, 0, delta) is delta and bad_update(entries, 2, 3, 0, delta) is delta
+
+
+def test_a_learning_rate_node_trains_at_scale_times_the_runs_and_the_others_at_the_runs():
+    entries = [BadNode(node=1, update="learning_rate", scale=100.0), BadNode(node=2, update="sign_flip")]
+    assert learning_rate_of(entries, 1, 0.01) == 0.01 * 100.0
+    assert learning_rate_of(entries, 0, 0.01) == 0.01 and learning_rate_of(entries, 2, 0.01) == 0.01
+
+
+def test_permuted_labels_shift_every_label_by_one_class_on_that_node_only():
+    split = {"images": torch.zeros(5, 2), "labels": torch.tensor([0, 1, 2, 9, 4])}
+    entries = [BadNode(node=2, update="permuted_labels")]
+    out = relabelled(entries, 2, split, 10)
+    assert torch.equal(out["labels"], torch.tensor([1, 2, 3, 0, 5])) and out["images"] is split["images"]
+    assert torch.equal(split["labels"], torch.tensor([0, 1, 2, 9, 4])), "the caller's rows are kept"
+    assert relabelled(entries, 1, split, 10) is split
+    with pytest.raises(ValueError, match="classification task"):
+        relabelled(entries, 2, split, None)
+
+
 def _cfg(bad, **top):
     return from_dict({**BASE, **top, "bad_nodes": bad})
 
@@ -91,6 +114,8 @@ def _cfg(bad, **top):
         ([{"node": 1, "update": "noise", "scale": float("inf")}], {}, "bad_nodes[0].scale", "finite number > 0"),
         ([{"node": 1, "update": "nonfinite", "scale": 3}], {}, "bad_nodes[0].scale", "no scale"),
         ([{"node": 1, "update": "nonfinite", "round": 0}], {}, "bad_nodes[0].round", ">= 1"),
+        ([{"node": 1, "update": "permuted_labels", "scale": 3}], {}, "bad_nodes[0].scale", "no scale"),
+        ([{"node": 1, "update": "learning_rate", "round": 2}], {}, "bad_nodes[0].round", "from the start"),
         ([{"node": 1, "update": "bitflip"}], {}, "bad_nodes[0].update", "sign_flip"),
         ([{"node": 1, "update": "noise"}, {"node": 1, "update": "sign_flip"}], {}, "bad_nodes", "once"),
         ([{"node": 1, "update": "noise"}], {"strategies": ["ddp"]}, "bad_nodes", "add lofi"),
@@ -106,6 +131,11 @@ def test_a_bad_node_that_cannot_take_effect_is_refused(bad, top, field, says):
 def test_with_lofi_and_a_rounds_free_lofi_run_the_section_is_taken():
     cfg = _cfg([{"node": 2, "update": "sign_flip", "scale": 4}], lofi={"exchange": "peers"})
     assert cfg.bad_nodes == [BadNode(node=2, update="sign_flip", scale=4.0)]
+
+
+def test_a_node_that_trains_wrongly_needs_no_peer_rounds():
+    cfg = _cfg([{"node": 1, "update": "learning_rate", "scale": 100}], lofi={})
+    assert cfg.options["lofi"].exchange == "auto" and cfg.bad_nodes[0].scale == 100.0
 
 
 def test_beside_lofi_a_strategy_that_ignores_it_says_so_in_one_line(caplog):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from raylowcomm.config.schema import ConfigError, RunConfig
+from raylowcomm.core.bad_updates import UPDATE_KINDS
 
 HONOURED_BY = ("lofi",)
 """The strategies whose rounds carry a node's update, where a bad one takes effect."""
@@ -15,16 +16,19 @@ HONOURED_BY = ("lofi",)
 
 def check_bad_nodes(cfg: RunConfig) -> str | None:
     """Refuse (ConfigError naming the entry's field) a node the run does not have, a scale that is not
-    a finite number > 0 or set for nonfinite, a round below 1, a node named twice; return why the
-    section cannot take effect where no strategy of the run carries it, else None."""
+    a finite number > 0 or set for a kind without one, a round below 1 or set for a kind that trains
+    wrongly, a node named twice, a wrong update where lo-fi's nodes send none (its driver star); return
+    why the section cannot take effect where no strategy of the run carries it, else None."""
     slots = cfg.nodes.most + len(getattr(cfg.options.get("lofi"), "join", ()))
     for i, e in enumerate(cfg.bad_nodes):
         if not 0 <= e.node < slots:
             raise ConfigError(f"bad_nodes[{i}].node", e.node, f"name one of the nodes 0..{slots - 1}")
         if not (math.isfinite(e.scale) and e.scale > 0):
             raise ConfigError(f"bad_nodes[{i}].scale", e.scale, "give a finite number > 0 (10: ten times Δ)")
-        if e.update == "nonfinite" and e.scale != 10.0:
-            raise ConfigError(f"bad_nodes[{i}].scale", e.scale, "a nonfinite update has no scale: remove it")
+        if e.update in ("nonfinite", "permuted_labels") and e.scale != 10.0:
+            raise ConfigError(f"bad_nodes[{i}].scale", e.scale, f"{e.update} has no scale: remove it")
+        if e.round is not None and e.update not in UPDATE_KINDS:
+            raise ConfigError(f"bad_nodes[{i}].round", e.round, f"{e.update} trains wrongly from the start: remove it")
         if e.round is not None and e.round < 1:
             raise ConfigError(f"bad_nodes[{i}].round", e.round, "rounds count from 1: give one >= 1, or null")
     nodes = [e.node for e in cfg.bad_nodes]
@@ -33,8 +37,11 @@ def check_bad_nodes(cfg: RunConfig) -> str | None:
     if not set(HONOURED_BY) & set(cfg.strategies):
         return "only lo-fi's rounds carry a node's update: add lofi to strategies, or remove bad_nodes"
     lofi = cfg.options.get("lofi")
-    if "lofi" in cfg.strategies and not (
-        lofi.exchange == "peers" or lofi.compress != "none" and lofi.exchange == "auto"
+    sent = [e for e in cfg.bad_nodes if e.update in UPDATE_KINDS]
+    if (
+        sent
+        and "lofi" in cfg.strategies
+        and not (lofi.exchange == "peers" or lofi.compress != "none" and lofi.exchange == "auto")
     ):
         raise ConfigError(
             "bad_nodes",

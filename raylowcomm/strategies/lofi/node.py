@@ -4,6 +4,8 @@ and error feedback)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from raylowcomm.actors import Node
@@ -12,6 +14,7 @@ from raylowcomm.common.seeding import epoch_seed, node_seed
 from raylowcomm.common.timing import TrainClock
 from raylowcomm.config import RunConfig
 from raylowcomm.core.averaging import measure_bn_statistics
+from raylowcomm.core.bad_updates import learning_rate_of, relabelled
 from raylowcomm.data import TrainSource
 from raylowcomm.execution.churn import Churn
 from raylowcomm.storage import Storage
@@ -53,11 +56,14 @@ class LofiNode(Node, PeerRoundCalls):
         super().__init__(node, cfg, spec, task, weights)
         self.progress = progress  # a progress.ProgressPoster where the driver watches live
         slots = slots or cfg.nodes.count
-        self.shard = data.load(node, slots)  # read here, on the node's host: no training row crosses
+        # read here, on the node's host: no training row crosses; a bad node's labels wrong (bad_nodes)
+        self.shard = relabelled(cfg.bad_nodes, node, data.load(node, slots), spec.num_classes)
         self.hold_out(data, slots)
         self.seed, self.storage = node_seed(cfg.seed, node), storage
         self.checkpoint = f"lofi/checkpoints/node{node}.safetensors"
-        self.optimizer = make_optimizer(cfg.optim, self.model)
+        # what this node trains with: the run's optimizer settings, at a bad node's learning rate (bad_nodes)
+        self.optim = dataclasses.replace(cfg.optim, lr=learning_rate_of(cfg.bad_nodes, node, cfg.optim.lr))
+        self.optimizer = make_optimizer(self.optim, self.model)
         self.step, self.restored_from, self.rounds = 0, None, 0
         self.saved_step: int | None = None
         """The step of this node's checkpoint in storage (model and optimizer as they were then)."""
@@ -91,7 +97,7 @@ class LofiNode(Node, PeerRoundCalls):
         for p in frozen:
             p.requires_grad_(False)
         try:
-            optimizer = make_optimizer(self.cfg.optim, self.model)
+            optimizer = make_optimizer(self.optim, self.model)
             train_steps(
                 self.model,
                 self.task,
@@ -225,7 +231,7 @@ class LofiNode(Node, PeerRoundCalls):
         fresh adapters (seeded by the round, the same on every node) and a fresh optimizer; with
         lofi.round_momentum: reset, a fresh optimizer state either way."""
         if self.merging.load_global(self.model, state, seed=epoch_seed(self.cfg.seed, rounds)):
-            self.optimizer = make_optimizer(self.cfg.optim, self.model)
+            self.optimizer = make_optimizer(self.optim, self.model)
         elif self.round_momentum == "reset":
             self.optimizer.state.clear()
 
