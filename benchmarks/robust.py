@@ -6,13 +6,17 @@ clean run with the plain mean.
 
 The workload is 4 nodes of half a CPU each with int8 peer rounds: the MNIST dial
 (examples/lofi_vs_ddp_mnist.yaml, lo-fi only, 750 images a node so that a run stays short on 2 cores,
-2 epochs of 23 steps, a round every 6 steps: 7 rounds) or MiniLM (examples/lofi_vs_ddp_minilm.yaml,
+2 epochs of 23 steps, a round every 6 steps: 8 rounds, the last at step 46) or MiniLM (examples/lofi_vs_ddp_minilm.yaml,
 400 reviews a node, 2 epochs of 25 steps, a round every 8). Scenarios (`bad_nodes:`, docs/fault-tolerance.md):
 clean; node 3 sends −10·Δ every round (sign_flip); Gaussian noise of norm about 10·‖Δ‖ (noise); a NaN
 in round 1 only (nonfinite, with `lofi.on_bad_payload: drop` for every rule, the mean's included:
-under the default `fail` the run stops, so the mean's row there is the mean with drop). Rules
-(`lofi.aggregate`, docs/robust.md): mean, clip (κ 2), trimmed_mean (β 0.25), median; the other
-scenarios keep `on_bad_payload: fail`, so a row measures the rule alone.
+under the default `fail` the run stops, so the mean's row there is the mean with drop); node 3
+trains with every label shifted by one class (permuted_labels) or at 100 × the learning rate
+(learning_rate); and honest_only, nodes 0-2 alone on their three shards (node 3's never trained), with
+the mean: the best a rule that leaves node 3 out can reach. Rules (`lofi.aggregate`, docs/robust.md):
+mean (with `on_bad_payload: fail`, the default, but in nonfinite), and clip (κ 2), trimmed_mean
+(β 0.25) and median, each with `on_bad_payload: drop`: its norm screen (10 × the round's median norm)
+and distance screen (3 × the median distance to the coordinate-wise median) before the rule.
 
 Every (scenario, rule, seed) is one `raylowcomm run` into OUT/<workload>/<scenario>/<rule>/seed_<s>
 (`benchmarks.sweep.seed_record`); a run whose results.json is there is read, not repeated (a failed one
@@ -57,12 +61,18 @@ SCENARIOS: dict[str, list[str]] = {
     "noise": [f"bad_nodes=[{{node: {BAD_NODE}, update: noise, scale: 10}}]"],
     # the default on_bad_payload (fail) stops the run at the NaN: every rule here drops it
     "nonfinite": [f"bad_nodes=[{{node: {BAD_NODE}, update: nonfinite, round: 1}}]", "lofi.on_bad_payload=drop"],
+    "permuted_labels": [f"bad_nodes=[{{node: {BAD_NODE}, update: permuted_labels}}]"],
+    "learning_rate": [f"bad_nodes=[{{node: {BAD_NODE}, update: learning_rate, scale: 100}}]"],
+    "honest_only": ["nodes.count=3"],  # and 3/4 of the workload's train_size (`overrides`): 3 shards as large
 }
+ONLY_MEAN = {"honest_only"}
+"""Scenarios with nothing for a rule to do: run with the mean alone."""
+_SCREENED = ["lofi.on_bad_payload=drop"]  # the norm (10x the median) and distance (3x the median) screens
 RULES: dict[str, list[str]] = {
     "mean": ["lofi.aggregate=mean"],
-    "clip": ["lofi.aggregate=clip", "lofi.clip_kappa=2.0"],
-    "trimmed_mean": ["lofi.aggregate=trimmed_mean", "lofi.trim=0.25"],
-    "median": ["lofi.aggregate=median"],
+    "clip": ["lofi.aggregate=clip", "lofi.clip_kappa=2.0", *_SCREENED],
+    "trimmed_mean": ["lofi.aggregate=trimmed_mean", "lofi.trim=0.25", *_SCREENED],
+    "median": ["lofi.aggregate=median", *_SCREENED],
 }
 BASELINE = ("clean", "mean")
 
@@ -71,10 +81,19 @@ def run_dir(out: Path, workload: str, scenario: str, rule: str, seed: int) -> Pa
     return out / workload / scenario / rule / f"seed_{seed}"
 
 
+def overrides(workload: str, scenario: str, rule: str, seed: int) -> list[str]:
+    """The run's `--set`s: the workload's, the scenario's and the rule's; honest_only keeps a node's shard
+    size (3/4 of the workload's training rows over 3 nodes)."""
+    base = WORKLOADS[workload][1]
+    if scenario == "honest_only":
+        size = next(int(b.split("=")[1]) for b in base if b.startswith("data.train_size="))
+        base = [*base, f"data.train_size={size * 3 // 4}"]
+    return [*base, *SCENARIOS[scenario], *RULES[rule], f"seed={seed}"]
+
+
 def measure(out: Path, workload: str, scenario: str, rule: str, seed: int) -> dict:
     """One run's figures: read from its results.json, or run it first (a failed one again)."""
-    example, base = WORKLOADS[workload]
-    cfg = load_config(example, [*base, *SCENARIOS[scenario], *RULES[rule], f"seed={seed}"])
+    cfg = load_config(WORKLOADS[workload][0], overrides(workload, scenario, rule, seed))
     rec = seed_record(
         cfg, seed, run_dir(out, workload, scenario, rule, seed).parent, f"robust: {workload} {scenario} {rule}", True
     )
@@ -148,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
-    cases = [(s, r) for s in args.scenarios for r in args.rules]
+    cases = [(s, r) for s in args.scenarios for r in args.rules if r == "mean" or s not in ONLY_MEAN]
     cases = [BASELINE, *(c for c in cases if c != BASELINE)]  # first: every difference is to it
     rows = [measure(out, args.workload, s, r, seed) for seed in range(args.seeds) for s, r in cases]
     summary = summarize(rows)

@@ -4,7 +4,8 @@ what each node did to the round (`../shared/TRUST.md`; Sun et al. 2019 for norm 
 
 A round, over the nodes' payloads in node order: `payload_norms` decodes each once for its L2 norm
 over every tensor and whether every entry is finite; `screen` drops the non-finite payloads and,
-with a factor f, those whose norm passes f × the median norm of the finite ones; a rule with
+with a factor f, those whose norm passes f × the median norm of the finite ones, and `screen_far`,
+with its own factor, those far from the others' coordinate-wise median (`core.screening`); a rule with
 `prepare` (clip) turns the kept nodes' norms into a factor per node; `combine_round` decodes one
 tensor at a time, scales each node's values and combines them (the mean adds them as they come).
 `robust_round` does all four; `Diagnostics` records each node's part on the way.
@@ -38,111 +39,28 @@ the same payloads with the same weights in the same order gets the same bits, on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from raylowcomm.core.aggregation import MEAN, Aggregator, check_weights, needs_norms
-from raylowcomm.core.compression import Codec, Layout, Payload, names_in_layout_order
+from raylowcomm.core.compression import Payload, names_in_layout_order
+from raylowcomm.core.screening import (
+    Dropped,
+    Parts,
+    Screening,
+    distances_to_median,
+    fixed_sum,
+    median_of,
+    payload_norms,
+    screen,
+    screen_far,
+    split_parts,
+)
 
 RULES = ("mean", "clip", "trimmed_mean", "median")
-Parts = Sequence[tuple[Codec, Layout]]
-"""A round's codecs and the tensors each carries (one pair for a single-codec round)."""
-
-
-def fixed_sum(x: Tensor) -> float:
-    """Σ x in float64 by a fixed pairwise tree of elementwise adds (halves added, a zero padding an odd
-    length): torch's own reductions may split the work by threads or device, this never does."""
-    x = x.reshape(-1).to(torch.float64)
-    while x.numel() > 1:
-        if x.numel() % 2:
-            x = torch.cat([x, x.new_zeros(1)])
-        half = x.numel() // 2
-        x = x[:half] + x[half:]
-    return float(x[0]) if x.numel() else 0.0
-
-
-def median_of(numbers: Sequence[float]) -> float:
-    """The middle of the sorted numbers; of an even count, the mean of the two middle ones."""
-    ordered, mid = sorted(numbers), len(numbers) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def _split(parts: Parts, payloads: Sequence[Payload]) -> Iterator[tuple[Codec, Layout, list[Payload]]]:
-    """Each part's codec, layout and the payloads' tensors of it, for the parts the payloads carry."""
-    if not payloads:
-        raise ValueError("nothing to combine")
-    if any(set(p) != set(payloads[0]) for p in payloads):
-        raise ValueError("payloads carry different sets of tensors")
-    unknown = set(payloads[0]).difference(*(layout for _, layout in parts))
-    if unknown:
-        raise ValueError(f"payload has tensors no part's layout has: {sorted(unknown)[:5]}")
-    for codec, layout in parts:
-        names = [k for k in layout if k in payloads[0]]
-        if names:
-            yield codec, layout, [Payload({k: p[k] for k in names}) for p in payloads]
-
-
-@dataclass(frozen=True)
-class Norms:
-    """Each node's Σ x² over its decoded tensors and whether every entry was finite, in node order."""
-
-    squares: tuple[float, ...]
-    finite: tuple[bool, ...]
-
-    @property
-    def norms(self) -> list[float]:
-        return [math.sqrt(s) for s in self.squares]
-
-
-def payload_norms(parts: Parts, payloads: Sequence[Payload]) -> Norms:
-    """Decodes every payload once, a tensor at a time, for its norm (tensors in layout order)."""
-    squares, finite = [0.0] * len(payloads), [True] * len(payloads)
-    for codec, layout, sub in _split(parts, payloads):
-        for name in names_in_layout_order(sub[0], layout):
-            for k, payload in enumerate(sub):
-                x = codec.unpack(payload[name], layout[name])
-                squares[k] += fixed_sum(x * x)
-                finite[k] = finite[k] and bool(torch.isfinite(x).all())
-    return Norms(tuple(squares), tuple(finite))
-
-
-class Dropped(NamedTuple):
-    """A payload screening left out: its node, why, and its norm."""
-
-    node: int
-    reason: Literal["not finite", "norm past bound"]
-    norm: float
-
-
-@dataclass(frozen=True)
-class Screening:
-    """Which payloads a round keeps (node indices, in order), which it drops and why, and the bound."""
-
-    kept: tuple[int, ...]
-    dropped: tuple[Dropped, ...]
-    bound: float
-
-    def select(self, items: Sequence) -> list:
-        """The kept nodes' items (payloads, weights, norms), in node order."""
-        return [items[k] for k in self.kept]
-
-
-def screen(norms: Sequence[float], finite: Sequence[bool], factor: float = math.inf) -> Screening:
-    """Drops a payload with a non-finite entry or norm, then one whose norm passes factor × the median
-    norm of the finite ones (factor ≥ 1, so the median node stays; inf: no bound). A median norm of
-    0 drops every nonzero payload. Every node dropped leaves `kept` empty: the caller decides."""
-    if not factor >= 1:
-        raise ValueError(f"screening factor must be ≥ 1, got {factor}")
-    ok = [k for k, (n, f) in enumerate(zip(norms, finite)) if f and math.isfinite(n)]
-    bound = factor * median_of([norms[k] for k in ok]) if ok and math.isfinite(factor) else math.inf
-    dropped = [Dropped(k, "not finite", n) for k, n in enumerate(norms) if k not in ok]
-    dropped += [Dropped(k, "norm past bound", norms[k]) for k in ok if norms[k] > bound]
-    kept = tuple(k for k in ok if norms[k] <= bound)
-    return Screening(kept, tuple(sorted(dropped)), bound)
 
 
 class Clip:
@@ -297,7 +215,7 @@ def combine_round(
     weights = check_weights(weights, len(payloads))
     scales = [1.0] * len(payloads) if scales is None else [float(s) for s in scales]
     out = {}
-    for codec, layout, sub in _split(parts, payloads):
+    for codec, layout, sub in split_parts(parts, payloads):
         for name in names_in_layout_order(sub[0], layout):
             spec = layout[name]
             decoded = (codec.unpack(p[name], spec) for p in sub)  # each a fresh float64 tensor
@@ -321,6 +239,13 @@ class RoundResult:
     nodes: tuple[NodeDiagnostics, ...] | None
 
 
+def _screen_far(parts: Parts, payloads: Sequence[Payload], screening: Screening, factor: float) -> Screening:
+    """`screening` with the kept payloads far from the others (`screen_far`) dropped too."""
+    kept, far, _ = screen_far(distances_to_median(parts, screening.select(payloads)), factor)
+    far = tuple(Dropped(screening.kept[d.node], d.reason, d.norm) for d in far)
+    return Screening(tuple(screening.kept[j] for j in kept), tuple(sorted(screening.dropped + far)), screening.bound)
+
+
 def robust_round(
     parts: Parts,
     payloads: Sequence[Payload],
@@ -328,10 +253,12 @@ def robust_round(
     rule: Aggregator = MEAN,
     screen_factor: float | None = None,
     diagnose: bool = False,
+    far_factor: float | None = None,
 ) -> RoundResult:
-    """Screening (when `screen_factor` is given: inf drops only non-finite payloads), the rule's
-    `prepare` on the kept nodes' norms, then `combine_round` over the kept payloads. The norm pass runs
-    only when one of these needs it: a plain mean round is `combine_round` alone."""
+    """Screening (when `screen_factor` is given: inf drops only non-finite payloads; then, with
+    `far_factor`, those far from the others, `screen_far`), the rule's `prepare` on the kept nodes'
+    norms, then `combine_round` over the kept payloads. The norm pass runs only when one of these needs
+    it: a plain mean round is `combine_round` alone."""
     weights = [1.0] * len(payloads) if weights is None else check_weights(weights, len(payloads))
     norms = None
     if screen_factor is not None or needs_norms(rule) or diagnose:
@@ -340,6 +267,8 @@ def robust_round(
         screening = screen(norms.norms, norms.finite, screen_factor)
     else:
         screening = Screening(tuple(range(len(payloads))), (), math.inf)
+    if far_factor is not None and len(screening.kept) > 2:
+        screening = _screen_far(parts, payloads, screening, far_factor)
     if not screening.kept:
         raise ValueError(f"screening dropped every payload: {screening.dropped}")
     kept_weights = screening.select(weights)

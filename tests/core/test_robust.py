@@ -11,17 +11,8 @@ import torch
 from raylowcomm.core.aggregation import MEAN, average_decoded, needs_norms
 from raylowcomm.core.compression import Payload, layout_of, make_codec
 from raylowcomm.core.feedback import ErrorFeedback
-from raylowcomm.core.robust import (
-    Clip,
-    Coordinatewise,
-    Dropped,
-    combine_round,
-    fixed_sum,
-    make_rule,
-    median_of,
-    robust_round,
-    screen,
-)
+from raylowcomm.core.robust import Clip, Coordinatewise, combine_round, make_rule, robust_round
+from raylowcomm.core.screening import Dropped, fixed_sum, median_of, screen
 
 NONE = make_codec("none")
 

@@ -55,6 +55,12 @@ def test_the_defaults_are_todays_mean():
         ({"clip_kappa": 3.0}, "lofi.clip_kappa", "lofi.aggregate: clip"),
         ({"aggregate": "median", "trim": 0.1}, "lofi.trim", "lofi.aggregate: trimmed_mean"),
         ({"on_bad_payload": "drop", "bad_norm_factor": 4.0}, "lofi.bad_norm_factor", "lofi.aggregate"),
+        (
+            {"aggregate": "clip", "on_bad_payload": "drop", "bad_distance_factor": 0.9},
+            "lofi.bad_distance_factor",
+            ">= 1",
+        ),
+        ({"aggregate": "clip", "bad_distance_factor": 2.0}, "lofi.bad_distance_factor", "on_bad_payload: drop"),
         ({"aggregate": "median", "compress": "none"}, "lofi.aggregate", "lofi.exchange: peers"),
         ({"on_bad_payload": "drop", "exchange": "driver", "compress": "none"}, "lofi.on_bad_payload", "star"),
     ],

@@ -43,6 +43,13 @@ def screen_factor(opts) -> float | None:
     return opts.bad_norm_factor if opts.aggregate != "mean" else math.inf
 
 
+def far_factor(opts) -> float | None:
+    """`robust_round`'s distance screen: `bad_distance_factor` with `drop` and a robust rule, else none."""
+    if opts.on_bad_payload != "drop" or opts.aggregate == "mean":
+        return None
+    return opts.bad_distance_factor
+
+
 def marker() -> Payload:
     """What a node sends for a Δ that is not finite, with `on_bad_payload: drop`: no tensor of it."""
     return Payload({NOT_FINITE: torch.zeros(0, dtype=torch.uint8)})
@@ -68,7 +75,7 @@ class RobustAverage:
 
     def __init__(self, opts, host=None):
         self.rule = make_rule(opts.aggregate, opts.clip_kappa, opts.trim)
-        self.factor = screen_factor(opts)
+        self.factor, self.far = screen_factor(opts), far_factor(opts)
         self.host = host
         self.label = "driver" if host is None else f"lofi node {host.rank}"
         self.record: dict[int, list[dict]] | None = None
@@ -89,7 +96,13 @@ class RobustAverage:
         if not sent:
             raise ValueError(f"round {round_}: every node's Δ was not finite (lofi.on_bad_payload: drop)")
         result = robust_round(
-            parts, [payloads[k] for k in sent], [weights[k] for k in sent], self.rule, self.factor, diagnose=True
+            parts,
+            [payloads[k] for k in sent],
+            [weights[k] for k in sent],
+            self.rule,
+            screen_factor=self.factor,
+            diagnose=True,
+            far_factor=self.far,
         )
         rows = dict(zip(sent, result.nodes))
         dropped = [k for k in range(len(payloads)) if k not in rows or rows[k].dropped]
