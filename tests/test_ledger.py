@@ -16,6 +16,13 @@ def test_known_payloads_are_counted_exactly():
     assert payload_nbytes(obj) == len(pickle.dumps(obj, protocol=5))
 
 
+def test_tensors_inside_mixed_containers_count_their_data_and_the_rest_its_pickle():
+    stats = ({"bn.running_mean": torch.zeros(8), "bn.num_batches_tracked": torch.tensor(3)}, 12)
+    assert payload_nbytes(stats) == 32 + 8 + len(pickle.dumps(12, protocol=5))
+    nested = {"test": {"images": torch.zeros(2, 3, dtype=torch.uint8), "labels": [torch.zeros(2)]}, "name": "mnist"}
+    assert payload_nbytes(nested) == 6 + 8 + len(pickle.dumps("mnist", protocol=5))
+
+
 def test_phases_kinds_and_copies():
     ledger = Ledger()
     ledger.send("setup", "weights", torch.zeros(100), copies=3)

@@ -1,9 +1,11 @@
 """Byte accounting by phase, from what was really sent.
 
 Every payload that crosses between the driver and an actor, or between actors, is recorded with
-the size it has on the wire: tensors by `nbytes`, anything else by its pickled size (Ray's own
-serialisation is pickle protocol 5 with tensors' buffers out of band, so the two agree to within
-a small header).
+the size it has on the wire: tensors by `nbytes`, wherever they sit in dicts, lists and tuples,
+anything else by its pickled size (Ray's own serialisation is pickle protocol 5, so the two agree
+to within a small header a tensor). A tensor is never counted by its pickle: torch pickles a storage
+with its memory address as a decimal key, so the same tensor's pickle differs by a byte or two from
+one process to the next, and the count would too.
 """
 
 from __future__ import annotations
@@ -18,16 +20,26 @@ PHASES = ("setup", "train", "final")
 
 
 def payload_nbytes(obj) -> int:
-    """Bytes an object occupies when sent: tensor data exactly, containers recursively."""
+    """Bytes an object occupies when sent: tensor data exactly; a dict, list or tuple holding a tensor
+    (at any depth) as the sum of its values' counts; anything else by its pickled size."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return len(obj)
-    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return sum(payload_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(v, torch.Tensor) for v in obj):
-        return sum(payload_nbytes(v) for v in obj)
+    if _holds_tensor(obj):
+        return sum(payload_nbytes(v) for v in (obj.values() if isinstance(obj, dict) else obj))
     return len(pickle.dumps(obj, protocol=5))
+
+
+def _holds_tensor(obj) -> bool:
+    """Whether a dict, list or tuple holds a tensor in its values, at any depth."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    return False
 
 
 @dataclass
