@@ -97,8 +97,9 @@ def _dir_name(strategy: str) -> str:
 
 class TensorBoardLog:
     """OUT/tensorboard/<strategy>/ event files: train loss, evaluation metrics and bytes sent,
-    against step and against training wall time. One SummaryWriter per strategy, created on the
-    first thing written for it; ``close()`` flushes and closes them all (also as a context manager)."""
+    against step and against training wall time; robust rounds' per-node figures against the round.
+    One SummaryWriter per strategy, created on the first thing written for it; ``close()`` flushes
+    and closes them all (also as a context manager)."""
 
     def __init__(self, out_dir: str | Path, flush_secs: int = 10):
         self.root = Path(out_dir) / "tensorboard"
@@ -158,7 +159,21 @@ class TensorBoardLog:
             last = int(curve[-1]["step"]) if curve else 0
             for key, value in final_figures(record).items():
                 w.add_scalar(f"final/{key}", value, global_step=last)
+            self._robust_rounds(w, (record.get("details") or {}).get("robust_rounds") or [])
             w.flush()
+
+    @staticmethod
+    def _robust_rounds(w, rounds: list[dict]) -> None:
+        """Each node's part in each robust round (`details.robust_rounds`, docs/robust.md), by round:
+        its Δ's norm, cosine to the round's aggregate, clip factor and whether the round left it out."""
+        for r in rounds:
+            for row in r.get("nodes") or []:
+                tag = f"robust/node{row['node']}"
+                for key in ("norm", "cosine", "scale"):
+                    value = _number(row.get(key))
+                    if value is not None:
+                        w.add_scalar(f"{tag}/{key}", value, global_step=int(r["round"]))
+                w.add_scalar(f"{tag}/dropped", float(row.get("dropped") is not None), global_step=int(r["round"]))
 
     @staticmethod
     def _curve_point(w, p: dict, t0: float, written: set) -> None:

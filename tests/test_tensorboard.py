@@ -197,3 +197,21 @@ def test_report_links_tensorboard(tmp_path: Path):
     with TensorBoardLog(run) as tb:
         tb.record(RECORD)
     assert f"`tensorboard --logdir {run / 'tensorboard'}`" in write_report(run).read_text()
+
+
+def test_robust_rounds_write_each_nodes_figures_by_round(tmp_path: Path):
+    row = {"norm": 2.0, "cosine": 0.5, "scale": 1.0, "trimmed": 0.0, "dropped": None}
+    rounds = [
+        {
+            "round": 1,
+            "nodes": [{"node": 0, **row}, {"node": 1, **row, "norm": "nan", "cosine": None, "dropped": "not finite"}],
+        },
+        {"round": 2, "nodes": [{"node": 0, **row, "cosine": 0.25}, {"node": 1, **row, "scale": 0.5}]},
+    ]
+    with TensorBoardLog(tmp_path) as tb:
+        tb.record({"strategy": "lofi", "metrics": {}, "details": {"robust_rounds": rounds}})
+    acc = load(tmp_path / "tensorboard" / "lofi")
+    assert scalars(acc, "robust/node0/cosine") == expect([(1, 0.5), (2, 0.25)])
+    assert scalars(acc, "robust/node1/dropped") == expect([(1, 1.0), (2, 0.0)])
+    assert scalars(acc, "robust/node1/norm") == expect([(2, 2.0)]), "a non-finite norm is not a point"
+    assert scalars(acc, "robust/node1/scale") == expect([(1, 1.0), (2, 0.5)])
