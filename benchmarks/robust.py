@@ -16,7 +16,7 @@ trains with every label shifted by one class (permuted_labels) or at 100 × the 
 the mean: the best a rule that leaves node 3 out can reach. Rules (`lofi.aggregate`, docs/robust.md):
 mean (with `on_bad_payload: fail`, the default, but in nonfinite), and clip (κ 2), trimmed_mean
 (β 0.25) and median, each with `on_bad_payload: drop`: its norm screen (10 × the round's median norm)
-and distance screen (3 × the median distance to the coordinate-wise median) before the rule.
+and cosine screen (below 0.5 × the median cosine to the coordinate-wise median) before the rule.
 
 Every (scenario, rule, seed) is one `raylowcomm run` into OUT/<workload>/<scenario>/<rule>/seed_<s>
 (`benchmarks.sweep.seed_record`); a run whose results.json is there is read, not repeated (a failed one
@@ -67,7 +67,7 @@ SCENARIOS: dict[str, list[str]] = {
 }
 ONLY_MEAN = {"honest_only"}
 """Scenarios with nothing for a rule to do: run with the mean alone."""
-_SCREENED = ["lofi.on_bad_payload=drop"]  # the norm (10x the median) and distance (3x the median) screens
+_SCREENED = ["lofi.on_bad_payload=drop"]  # the norm (10x the median) and cosine (0.5x the median) screens
 RULES: dict[str, list[str]] = {
     "mean": ["lofi.aggregate=mean"],
     "clip": ["lofi.aggregate=clip", "lofi.clip_kappa=2.0", *_SCREENED],

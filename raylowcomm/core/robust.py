@@ -4,8 +4,8 @@ what each node did to the round (`../shared/TRUST.md`; Sun et al. 2019 for norm 
 
 A round, over the nodes' payloads in node order: `payload_norms` decodes each once for its L2 norm
 over every tensor and whether every entry is finite; `screen` drops the non-finite payloads and,
-with a factor f, those whose norm passes f × the median norm of the finite ones, and `screen_far`,
-with its own factor, those far from the others' coordinate-wise median (`core.screening`); a rule with
+with a factor f, those whose norm passes f × the median norm of the finite ones, and `screen_unlike`,
+with its own factor, those pointing away from the others' coordinate-wise median (`core.screening`); a rule with
 `prepare` (clip) turns the kept nodes' norms into a factor per node; `combine_round` decodes one
 tensor at a time, scales each node's values and combines them (the mean adds them as they come).
 `robust_round` does all four; `Diagnostics` records each node's part on the way.
@@ -51,12 +51,12 @@ from raylowcomm.core.screening import (
     Dropped,
     Parts,
     Screening,
-    distances_to_median,
+    cosines_to_median,
     fixed_sum,
     median_of,
     payload_norms,
     screen,
-    screen_far,
+    screen_unlike,
     split_parts,
 )
 
@@ -239,11 +239,11 @@ class RoundResult:
     nodes: tuple[NodeDiagnostics, ...] | None
 
 
-def _screen_far(parts: Parts, payloads: Sequence[Payload], screening: Screening, factor: float) -> Screening:
-    """`screening` with the kept payloads far from the others (`screen_far`) dropped too."""
-    kept, far, _ = screen_far(distances_to_median(parts, screening.select(payloads)), factor)
-    far = tuple(Dropped(screening.kept[d.node], d.reason, d.norm) for d in far)
-    return Screening(tuple(screening.kept[j] for j in kept), tuple(sorted(screening.dropped + far)), screening.bound)
+def _screen_unlike(parts: Parts, payloads: Sequence[Payload], screening: Screening, factor: float) -> Screening:
+    """`screening` with the kept payloads unlike the others (`screen_unlike`) dropped too."""
+    kept, unlike, _ = screen_unlike(cosines_to_median(parts, screening.select(payloads)), factor)
+    unlike = tuple(Dropped(screening.kept[d.node], d.reason, d.value) for d in unlike)
+    return Screening(tuple(screening.kept[j] for j in kept), tuple(sorted(screening.dropped + unlike)), screening.bound)
 
 
 def robust_round(
@@ -253,10 +253,10 @@ def robust_round(
     rule: Aggregator = MEAN,
     screen_factor: float | None = None,
     diagnose: bool = False,
-    far_factor: float | None = None,
+    cosine_factor: float | None = None,
 ) -> RoundResult:
     """Screening (when `screen_factor` is given: inf drops only non-finite payloads; then, with
-    `far_factor`, those far from the others, `screen_far`), the rule's `prepare` on the kept nodes'
+    `cosine_factor`, those unlike the others, `screen_unlike`), the rule's `prepare` on the kept nodes'
     norms, then `combine_round` over the kept payloads. The norm pass runs only when one of these needs
     it: a plain mean round is `combine_round` alone."""
     weights = [1.0] * len(payloads) if weights is None else check_weights(weights, len(payloads))
@@ -267,8 +267,8 @@ def robust_round(
         screening = screen(norms.norms, norms.finite, screen_factor)
     else:
         screening = Screening(tuple(range(len(payloads))), (), math.inf)
-    if far_factor is not None and len(screening.kept) > 2:
-        screening = _screen_far(parts, payloads, screening, far_factor)
+    if cosine_factor is not None and len(screening.kept) > 2:
+        screening = _screen_unlike(parts, payloads, screening, cosine_factor)
     if not screening.kept:
         raise ValueError(f"screening dropped every payload: {screening.dropped}")
     kept_weights = screening.select(weights)

@@ -5,11 +5,11 @@ Two screens, both scale-free (bounds in units of a median over the round's nodes
 the model's scale) and both dropping whole nodes:
 - `screen`: a payload with a non-finite entry, or whose L2 norm passes f × the median norm. It
   catches a blown-up update (a diverged node, a scaled attack) but not a wrong direction.
-- `screen_far`: a payload whose L2 distance to the round's coordinate-wise median passes f × the
-  median of those distances. A sign-flipped, noised or wrongly trained update lies far from where
-  most nodes agree even when its norm is ordinary; on a clean round the distances are alike and
-  nobody is dropped. It needs a majority of honest nodes (the median must be theirs) and 3 or more
-  nodes: with 2, both lie at the same distance from their midpoint.
+- `screen_unlike`: a payload whose cosine to the round's coordinate-wise median falls below f × the
+  median of those cosines. A sign-flipped, noised or wrongly trained update (wrong labels) points
+  away from where most nodes agree even when its norm is ordinary; on a clean round the honest
+  nodes' cosines are alike and nobody is dropped. It needs more honest nodes than wrong ones (the
+  median must be theirs) and 3 or more nodes: with 2, both make the same angle with their midpoint.
 """
 
 from __future__ import annotations
@@ -86,11 +86,12 @@ def payload_norms(parts: Parts, payloads: Sequence[Payload]) -> Norms:
 
 
 class Dropped(NamedTuple):
-    """A payload screening left out: its node, why, and its norm."""
+    """A payload screening left out: its node, why, and the figure it was left out for (its norm, or with
+    "unlike the others" its cosine to the round's median)."""
 
     node: int
-    reason: Literal["not finite", "norm past bound", "far from the others"]
-    norm: float
+    reason: Literal["not finite", "norm past bound", "unlike the others"]
+    value: float
 
 
 @dataclass(frozen=True)
@@ -128,26 +129,30 @@ def middle(x: Tensor) -> Tensor:
     return v[(n - 1) // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
-def distances_to_median(parts: Parts, payloads: Sequence[Payload]) -> list[float]:
-    """Each payload's L2 distance to the payloads' coordinate-wise median (equal weights: a node's
-    weight must not move the reference), decoded a tensor at a time in layout order."""
-    squares = [0.0] * len(payloads)
+def cosines_to_median(parts: Parts, payloads: Sequence[Payload]) -> list[float]:
+    """Each payload's cosine to the payloads' coordinate-wise median (equal weights: a node's weight must
+    not move the reference), over every tensor, decoded a tensor at a time in layout order; 0 for a
+    payload or a median of norm 0."""
+    dots, squares, reference = [0.0] * len(payloads), [0.0] * len(payloads), 0.0
     for codec, layout, sub in split_parts(parts, payloads):
         for name in names_in_layout_order(sub[0], layout):
             x = torch.stack([codec.unpack(p[name], layout[name]).reshape(-1) for p in sub])
             centre = middle(x)
+            reference += fixed_sum(centre * centre)
             for k in range(len(sub)):
-                gap = x[k] - centre
-                squares[k] += fixed_sum(gap * gap)
-    return [math.sqrt(s) for s in squares]
+                dots[k] += fixed_sum(x[k] * centre)
+                squares[k] += fixed_sum(x[k] * x[k])
+    scale = [math.sqrt(q) * math.sqrt(reference) for q in squares]
+    return [d / s if s > 0 else 0.0 for d, s in zip(dots, scale)]
 
 
-def screen_far(distances: Sequence[float], factor: float) -> tuple[tuple[int, ...], tuple[Dropped, ...], float]:
-    """(kept, dropped, bound): drops a payload whose distance passes factor × the median distance
-    (factor ≥ 1, so the median node stays). A median distance of 0 (most payloads equal) drops every
-    payload that differs from them."""
-    if not factor >= 1:
-        raise ValueError(f"distance screening factor must be ≥ 1, got {factor}")
-    bound = factor * median_of(distances)
-    dropped = tuple(Dropped(k, "far from the others", d) for k, d in enumerate(distances) if d > bound)
-    return tuple(k for k, d in enumerate(distances) if d <= bound), dropped, bound
+def screen_unlike(cosines: Sequence[float], factor: float) -> tuple[tuple[int, ...], tuple[Dropped, ...], float]:
+    """(kept, dropped, bound): drops a payload whose cosine falls below factor × the median cosine
+    (factor in (0, 1], so the median node stays). Where the median cosine is not above 0 the nodes agree
+    on no direction, and nobody is dropped for it."""
+    if not 0 < factor <= 1:
+        raise ValueError(f"cosine screening factor must be in (0, 1], got {factor}")
+    centre = median_of(cosines)
+    bound = factor * centre if centre > 0 else -math.inf
+    dropped = tuple(Dropped(k, "unlike the others", c) for k, c in enumerate(cosines) if c < bound)
+    return tuple(k for k, c in enumerate(cosines) if c >= bound), dropped, bound

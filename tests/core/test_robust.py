@@ -172,7 +172,7 @@ def test_screening_drops_a_nan_and_an_enormous_payload():
     s = screen(norms, [True, False, True, True, True], 10.0)
     # the finite norms' median: sorted √5, 3, 4, 1e30 → 3.5
     assert s.kept == (0, 2, 4) and s.bound == 35.0
-    assert s.dropped[0][:2] == (1, "not finite") and math.isnan(s.dropped[0].norm)
+    assert s.dropped[0][:2] == (1, "not finite") and math.isnan(s.dropped[0].value)
     assert s.dropped[1] == Dropped(3, "norm past bound", 1e30)
     assert screen(norms, [True, False, True, True, True]).kept == (0, 2, 3, 4)  # no factor: finiteness only
     result = robust_round(parts, payloads, [1.0, 5.0, 2.0, 5.0, 1.0], screen_factor=10.0, diagnose=True)

@@ -81,10 +81,10 @@ OPTION_RULES = {
         "bounds the norm of a payload a robust round keeps: set lofi.on_bad_payload: drop and a lofi.aggregate "
         "other than mean",
     ),
-    "bad_distance_factor": needs(
+    "bad_cosine_factor": needs(
         lambda cfg, o: o.on_bad_payload == "drop" and o.aggregate != "mean",
-        "bounds how far from the others a payload a robust round keeps may lie: set lofi.on_bad_payload: drop "
-        "and a lofi.aggregate other than mean",
+        "bounds how far from the others' direction a payload a robust round keeps may point: set "
+        "lofi.on_bad_payload: drop and a lofi.aggregate other than mean",
     ),
     "privacy": always,  # PrivacyOptions: lockstep peer rounds, refusing what crosses un-noised
     "privacy.epsilon": always,

@@ -43,11 +43,11 @@ def screen_factor(opts) -> float | None:
     return opts.bad_norm_factor if opts.aggregate != "mean" else math.inf
 
 
-def far_factor(opts) -> float | None:
-    """`robust_round`'s distance screen: `bad_distance_factor` with `drop` and a robust rule, else none."""
+def cosine_factor(opts) -> float | None:
+    """`robust_round`'s cosine screen: `bad_cosine_factor` with `drop` and a robust rule, else none."""
     if opts.on_bad_payload != "drop" or opts.aggregate == "mean":
         return None
-    return opts.bad_distance_factor
+    return opts.bad_cosine_factor
 
 
 def marker() -> Payload:
@@ -75,7 +75,7 @@ class RobustAverage:
 
     def __init__(self, opts, host=None):
         self.rule = make_rule(opts.aggregate, opts.clip_kappa, opts.trim)
-        self.factor, self.far = screen_factor(opts), far_factor(opts)
+        self.factor, self.unlike = screen_factor(opts), cosine_factor(opts)
         self.host = host
         self.label = "driver" if host is None else f"lofi node {host.rank}"
         self.record: dict[int, list[dict]] | None = None
@@ -102,7 +102,7 @@ class RobustAverage:
             self.rule,
             screen_factor=self.factor,
             diagnose=True,
-            far_factor=self.far,
+            cosine_factor=self.unlike,
         )
         rows = dict(zip(sent, result.nodes))
         dropped = [k for k in range(len(payloads)) if k not in rows or rows[k].dropped]

@@ -23,7 +23,7 @@ class RobustOptions(OptionGroup):
     trim: float
     on_bad_payload: Literal["fail", "drop"]
     bad_norm_factor: float
-    bad_distance_factor: float | None
+    bad_cosine_factor: float | None
 
     @property
     def robust(self) -> bool:
@@ -41,11 +41,9 @@ class RobustOptions(OptionGroup):
             raise ConfigError("lofi.trim", self.trim, "must be in [0, 0.5): less than half the weight a side")
         if not (math.isfinite(self.bad_norm_factor) and self.bad_norm_factor >= 1):
             raise ConfigError("lofi.bad_norm_factor", self.bad_norm_factor, "must be a finite number >= 1")
-        far = self.bad_distance_factor
-        if far is not None and not (math.isfinite(far) and far >= 1):
-            raise ConfigError(
-                "lofi.bad_distance_factor", far, "must be a finite number >= 1, or null for no distance screen"
-            )
+        unlike = self.bad_cosine_factor
+        if unlike is not None and not 0 < unlike <= 1:
+            raise ConfigError("lofi.bad_cosine_factor", unlike, "must be in (0, 1], or null for no cosine screen")
         if not self.robust:
             return
         field, value = ("lofi.aggregate", self.aggregate)
