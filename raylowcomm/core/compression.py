@@ -46,6 +46,7 @@ together, as they do while an entry stays within 2²⁹ of its block's mean): r 
 between the lowest bit of the entry's deltas and the highest of its |x|, so this holds while an entry's
 nonzero fp32 deltas stay within 2²⁹ of each other in magnitude over the run (bf16: 2⁴⁵); beyond that,
 the only loss is float64 rounding, 2⁻⁵³ of the entry. The residual costs 8 bytes per entry on the node.
+Codes that every node of a round decodes on one shared grid, so that they add as integers: `core.summable`.
 """
 
 from __future__ import annotations
@@ -131,13 +132,17 @@ class Codec:
     def unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
         """Checks the buffer's size against the formula, then decodes it to flat float64: a new tensor,
         the caller's (`average_decoded` sums into it in place)."""
+        self.check_size(packed, spec)
+        return self._unpack(packed, spec)
+
+    def check_size(self, packed: Tensor, spec: TensorSpec) -> None:
+        """A ValueError unless `packed` is the formula's number of uint8 bytes for `spec`."""
         expected = self.packed_nbytes(spec)
         if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
             raise ValueError(
                 f"{self.name} payload of {tuple(packed.shape)} {packed.dtype}: expected "
                 f"{expected} uint8 bytes for {tuple(spec.shape)} {spec.dtype}"
             )
-        return self._unpack(packed, spec)
 
     def payload_nbytes(self, layout: Layout) -> int:
         """What a payload for `layout` weighs, from the formula alone (for planning and checks)."""
@@ -214,21 +219,25 @@ class BlockwiseInt(Codec):
         return 2 * ceil_div(n, self.block_size) + self._code_nbytes(n)
 
     def pack(self, x: Tensor, spec: TensorSpec) -> Tensor:
-        return self._pack_codes(*quantize_blocks(x, self.block_size, self.qmax))
+        return self.pack_codes(*quantize_blocks(x, self.block_size, self.qmax))
 
-    def _pack_codes(self, codes: Tensor, scales: Tensor) -> Tensor:
+    def pack_codes(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """[bf16 scales | codes packed `bits` to an entry]: the bytes of given codes and scales."""
         return torch.cat([as_bytes(scales), PACKERS[self.bits](codes)])
 
     def pack_decoded(self, x: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
         """The codes and scales are the decoded values' factors: q·scale from them, the bytes unread."""
         codes, scales = quantize_blocks(x, self.block_size, self.qmax)
-        return self._pack_codes(codes, scales), dequantize_blocks(codes, scales, self.block_size)
+        return self.pack_codes(codes, scales), dequantize_blocks(codes, scales, self.block_size)
 
-    def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+    def unpack_codes(self, packed: Tensor, spec: TensorSpec) -> tuple[Tensor, Tensor]:
+        """(integer codes of the n entries, bf16 scale per block) as `pack_codes` packed them."""
         n, reader = spec.numel, Reader(packed)
         scales = reader.take(ceil_div(n, self.block_size), SCALE_DTYPE)
-        codes = UNPACKERS[self.bits](reader.take(self._code_nbytes(n), torch.uint8), n)
-        return dequantize_blocks(codes, scales, self.block_size)
+        return UNPACKERS[self.bits](reader.take(self._code_nbytes(n), torch.uint8), n), scales
+
+    def _unpack(self, packed: Tensor, spec: TensorSpec) -> Tensor:
+        return dequantize_blocks(*self.unpack_codes(packed, spec), self.block_size)
 
 
 class TopK(Codec):

@@ -41,6 +41,7 @@ OPTION_RULES = {
         lambda cfg, o: bool(o.dense), "is the codec of lofi.dense's tensors, and none are named: set lofi.dense"
     ),
     "compress_block": needs(_blockwise, f"sizes a blockwise codec's blocks, and nothing crosses in one: {_CODEC}"),
+    "compress_scale": always,  # CodecOptions: int8/int4/int2 codecs, lockstep peer rounds that take the mean
     "error_feedback": needs(lambda cfg, o: o.compress != "none", f"keeps what a codec drops: {_CODEC}"),
     "fragments": always,  # RoundOptions: peer rounds every H steps
     "overlap": always,  # RoundOptions: peer rounds every H steps

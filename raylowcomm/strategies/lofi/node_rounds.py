@@ -221,14 +221,16 @@ class NodeRounds(RoundCatchUp):
         return waited
 
     def _average(self, round_: int, refs: list[list], weights: list[float], mine: Payload | None, final=False):
-        """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node."""
+        """Δ̄; where rounds merge, (each node's state, weights): θ_global − Δ_k per node. With
+        `lofi.compress_scale: shared` this node's residual is settled here, on the round's shared scales,
+        before `_land` writes it to the round file (overlapped: in the exchange's thread, before `land`)."""
         payloads = [self._payload_of(k, ref[0], round_, mine) for k, ref in enumerate(refs)]
         if self.merging.merges_rounds:
             return [
                 {k: self.global_state[k].to(torch.float64) - d for k, d in delta.items()}
                 for delta in self.codec.decode_each(payloads, final)
             ], weights
-        return self.codec.average(payloads, weights, final, round_)
+        return self.codec.average(payloads, weights, final, round_, own=self.node.rank)  # settles own residual
 
     def _land(self, round_: int, fragment: int, mean, mix: float, step: int) -> None:
         """Outer step on the fragment's global tensors (plain: θ_global − Δ̄), round file, merge, checkpoint;

@@ -20,6 +20,7 @@ from raylowcomm.core.compression import CODECS
 from raylowcomm.strategies.lofi.config import MAX_COMPRESS_BLOCK, fixed_period, round_gaps
 from raylowcomm.strategies.lofi.exchange import Exchange
 from raylowcomm.strategies.lofi.payload import dense_names
+from raylowcomm.strategies.lofi.scale_options import shared_scale_clashes
 
 if TYPE_CHECKING:
     from raylowcomm.strategies.base import RunContext
@@ -212,6 +213,7 @@ class CodecOptions(OptionGroup):
     compress: Literal["none", "int8", "int4", "int2", "topk", "sign"]
     topk_fraction: float
     compress_block: int
+    compress_scale: Literal["node", "shared"]
     dense: list[str]
     dense_codec: Literal["none", "int8", "int4", "int2"]
     error_feedback: bool
@@ -237,6 +239,11 @@ class CodecOptions(OptionGroup):
                 self.dense,
                 "names tensors that cross whole beside compressed ones: set lofi.compress (peer rounds), or dense: []",
             )
+
+    def check_scale(self, cfg: RunConfig, exchange: type[Exchange], groups) -> None:
+        """`compress_scale: shared` against the run's other options (`groups`: `LofiOptions`): the first clash."""
+        for clash in shared_scale_clashes(self, cfg, exchange, groups) if self.compress_scale == "shared" else []:
+            raise ConfigError("lofi.compress_scale", self.compress_scale, clash)
 
     def check_loaded(self, ctx: RunContext) -> None:
         """`dense` names tensors of the loaded model."""

@@ -77,6 +77,7 @@ class LofiOptions:
         self.privacy.check(cfg, exchange, self)
         self.rounds.check(cfg, exchange, timed=self.quorum.sync == "time")
         self.codec.check(self.rounds)
+        self.codec.check_scale(cfg, exchange, self)
         self.quorum.check(cfg, exchange, self.rounds, self.codec)
         self.outer.check(cfg)
         self.probe.check(cfg, exchange, self.outer)

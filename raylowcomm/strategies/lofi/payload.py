@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from raylowcomm.core.aggregation import average_decoded
-from raylowcomm.core.compression import NoCompression, Payload, layout_of, make_codec
+from raylowcomm.core.compression import NoCompression, Payload, layout_of
 from raylowcomm.core.feedback import ErrorFeedback
+from raylowcomm.core.summable import SummableInt, average_codes, make
 from raylowcomm.strategies.lofi.probe import head_names
 from raylowcomm.strategies.lofi.robust_average import RobustAverage, is_robust, marker
 
@@ -65,20 +66,23 @@ class DeltaCodec:
     One flat payload (name → bytes) holds every part; every node and the driver build the same parts
     from their own model. The final round may encode the parameters with a codec of its own
     (`lofi.final_round`), flushing the residuals through it. With `lofi.aggregate` other than mean or
-    `lofi.on_bad_payload: drop` rounds combine by `RobustAverage` (`host`: the node, None on the driver)."""
+    `lofi.on_bad_payload: drop` rounds combine by `RobustAverage` (`host`: the node, None on the driver).
+    With `lofi.compress_scale: shared` the int8/int4/int2 parts are `SummableInt`: a round decodes their
+    codes on its shared scales, and a node's residual of them is settled when its round is averaged."""
 
     def __init__(self, opts, state: dict, params: set[str], dense: set[str] = frozenset(), host=None):
         fl = crossing(state, opts)
-        codec = make_codec(opts.compress, opts.compress_block, opts.topk_fraction)
+        block, scale = opts.compress_block, opts.compress_scale
+        codec = make(opts.compress, block, opts.topk_fraction, scale)
         weights = layout_of({k: v for k, v in fl.items() if k in params and k not in dense})
         whole = layout_of({k: v for k, v in fl.items() if k in params and k in dense})
         buffers = (NoCompression(), layout_of({k: v for k, v in fl.items() if k not in params}))
-        self.parts = [(codec, weights), (make_codec(opts.dense_codec, opts.compress_block), whole), buffers]
+        self.parts = [(codec, weights), (make(opts.dense_codec, block, scale=scale), whole), buffers]
         self.feedback = [ErrorFeedback(c) for c, _ in self.parts] if opts.error_feedback else None
         flush = FINAL_CODECS[opts.final_round]
         self.final_parts = self.parts
         if flush is not None and flush != opts.compress:
-            final = make_codec(flush, opts.compress_block)
+            final = make(flush, block, scale=scale)
             self.final_parts = [(final, weights), (final, whole), buffers]
         self.final_residual = opts.final_residual
         self.robust = RobustAverage(opts, host) if is_robust(opts) else None
@@ -100,6 +104,7 @@ class DeltaCodec:
             return self.feedback[i]
         flush = ErrorFeedback(codec)
         flush.residual = self.feedback[i].residual  # the same dict: what the flush drops stays the residual
+        flush.pending = self.feedback[i].pending
         return flush
 
     def encode(self, delta: dict, final: bool = False) -> Payload:
@@ -119,15 +124,25 @@ class DeltaCodec:
                 payload.update(self._feedback(i, codec).encode(part) if feedback else codec.encode(part))
         return payload
 
-    def average(self, payloads: list[Payload], weights: list[float], final: bool = False, round_=None) -> dict:
+    def average(
+        self, payloads: list[Payload], weights: list[float], final: bool = False, round_=None, own: int | None = None
+    ) -> dict:
         """Δ̄ in float64, each part decoded and averaged in the payloads' (node) order; by the rule of
-        `lofi.aggregate` where rounds are robust (`round_`: the round, for its warnings and record)."""
+        `lofi.aggregate` where rounds are robust (`round_`: the round, for its warnings and record). `own`:
+        this node's index in `payloads`, whose summable parts' residuals the round settles (None: the driver)."""
         if self.robust is not None:
             return self.robust.average(self._parts(final), payloads, weights, round_)
         mean = {}
-        for codec, layout in self._parts(final):
+        for i, (codec, layout) in enumerate(self._parts(final)):
             names = [k for k in layout if k in payloads[0]]  # one fragment's, or all
-            if names:
+            if names and isinstance(codec, SummableInt):
+                feedback = self._feedback(i, codec) if self.feedback and own is not None else None
+                for k in names:
+                    flat, scales = average_codes(codec, [p[k] for p in payloads], layout[k], weights)
+                    mean[k] = flat.view(layout[k].shape)
+                    if feedback is not None:
+                        feedback.settle(k, payloads[own][k], scales)
+            elif names:
                 parts = [Payload({k: p[k] for k in names}) for p in payloads]
                 mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
         return mean
