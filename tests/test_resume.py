@@ -74,15 +74,24 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
+ROBUST_LOFI = {**CONFIG["lofi"], "exchange": "peers", "compress": "int8", "aggregate": "clip", "on_bad_payload": "drop"}
+"""Peer rounds through a robust rule (clip, and drop's screening): what the nodes and node 0's round record
+keep must carry a resume as the plain mean's do."""
+
+
 @pytest.mark.slow
-def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path):
+@pytest.mark.parametrize(
+    "lofi_options", [CONFIG["lofi"], pytest.param(ROBUST_LOFI, marks=pytest.mark.heavy)], ids=["star", "robust"]
+)
+def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path, lofi_options):
+    cfg = {**CONFIG, "lofi": lofi_options}
     config = tmp_path / "cfg.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
+    config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
     state = out / "state"
     # the uninterrupted run, on the session's Ray, while the CLI runs go on their own (every run is deterministic)
     with ThreadPoolExecutor(1) as pool:
-        uninterrupted = pool.submit(run, from_dict(CONFIG), tmp_path / "clean", bar=False)
+        uninterrupted = pool.submit(run, from_dict(cfg), tmp_path / "clean", bar=False)
 
         # killed in lo-fi's second averaging round, after a checkpoint past the first average
         first = _cli(str(config), "--out", str(out))
@@ -114,6 +123,9 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_p
     records = json.loads((out / "results.json").read_text())
     assert records[0] == lofi[0], "the finished strategy was rerun"
     assert "[spsa] resuming at step" in log
+    if lofi_options.get("aggregate"):  # the round record came through the kill: every round, as the clean run's
+        clean_rounds = json.loads((tmp_path / "clean" / "results.json").read_text())[0]["details"]["robust_rounds"]
+        assert records[0]["details"]["robust_rounds"] == clean_rounds
     for name in ("lofi", "spsa"):
         clean, resumed = (
             load_file(str(tmp_path / "clean" / "state" / name / "model.safetensors")),
