@@ -16,7 +16,7 @@ trains with every label shifted by one class (permuted_labels) or at 100 × the 
 the mean: the best a rule that leaves node 3 out can reach. Rules (`lofi.aggregate`, docs/robust.md):
 mean (with `on_bad_payload: fail`, the default, but in nonfinite), and clip (κ 2), trimmed_mean
 (β 0.25) and median, each with `on_bad_payload: drop`: its norm screen (10 × the round's median norm)
-and cosine screen (below 0.5 × the median cosine to the coordinate-wise median) before the rule.
+before the rule; clip_cosine adds the cosine screen (`bad_cosine_factor: 0.5`).
 
 Every (scenario, rule, seed) is one `raylowcomm run` into OUT/<workload>/<scenario>/<rule>/seed_<s>
 (`benchmarks.sweep.seed_record`); a run whose results.json is there is read, not repeated (a failed one
@@ -67,10 +67,11 @@ SCENARIOS: dict[str, list[str]] = {
 }
 ONLY_MEAN = {"honest_only"}
 """Scenarios with nothing for a rule to do: run with the mean alone."""
-_SCREENED = ["lofi.on_bad_payload=drop"]  # the norm (10x the median) and cosine (0.5x the median) screens
+_SCREENED = ["lofi.on_bad_payload=drop"]  # the norm screen (10x the round's median norm)
 RULES: dict[str, list[str]] = {
     "mean": ["lofi.aggregate=mean"],
     "clip": ["lofi.aggregate=clip", "lofi.clip_kappa=2.0", *_SCREENED],
+    "clip_cosine": ["lofi.aggregate=clip", "lofi.clip_kappa=2.0", *_SCREENED, "lofi.bad_cosine_factor=0.5"],
     "trimmed_mean": ["lofi.aggregate=trimmed_mean", "lofi.trim=0.25", *_SCREENED],
     "median": ["lofi.aggregate=median", *_SCREENED],
 }

@@ -183,11 +183,12 @@ class LofiConfig:
     bad_norm_factor: float = 10.0
     """on_bad_payload: drop with a robust aggregate: a payload whose norm passes this many times the
     round's median norm is dropped from the round (≥ 1)."""
-    bad_cosine_factor: float | None = 0.5
+    bad_cosine_factor: float | None = None
     """on_bad_payload: drop with a robust aggregate, 3 or more nodes: a payload whose cosine to the round's
     coordinate-wise median falls below this fraction of the nodes' median cosine is dropped from the round
-    (in (0, 1]): a wrong direction (a sign flip, noise, wrong labels) at an ordinary norm. None: no
-    cosine screen."""
+    (in (0, 1]; 0.5 is a start): a wrong direction (wrong labels, a sign flip or noise at an ordinary norm).
+    Among few nodes an honest node's cosine can fall below it too (docs/robust.md). None: no cosine
+    screen."""
     dial: Literal["auto", "off"] = "off"
     """auto: the codec, period, dense tensors, block and final round chosen for the run, before any actor
     starts, by the measured rule (the decision table of docs/strategies/lofi.md, `dial.RULES`) from the
