@@ -136,12 +136,24 @@ class QuorumLoop:
 
     def carry_out(self, decisions: list[ev.Decision]) -> ev.Wait | None:
         """Each decision in order; returns the wait the policy asks for (None: the training is over)."""
+        handlers = {
+            ev.Assign: self._assign,
+            ev.Land: self._land,
+            ev.Progress: self._progress,
+            ev.Join: self._join,
+            ev.Rejoin: self._rejoin,
+            ev.Leave: self._leave,
+            ev.Dismiss: self._dismiss,
+            ev.Book: self._book,
+        }
         wait = None
         for d in decisions:
             if isinstance(d, ev.Wait):
                 wait = d
+            elif type(d) in handlers:
+                handlers[type(d)](d)
             else:
-                getattr(self, f"_{type(d).__name__.lower()}")(d)
+                raise TypeError(f"the quorum loop carries out no {type(d).__name__} decision here")
         return wait
 
     def _assign(self, d: ev.Assign) -> None:
