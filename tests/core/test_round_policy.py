@@ -4,7 +4,7 @@ Python: importing it pulls in neither, checked in a fresh interpreter)."""
 import subprocess
 import sys
 
-from raylowcomm.core.round_policy import (
+from raylowcomm.core.rounds.arithmetic import (
     boundary_after,
     in_phase_s,
     pace_share,
@@ -15,7 +15,7 @@ from raylowcomm.core.round_policy import (
 
 
 def test_the_policy_imports_neither_ray_nor_torch():
-    modules = "raylowcomm.core.round_policy, raylowcomm.core.rounds, raylowcomm.core.rounds.policy"
+    modules = "raylowcomm.core.rounds.arithmetic, raylowcomm.core.rounds, raylowcomm.core.rounds.policy"
     code = f"import sys, {modules}; print(sorted({{'ray', 'torch'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

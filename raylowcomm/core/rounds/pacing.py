@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from raylowcomm.core.round_policy import boundary_after, in_phase_s, pace_share, tail_steps
+from raylowcomm.core.rounds.arithmetic import boundary_after, in_phase_s, pace_share, tail_steps
 from raylowcomm.core.rounds.events import Assign, Decision
 from raylowcomm.core.rounds.records import Arrival, Flight, LandedRound, NodeLog, Rules, RunRecord
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from raylowcomm.core.round_policy import quorum_of, staleness_weight
+from raylowcomm.core.rounds.arithmetic import quorum_of, staleness_weight
 from raylowcomm.core.rounds.events import (
     Appeared,
     Arrived,

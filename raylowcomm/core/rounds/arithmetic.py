@@ -1,7 +1,7 @@
-"""The decisions of quorum rounds that need neither Ray nor torch (`strategies/lofi/quorum.py` carries
-them out): how many payloads a round needs, what a late payload weighs, where a node's next segment
-ends on its schedule, by its pace or in phase with the others under sync by time, and where a slow
-node's last segment is cut. Plain Python: tests/core/test_round_policy.py imports neither."""
+"""The arithmetic of quorum rounds' policy (`rounds.policy`, `rounds.pacing`): how many payloads a
+round needs, what a late payload weighs, where a node's next segment ends on its schedule, by its pace
+or in phase with the others under sync by time, and where a slow node's last segment is cut. Plain
+Python: tests/core/test_round_policy.py imports neither."""
 
 from __future__ import annotations
 
