@@ -493,17 +493,23 @@ def _kill_a_node_after_the_first_round(state_dir, killed: list):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fragments, adapters",
-    [pytest.param(1, False, marks=pytest.mark.heavy), pytest.param(2, False, marks=pytest.mark.heavy), (2, True)],
+    "fragments, adapters, scale",
+    [
+        pytest.param(1, False, "node", marks=pytest.mark.heavy),
+        pytest.param(2, False, "node", marks=pytest.mark.heavy),
+        pytest.param(2, False, "shared", marks=pytest.mark.heavy),  # summable codes: residuals settled per round
+        (2, True, "node"),
+    ],
 )
 def test_a_killed_node_resumes_with_its_residual_and_ends_equal_to_an_uninterrupted_run(
-    ray_session, tmp_path, fragments, adapters
+    ray_session, tmp_path, fragments, adapters, scale
 ):
     """Whole rounds, or two fragments (Streaming DiLoCo): residuals, momentum and global model, per fragment;
     with LoRA adapters also the base each round merged into."""
     cfg = tiny_config(
         average_every=8,
         compress="int4",
+        compress_scale=scale,
         bn_recalibrate=False,
         fragments=fragments,
         **({} if adapters else {"outer_optimizer": "nesterov"}),
