@@ -1,58 +1,47 @@
 """Secure aggregation of integer codes by pairwise masks (`../shared/TRUST.md`; Bonawitz et al. 2017,
 "Practical Secure Aggregation for Federated Learning on User-Held Data"). Plain numpy, no Ray.
 
-What it is for: summable codes, every node quantised on the same grid, so the nodes' integer codes
-add exactly. The driver receives only masked payloads, each uniformly random on its own, whose sum is
-the nodes' code sum: the driver learns the sum and nothing about any one node's codes.
+What it is for: summable codes, every node's codes on one grid, so that they add exactly. Whoever sums a
+round (every peer, or the driver) reads only masked payloads, each uniformly random on its own, whose sum is
+the nodes' code sum: it learns the sum and nothing about any one node's codes.
 
-The protocol, for a run (a name) and nodes with integer ids:
+The protocol, for a roster (a name and each node's public key):
 1. Keys: each node makes an X25519 key pair (`SecAggNode`); the driver gathers the public keys into a
    `Roster` and hands it to every node. Each node derives, for each peer, the pair key
-   HKDF-SHA256(X25519(own private, peer public), salt = the run, info = the pair's ids and public
-   keys), and per round the round key HKDF-SHA256(pair key, info = the run, the pair, the round). A
-   pair key needs a private key: the driver holds public keys and payloads only, and no function here
-   takes two public keys. A node refuses to be pickled, so its keys do not travel by accident.
-2. Masks: the mask of pair (i, j) in round r is the ChaCha20 keystream under the round key (nonce: a
-   zero counter, r as 8 little-endian bytes, b"mask") read as little-endian unsigned W-bit integers,
-   one per entry. Node i adds +mask for each peer j > i and -mask for each j < i, modulo 2^W, to its
-   shifted codes u = q + 2^(b-1) (q in [-2^(b-1), 2^(b-1))). Each pair's masks cancel in the sum.
-3. Width: W = the smallest of 8, 16, 32, 64 that is at least b + ceil(log2 N), N the roster's size.
-   Each u is in [0, 2^b - 1], so a sum of at most N of them is at most N(2^b - 1) < 2^(b+ceil(log2 N))
-   <= 2^W: the sum mod 2^W is the exact sum (no sign bit is needed: the codes are shifted, hence
-   TRUST's "+1" is not). The signed sum is that minus n * 2^(b-1), n the nodes in the sum. The masks
-   are uniform over the whole W-bit word, so every byte on the wire is uniform; a packing to exactly
-   b + ceil(log2 N) bits (modulus 2^that) would also be exact and is a later wire optimisation.
-4. Sum (`SecureSum`): the driver adds the payloads modulo 2^W.
-5. Dropouts (SecAgg's recovery, with round keys in place of Shamir shares): when node d masked but
-   its payload never arrived, the driver closes the round (`SecureSum.close`: the survivors are the
-   nodes whose payloads arrived; nothing is accepted after) and sends the survivor set to every
-   survivor; each reveals its round keys with the lost nodes only (`SecAggNode.reveal`), never with
-   another survivor, and the driver removes those pair masks: the result is exactly the survivors'
-   code sum. This reveals the masks between survivors and d for this round only (round keys, not
-   pair keys: d's masks in other rounds stay secret, so it can rejoin the next round). It does not
-   reveal d's codes: d's payload never arrived, and d's payload arriving late must be refused for
-   that round, since with its pair masks known it would unmask to d's codes (`close` refuses it).
+   HKDF-SHA256(X25519(own private, peer public), salt = the roster's name, info = the pair's ids and public
+   keys). A pair key needs a private key: the driver holds public keys and payloads only, and no function
+   here takes two public keys. A node refuses to be pickled, so its keys do not travel by accident.
+2. Masks: a payload is masked for a slot (a label naming the round and the tensor) among a set of members
+   (the nodes whose payloads that sum will hold). The mask of pair (i, j) is the ChaCha20 keystream under
+   HKDF(pair key, info = the pair, the slot and the members), read as little-endian unsigned integers, one
+   per entry. Node i adds +mask for each member j > i and −mask for each j < i, modulo 2^n, to its shifted
+   codes u = q + offset (`CodeSpec`). Each pair's masks cancel in the members' sum. A key is used for one
+   stream only, so the nonce is constant.
+3. Width: n = b + ceil(log2 N) bits, N the most nodes a sum holds. Each u is in [0, 2^b), so a sum of at
+   most N of them is below N·2^b <= 2^n: the sum modulo 2^n is the exact sum. Masks are uniform modulo
+   2^n, so every payload is uniform over n-bit words; the wire packs exactly n bits an entry (`pack_bits`).
+4. Sum (`unmask_sum`): the members' payloads added modulo 2^n, the offsets taken off.
+5. A member whose payload is lost: the round is masked again among the others (a different member set is
+   a different key for every pair: fresh masks), and no key is revealed. Masking the same codes twice
+   under independent masks reveals nothing on its own; but whoever held every first payload would hold
+   the first sum, and the second sum taken from it is the lost member's codes. So a round is masked
+   again only where nobody holds the lost payload (`lofi.secure`: a payload is lost only where no copy
+   of it exists). Masking two different code vectors under the same masks reveals their difference, so a
+   node refuses that.
 
-Threat covered: an honest-but-curious driver, and nodes that follow the protocol but pool what they
-see. With pairwise masks over all pairs, the driver with any coalition of nodes learns only the sum
-of the other nodes' codes, provided at least two honest nodes are in the sum. Refused: fewer than 3
-nodes in a roster or in a sum, since with 2 the sum and one's own codes give the other's.
-
-Not covered: a malicious driver. It could swap public keys (no authentication of keys here), or
-claim a live node lost and obtain its round keys while holding its payload; a node answers one
-survivor set per round (a second, different one is refused), but only SecAgg's double masking (a
-self-mask with Shamir-shared seeds) closes that attack, not built here. Nor integrity: a node may send
-any in-range codes, a wrong revealed key spoils the sum, and robust rules that need each update do
-not compose with this (norm clipping before quantising does). Nor differential privacy: the sum is
-released as is. Masking two different code vectors under the same round reveals their difference, so
-a node masks one vector per round (repeating the same codes returns the same bytes, for a resend).
+Threat covered: an honest-but-curious driver, and nodes that follow the protocol but pool what they see:
+with pairwise masks over all members, any coalition learns only the sum of the other members' codes,
+provided at least two members outside it are in the sum. Refused: fewer than 3 members, since with 2 the
+sum and one's own codes give the other's. Not covered: a malicious driver (it could swap public keys:
+they are not authenticated here), integrity (a node may send any in-range codes), and what the sum itself
+reveals (differential privacy's part). docs/privacy.md says this for users.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,8 +51,11 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MIN_NODES = 3  # with 2, the sum and one's own codes reveal the other's
-WIDTHS = (8, 16, 32, 64)  # storage words: numpy's unsigned dtypes, whose adds wrap modulo 2^W
-_CHACHA_BLOCKS = 2**32  # ChaCha20's 32-bit block counter: at most 2^32 blocks of 64 bytes a stream
+MAX_BITS = 64  # numpy's widest unsigned word, whose adds wrap modulo 2^64
+PUBLIC_KEY_NBYTES = 32  # a raw X25519 public key
+_CHACHA_BYTES = 2**32 * 64  # ChaCha20's 32-bit block counter: at most 2^32 blocks of 64 bytes a stream
+_NONCE = bytes(16)  # every key masks one stream
+_CHUNK = 1 << 20  # entries bit-packed at a time (a multiple of 8: each chunk ends on a byte)
 
 
 def _too_few(count: int, what: str) -> None:
@@ -76,17 +68,18 @@ def _too_few(count: int, what: str) -> None:
 
 @dataclass(frozen=True)
 class CodeSpec:
-    """The shared grid: codes of `bits` bits (signed, in [-2^(b-1), 2^(b-1))) summed over at most
-    `nodes` nodes; `width` is W (see the module's docstring), the modulus 2^W."""
+    """Codes of `bits` bits summed over at most `nodes` nodes: signed codes in [-2^(b-1), 2^(b-1)), or
+    unsigned ones in [0, 2^b) (`signed` false). `needed_bits` is n, the modulus 2^n (the module's step 3)."""
 
     bits: int
     nodes: int
+    signed: bool = True
 
     def __post_init__(self) -> None:
         if self.bits < 1:
             raise ValueError(f"codes need at least 1 bit, got {self.bits}")
         _too_few(self.nodes, "the code spec")
-        if self.needed_bits > WIDTHS[-1]:
+        if self.needed_bits > MAX_BITS:
             raise ValueError(f"a sum of {self.nodes} codes of {self.bits} bits needs {self.needed_bits} > 64 bits")
 
     @property
@@ -94,115 +87,112 @@ class CodeSpec:
         return self.bits + math.ceil(math.log2(self.nodes))
 
     @property
-    def width(self) -> int:
-        return next(w for w in WIDTHS if w >= self.needed_bits)
-
-    @property
     def dtype(self) -> np.dtype:
-        return np.dtype(f"<u{self.width // 8}")
+        """The unsigned word that holds n bits."""
+        return np.dtype(f"<u{next(w for w in (8, 16, 32, 64) if w >= self.needed_bits) // 8}")
 
     @property
     def offset(self) -> int:
-        return 2 ** (self.bits - 1)
+        return 2 ** (self.bits - 1) if self.signed else 0
+
+    def nbytes(self, count: int) -> int:
+        """Bytes of `count` masked entries on the wire: n bits each."""
+        return (count * self.needed_bits + 7) // 8
+
+    def reduce(self, words: np.ndarray) -> np.ndarray:
+        """Words modulo 2^n, in place."""
+        if self.needed_bits < MAX_BITS:
+            np.bitwise_and(words, self.dtype.type((1 << self.needed_bits) - 1), out=words)
+        return words
+
+
+def pack_bits(words: np.ndarray, n: int) -> bytes:
+    """The low `n` bits of each unsigned word, little-endian, back to back: ceil(count·n / 8) bytes."""
+    flat = np.ascontiguousarray(words).reshape(-1)
+    size = flat.dtype.itemsize
+    if n == 8 * size:
+        return flat.astype(flat.dtype.newbyteorder("<"), copy=False).tobytes()
+    out = []
+    for start in range(0, flat.size, _CHUNK):
+        chunk = flat[start : start + _CHUNK].astype(f"<u{size}").view(np.uint8).reshape(-1, size)
+        bits = np.unpackbits(chunk, axis=1, bitorder="little")[:, :n]
+        out.append(np.packbits(bits.reshape(-1), bitorder="little").tobytes())
+    return b"".join(out)
+
+
+def unpack_bits(data: bytes, n: int, count: int, dtype: np.dtype) -> np.ndarray:
+    """`count` words of `n` bits as `pack_bits` packed them, as unsigned `dtype`."""
+    dtype = np.dtype(dtype).newbyteorder("<")
+    if len(data) != (count * n + 7) // 8:
+        raise ValueError(f"{len(data)} bytes do not hold {count} words of {n} bits")
+    if n == 8 * dtype.itemsize:
+        return np.frombuffer(data, dtype=dtype).copy()
+    raw, out = np.frombuffer(data, dtype=np.uint8), []
+    for start in range(0, count, _CHUNK):
+        size = min(_CHUNK, count - start)
+        first = start * n // 8  # a chunk starts on a byte: _CHUNK is a multiple of 8
+        bits = np.unpackbits(raw[first : first + (size * n + 7) // 8], bitorder="little")[: size * n]
+        words = np.zeros((size, 8 * dtype.itemsize), dtype=np.uint8)
+        words[:, :n] = bits.reshape(size, n)
+        out.append(np.packbits(words, axis=1, bitorder="little").reshape(-1).view(dtype))
+    return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
 
 
 @dataclass(frozen=True)
 class Roster:
-    """What the driver gathers and hands out: the run's name and each node's raw X25519 public key."""
+    """What the driver gathers and hands out: the roster's name (fresh for each roster) and each node's raw
+    X25519 public key."""
 
     run: str
     publics: Mapping[int, bytes]
 
     def __post_init__(self) -> None:
         _too_few(len(self.publics), "the roster")
-        if any(len(key) != 32 for key in self.publics.values()):
+        if any(len(key) != PUBLIC_KEY_NBYTES for key in self.publics.values()):
             raise ValueError("X25519 public keys are 32 bytes")
         if len(set(self.publics.values())) != len(self.publics):
             raise ValueError("two nodes share a public key")
-
-
-@dataclass(frozen=True)
-class MaskedPayload:
-    """One node's masked codes for one round: `data` is (u + its pair masks) mod 2^W, little-endian."""
-
-    run: str
-    round: int
-    node: int
-    spec: CodeSpec
-    shape: tuple[int, ...]
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Reveal:
-    """A survivor's round keys with the round's lost nodes (lost node → 32-byte round key)."""
-
-    run: str
-    round: int
-    node: int
-    keys: Mapping[int, bytes]
 
 
 def _hkdf(key: bytes, salt: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(key)
 
 
-def _run_salt(run: str) -> bytes:
-    return b"raylowcomm/secagg/v1/run=" + run.encode()
+def _salt(run: str) -> bytes:
+    return b"raylowcomm/secagg/v2/roster=" + run.encode()
 
 
-def round_key(pair_key: bytes, run: str, pair: tuple[int, int], round_: int) -> bytes:
-    """The pair's key for one round: revealing it exposes that round's mask of the pair only."""
-    info = f"round key|pair={min(pair)},{max(pair)}|round={round_}".encode()
-    return _hkdf(pair_key, _run_salt(run), info)
-
-
-def pair_mask(key: bytes, round_: int, count: int, width: int) -> np.ndarray:
-    """`count` unsigned `width`-bit integers from ChaCha20 under `key`, the round in the nonce."""
-    if not 0 <= round_ < 2**64:
-        raise ValueError(f"a round is an integer in [0, 2^64), got {round_}")
-    size = count * width // 8
-    if size > _CHACHA_BLOCKS * 64:
+def pair_mask(key: bytes, count: int, spec: CodeSpec) -> np.ndarray:
+    """`count` words of the spec's width from ChaCha20 under `key` (not yet reduced modulo 2^n)."""
+    size = count * spec.dtype.itemsize
+    if size > _CHACHA_BYTES:
         raise ValueError(f"{size} bytes of masks exceed one ChaCha20 stream")
-    nonce = (0).to_bytes(4, "little") + round_.to_bytes(8, "little") + b"mask"
-    stream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(size))
-    return np.frombuffer(stream, dtype=np.dtype(f"<u{width // 8}"))
-
-
-def _sign(node: int, peer: int) -> int:
-    return 1 if peer > node else -1
-
-
-def _apply(total: np.ndarray, mask: np.ndarray, sign: int) -> None:
-    if sign > 0:
-        np.add(total, mask, out=total)
-    else:
-        np.subtract(total, mask, out=total)
+    stream = Cipher(algorithms.ChaCha20(key, _NONCE), mode=None).encryptor().update(bytes(size))
+    return np.frombuffer(stream, dtype=spec.dtype)
 
 
 def shifted_codes(codes, spec: CodeSpec) -> np.ndarray:
-    """Signed codes on the spec's grid as W-bit unsigned u = q + 2^(b-1); a code off the grid is refused
-    (it would overflow the width and spoil every node's sum)."""
+    """Codes on the spec's grid as unsigned words u = q + offset, flat; a code off the grid is refused (it
+    would overflow the width and spoil every node's sum)."""
     array = np.asarray(codes)
     if array.dtype.kind not in "iu":
         raise ValueError(f"codes must be integers, got {array.dtype}")
-    array = array.astype(np.int64)
-    if array.size and (array.min() < -spec.offset or array.max() >= spec.offset):
-        raise ValueError(f"codes outside [-{spec.offset}, {spec.offset}) for {spec.bits} bits")
+    array = array.astype(np.int64).reshape(-1)
+    if array.size and (array.min() < -spec.offset or array.max() >= 2**spec.bits - spec.offset):
+        raise ValueError(f"codes outside [{-spec.offset}, {2**spec.bits - spec.offset}) for {spec.bits} bits")
     return (array + spec.offset).astype(spec.dtype)
 
 
 @dataclass(eq=False)
 class SecAggNode:
-    """A node's side: its X25519 key pair for the run, its pair keys once it has the roster, the rounds
-    it masked (one code vector a round) and the survivor set it answered each round."""
+    """A node's side: its X25519 key pair, its pair keys once it has a roster, and what it masked in each
+    (slot, members), so that it never masks two different code vectors under the same masks."""
 
-    run: str
     node: int
     _private: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
+    _run: str | None = field(default=None, repr=False)
     _pair_keys: dict[int, bytes] = field(default_factory=dict, repr=False)
-    _masked: dict[int, bytes] = field(default_factory=dict, repr=False)
-    _answered: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
+    _masked: dict[tuple, bytes] = field(default_factory=dict, repr=False)
 
     def __reduce__(self):
         raise TypeError("a SecAggNode holds a private key and pair keys: it stays on its node")
@@ -212,105 +202,61 @@ class SecAggNode:
         """The raw 32-byte public key: the only thing of this object the driver receives."""
         return self._private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
+    @property
+    def roster(self) -> str | None:
+        """The name of the roster this node joined (None: none yet)."""
+        return self._run
+
     def join(self, roster: Roster) -> None:
         """Derive a pair key with every other node of the roster (which must carry this node's key)."""
-        if roster.run != self.run or roster.publics.get(self.node) != self.public:
-            raise ValueError(f"the roster does not carry node {self.node}'s public key for run {self.run!r}")
-        self._pair_keys = {}
+        if roster.publics.get(self.node) != self.public:
+            raise ValueError(f"the roster {roster.run!r} does not carry node {self.node}'s public key")
+        salt, keys = _salt(roster.run), {}
         for peer, public in roster.publics.items():
             if peer == self.node:
                 continue
             secret = self._private.exchange(X25519PublicKey.from_public_bytes(public))
             lo, hi = sorted((self.node, peer))
             info = f"pair key|pair={lo},{hi}|".encode() + roster.publics[lo] + roster.publics[hi]
-            self._pair_keys[peer] = _hkdf(secret, _run_salt(self.run), info)
+            keys[peer] = _hkdf(secret, salt, info)
+        self._run, self._pair_keys, self._masked = roster.run, keys, {}
 
-    def _round_key(self, peer: int, round_: int) -> bytes:
-        return round_key(self._pair_keys[peer], self.run, (self.node, peer), round_)
+    def _mask_key(self, peer: int, slot: str, members: tuple[int, ...]) -> bytes:
+        lo, hi = sorted((self.node, peer))
+        info = f"mask|pair={lo},{hi}|slot={slot}|members={','.join(map(str, members))}".encode()
+        return _hkdf(self._pair_keys[peer], _salt(self._run), info)
 
-    def mask(self, codes, round_: int, spec: CodeSpec) -> MaskedPayload:
-        """This node's payload for the round; a second, different code vector for a round is refused."""
-        if len(self._pair_keys) + 1 < MIN_NODES:
-            raise ValueError("join a roster of at least 3 nodes before masking")
-        shifted = shifted_codes(codes, spec)
-        digest = hashlib.sha256(repr((spec, shifted.shape)).encode() + shifted.tobytes()).digest()
-        if self._masked.setdefault(round_, digest) != digest:
-            raise ValueError(f"round {round_} was masked already with other codes: the difference would leak")
-        total = shifted.reshape(-1).copy()
-        for peer in sorted(self._pair_keys):
-            _apply(
-                total, pair_mask(self._round_key(peer, round_), round_, total.size, spec.width), _sign(self.node, peer)
-            )
-        return MaskedPayload(self.run, round_, self.node, spec, tuple(shifted.shape), total.tobytes())
-
-    def reveal(self, round_: int, survivors: Iterable[int]) -> Reveal:
-        """Round keys with the nodes outside `survivors` only; one survivor set a round is answered."""
-        survivors = frozenset(survivors)
-        if self.node not in survivors:
-            raise ValueError(f"node {self.node} is not among the survivors it is asked to reveal for")
-        if round_ not in self._masked:
-            raise ValueError(f"node {self.node} did not mask round {round_}")
-        _too_few(len(survivors), "the survivor set")
-        if self._answered.setdefault(round_, survivors) != survivors:
-            raise ValueError(f"round {round_} was answered for another survivor set: a second one could unmask")
-        lost = sorted(set(self._pair_keys) - survivors)
-        return Reveal(self.run, round_, self.node, {d: self._round_key(d, round_) for d in lost})
+    def mask(self, codes, spec: CodeSpec, slot: str, members: Iterable[int]) -> bytes:
+        """This node's codes masked for `slot` among `members` (itself among them), packed n bits an entry;
+        a second, different code vector for the same slot and members is refused."""
+        members = tuple(sorted(set(members)))
+        _too_few(len(members), "the round's members")
+        if self.node not in members or any(m != self.node and m not in self._pair_keys for m in members):
+            raise ValueError(f"node {self.node} holds no pair key with every member of {list(members)}: join a roster")
+        if len(members) > spec.nodes:
+            raise ValueError(f"the spec's width covers {spec.nodes} nodes, the round has {len(members)}")
+        words = shifted_codes(codes, spec)
+        digest = hashlib.sha256(repr(spec).encode() + words.tobytes()).digest()
+        if self._masked.setdefault((slot, members), digest) != digest:
+            raise ValueError(f"{slot} was masked already with other codes: the difference would leak")
+        for peer in members:
+            if peer == self.node:
+                continue
+            mask = pair_mask(self._mask_key(peer, slot, members), words.size, spec)
+            (np.add if peer > self.node else np.subtract)(words, mask, out=words)
+        return pack_bits(spec.reduce(words), spec.needed_bits)
 
 
-class SecureSum:
-    """The driver's side of one round: add payloads, close, apply the survivors' reveals, read the sum."""
-
-    def __init__(self, roster: Roster, spec: CodeSpec, round_: int) -> None:
-        if spec.nodes < len(roster.publics):
-            raise ValueError(f"the spec's width covers {spec.nodes} nodes, the roster has {len(roster.publics)}")
-        self.roster, self.spec, self.round = roster, spec, round_
-        self._payloads: dict[int, MaskedPayload] = {}
-        self._survivors: frozenset[int] | None = None
-
-    def add(self, payload: MaskedPayload) -> None:
-        if self._survivors is not None:
-            raise ValueError(
-                f"round {self.round} is closed: node {payload.node}'s payload is refused, since the "
-                "lost nodes' pair masks may be revealed and would unmask it"
-            )
-        if (payload.run, payload.round, payload.spec) != (self.roster.run, self.round, self.spec):
-            raise ValueError(f"node {payload.node}'s payload is for another run, round or grid")
-        if payload.node not in self.roster.publics or payload.node in self._payloads:
-            raise ValueError(f"node {payload.node} is not in the roster or sent twice")
-        self._payloads[payload.node] = payload
-
-    def close(self) -> frozenset[int]:
-        """Freeze the survivors (the nodes whose payloads arrived); returns them, to send to each."""
-        if self._survivors is None:
-            _too_few(len(self._payloads), "the round's survivors")
-            shapes = {p.shape for p in self._payloads.values()}
-            if len(shapes) != 1:
-                raise ValueError(f"the payloads' shapes differ: {sorted(shapes)}")
-            self._survivors = frozenset(self._payloads)
-        return self._survivors
-
-    @property
-    def lost(self) -> frozenset[int]:
-        return frozenset(self.roster.publics) - self.close()
-
-    def total(self, reveals: Iterable[Reveal] = ()) -> np.ndarray:
-        """Σ u over the survivors, exact (W-bit unsigned); with lost nodes, needs every survivor's reveal."""
-        survivors, lost = self.close(), self.lost
-        reveals = {r.node: r for r in reveals if (r.run, r.round) == (self.roster.run, self.round)}
-        if lost and (set(reveals) != survivors or any(set(r.keys) != lost for r in reveals.values())):
-            raise ValueError(f"nodes {sorted(lost)} are lost: every survivor must reveal its keys with them")
-        payloads = [self._payloads[n] for n in sorted(survivors)]
-        total = np.zeros(math.prod(payloads[0].shape), dtype=self.spec.dtype)
-        for payload in payloads:
-            np.add(total, np.frombuffer(payload.data, dtype=self.spec.dtype), out=total)
-        for node in sorted(reveals if lost else ()):
-            for d, key in sorted(reveals[node].keys.items()):
-                _apply(total, pair_mask(key, self.round, total.size, self.spec.width), -_sign(node, d))
-        return total.reshape(payloads[0].shape)
-
-    def signed_sum(self, reveals: Iterable[Reveal] = ()) -> np.ndarray:
-        """Σ q over the survivors: the total minus (number of survivors) · 2^(b-1), as int64."""
-        total = self.total(reveals)
-        if self.spec.width == 64:  # u64 sums may pass int64's range; the offset brings them back
-            return (total - np.uint64(len(self.close()) * self.spec.offset)).view(np.int64)
-        return total.astype(np.int64) - len(self.close()) * self.spec.offset
+def unmask_sum(payloads: Sequence[bytes], spec: CodeSpec, count: int) -> np.ndarray:
+    """Σ q over the payloads of every member of one (slot, members), `count` entries each, exact, as int64:
+    their masks cancel only when every member's payload is here."""
+    _too_few(len(payloads), "the sum")
+    if len(payloads) > spec.nodes:
+        raise ValueError(f"the spec's width covers {spec.nodes} nodes, the sum has {len(payloads)}")
+    total = np.zeros(count, dtype=spec.dtype)
+    for data in payloads:
+        np.add(total, unpack_bits(data, spec.needed_bits, count, spec.dtype), out=total)
+    spec.reduce(total)
+    if spec.dtype.itemsize == 8:  # u64 sums may pass int64's range; the offset brings them back
+        return (total - np.uint64(len(payloads) * spec.offset)).view(np.int64)
+    return total.astype(np.int64) - len(payloads) * spec.offset

@@ -9,8 +9,15 @@ sends in each block's bf16 scale field: the magnitude m that decodes its own cod
 m = Σ|x|·|q| / Σq² over the block (0 where every code is 0), rounded to the nearest bf16. The bytes are
 `BlockwiseInt`'s, at the same size.
 
-A round's shared scale of block b is S_b = the mean over the round's N nodes of m_k,b (float64, added in
-node order, then one division; the nodes' weights play no part), and every node's code decodes as q·S_b.
+A magnitude is a fixed-point number: 0, or in [2^-33, 2^8) (a bf16 there is a whole multiple of 2^-40, so
+m·2^40 is an integer below 2^48, `fixed_magnitudes`). Smaller ones are sent as 0 (the block's codes still
+decode at the others' magnitudes, and error feedback keeps what that misses); a larger one means a Δ of
+hundreds a weight, a run gone wrong, and is refused. So the nodes' magnitudes add exactly as integers too,
+which is what lets secure aggregation mask them (`core.secagg`, `lofi.secure`).
+
+A round's shared scale of block b is S_b = the mean over the round's N nodes of m_k,b: the integer sum of
+the fixed-point magnitudes, times 2^-40 in float64, then one division by N (`scales_from_sum`; the
+nodes' weights play no part), and every node's code decodes as q·S_b.
 The round's sum is S_b·Σ_k q_k: an integer sum of codes, then one multiply. The mean is S_b·Σ_k q_k / N
 with equal weights; with weights w_k it is S_b·(Σ_k w_k·q_k) / Σ_k w_k (float64, node order), no longer
 an integer sum. Every replica reads the same bytes and does the same IEEE float64 operations in the same
@@ -36,6 +43,12 @@ from raylowcomm.core.packing import SCALE_DTYPE, dequantize_blocks, in_blocks, q
 
 SUMMABLE = ("int8", "int4", "int2")
 """The codecs whose codes can be summed on a shared grid."""
+FRACTION_BITS = 40
+"""A magnitude's fixed point: m·2^40 is a whole number."""
+MAGNITUDE_BITS = 48
+"""Bits of a fixed-point magnitude, m < 2^(48 - 40) = 256."""
+SMALLEST = 2.0**-33
+"""The smallest nonzero magnitude sent: from here up a bf16 is a whole multiple of 2^-40."""
 
 
 def least_squares_magnitudes(x: Tensor, codes: Tensor, block: int) -> Tensor:
@@ -51,9 +64,10 @@ def encode_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
     """(codes as `quantize_blocks` picks them, each block's least-squares magnitude rounded to the nearest bf16)."""
     codes, _ = quantize_blocks(x, block, qmax)
     magnitudes = least_squares_magnitudes(x, codes, block).to(SCALE_DTYPE)
-    if not torch.isfinite(magnitudes).all():
-        raise ValueError("a block's magnitude is too large for bf16 scales")
-    return codes, magnitudes
+    largest = 2.0 ** (MAGNITUDE_BITS - FRACTION_BITS)
+    if not (magnitudes < largest).all():
+        raise ValueError(f"a block's magnitude is {magnitudes.max().item():g}, at least {largest:g}: Δ has diverged")
+    return codes, torch.where(magnitudes < SMALLEST, 0.0, magnitudes).to(SCALE_DTYPE)
 
 
 class SummableInt(Codec):
@@ -80,13 +94,26 @@ class SummableInt(Codec):
         return self.grid.unpack_codes(packed, spec)
 
 
+def fixed_magnitudes(magnitudes: Tensor) -> Tensor:
+    """bf16 magnitudes (as `encode_blocks` sends them) as whole numbers m·2^40, int64: exact."""
+    return magnitudes.to(torch.float64).mul_(2.0**FRACTION_BITS).to(torch.int64)
+
+
+def scales_from_sum(total: Tensor, count: int) -> Tensor:
+    """S per block from the sum of `count` nodes' fixed-point magnitudes: total·2^-40 / count, float64."""
+    return total.to(torch.float64).mul_(2.0**-FRACTION_BITS).div_(count)
+
+
 def shared_scales(magnitudes: Sequence[Tensor]) -> Tensor:
-    """S per block: the mean of the nodes' magnitudes, float64, added in the given (node) order, then one
-    division by their count."""
-    total = magnitudes[0].to(torch.float64, copy=True)
-    for m in magnitudes[1:]:
-        total.add_(m.to(torch.float64))
-    return total.div_(len(magnitudes))
+    """S per block: the mean of the nodes' magnitudes, summed exactly as fixed-point integers."""
+    return scales_from_sum(sum(fixed_magnitudes(m) for m in magnitudes), len(magnitudes))
+
+
+def mean_of_sums(code_sum: Tensor, magnitude_sum: Tensor, count: int, block: int) -> tuple[Tensor, Tensor]:
+    """(S·Σq / N per entry, flat float64; S) from the sums of `count` nodes' codes and fixed-point
+    magnitudes: a round of equal weights, whether its sums were taken in the clear or masked."""
+    scales = scales_from_sum(magnitude_sum, count)
+    return decode_sum(scales, code_sum, block).div_(count), scales
 
 
 def decode_sum(scales: Tensor, code_sum: Tensor, block: int) -> Tensor:
@@ -106,17 +133,18 @@ def average_codes(
     node order: S·Σq / N where the weights are equal (an integer sum of codes), S·(Σ w·q) / Σ w otherwise."""
     weights = check_weights(weights, len(packed))
     equal = len(set(weights)) == 1
-    magnitudes, total = [], None
+    magnitude_sum, total = 0, None
     for tensor, weight in zip(packed, weights):
         codes, m = codec.codes(tensor, spec)
-        magnitudes.append(m)
-        term = codes.to(torch.int32) if equal else codes.to(torch.float64)
+        magnitude_sum = magnitude_sum + fixed_magnitudes(m)
+        term = codes.to(torch.int64) if equal else codes.to(torch.float64)
         if not equal and weight != 1.0:
             term = term * weight
         total = term if total is None else total.add_(term)
-    scales = shared_scales(magnitudes)
-    mean = decode_sum(scales, total, codec.block_size)
-    return mean.div_(len(packed) if equal else math.fsum(weights)), scales
+    if equal:
+        return mean_of_sums(total, magnitude_sum, len(packed), codec.block_size)
+    scales = scales_from_sum(magnitude_sum, len(packed))
+    return decode_sum(scales, total, codec.block_size).div_(math.fsum(weights)), scales
 
 
 def make(name: str, block_size: int = 64, topk_fraction: float = 0.01, scale: str = "node") -> Codec:

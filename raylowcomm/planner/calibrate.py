@@ -40,7 +40,8 @@ def lofi_cost(rec: dict) -> Cost:
     steps, rounds = d["steps_per_node"], len(d.get("averaging_steps", [d["steps_per_node"]]))
     compute = max(sum(call["train_s"] for call in node["train"]) for node in rec["nodes"]) / steps
     if d.get("exchange") in ("peers", "quorum"):
-        sent = kinds.get("train/outer_gradients", 0) + kinds.get("final/outer_gradients", 0)
+        payloads = ("outer_gradients", "masked_codes", "masked_scales")  # the last two: lofi.secure's
+        sent = sum(kinds.get(f"{phase}/{kind}", 0) for phase in ("train", "final") for kind in payloads)
         payload = sent / (rounds * n * (n - 1))  # every node fetches each peer's payload each round
         topology = "peers"
     else:

@@ -135,3 +135,27 @@ def test_node_scales_stay_todays_codec():
     assert type(codec.parts[0][0]) is BlockwiseInt
     x = _xs(1)[0]
     assert torch.equal(codec.encode({"w": x.view(SPEC.shape)})["w"], make_codec("int2", BLOCK).pack(x, SPEC))
+
+
+def test_magnitudes_are_fixed_point_so_the_shared_scale_is_the_float64_mean_to_the_bit():
+    """Any bf16 in [2^-33, 2^8) is a whole multiple of 2^-40 below 2^48: summed as integers or as float64 (in
+    node order: every partial sum is such a number, under 2^53 · 2^-40) the nodes' magnitudes give the same
+    bits, which is what lets a masked round decode as the round in the clear does."""
+    g = torch.Generator().manual_seed(3)
+    exponents = torch.randint(-33, 8, (8, 4096), generator=g).to(torch.float64)
+    magnitudes = (torch.rand(8, 4096, generator=g, dtype=torch.float64) + 1).mul(2.0**exponents).to(torch.bfloat16)
+    magnitudes = torch.where(magnitudes < 2.0**8, magnitudes, 0.0).to(torch.bfloat16)
+    by_float = magnitudes[0].to(torch.float64)
+    for m in magnitudes[1:]:
+        by_float = by_float + m.to(torch.float64)
+    assert torch.equal(shared_scales(list(magnitudes)), by_float / 8)
+
+
+def test_a_tiny_magnitude_is_sent_as_zero_and_a_diverged_one_is_refused():
+    codec = SummableInt(8, BLOCK)
+    x = torch.cat([torch.full((BLOCK,), 1e-12), torch.full((BLOCK,), 0.5)]).to(torch.float64)
+    spec = TensorSpec(torch.Size([2 * BLOCK]), torch.float32)
+    codes, magnitudes = codec.codes(codec.pack(x, spec), spec)
+    assert magnitudes[0] == 0 < magnitudes[1] and codes.abs().min() > 0  # the tiny block's codes still go
+    with pytest.raises(ValueError, match="at least 256: Δ has diverged"):
+        SummableInt(2, BLOCK).pack(torch.full((2 * BLOCK,), 300.0, dtype=torch.float64), spec)  # ternary: m = 300

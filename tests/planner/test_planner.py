@@ -137,6 +137,19 @@ def test_costs_are_calibrated_from_what_the_record_says():
     assert (longer.steps, longer.rounds, longer.curve, longer.compute_s) == (80, 31, [], 0.25)
 
 
+def test_a_secure_run_calibrates_its_rounds_on_the_masked_codes_and_magnitudes_it_sent():
+    """lofi.secure books its payloads as masked codes and masked block magnitudes: a round's bytes are both."""
+    secure = lofi_record()
+    secure["comm"]["by_kind"] = {
+        "setup/secure_keys": 400,
+        "train/masked_codes": 3 * 2 * 900,
+        "train/masked_scales": 3 * 2 * 300,
+        "final/masked_codes": 2 * 900,
+        "final/masked_scales": 2 * 300,
+    }
+    assert costs_of([secure])[0].round_bytes == 1200
+
+
 def test_the_stars_rounds_carry_the_drivers_work_calibrated_from_the_run_and_growing_with_the_nodes():
     """Two averages through the driver of 1000-byte states at 1000 B/s: each 1 s up, and the first 1 s back
     (the final average stays on the driver); the run took 7 s of training plus 1 s collecting the final

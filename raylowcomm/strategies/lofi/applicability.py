@@ -92,6 +92,7 @@ OPTION_RULES = {
     "privacy.delta": always,
     "privacy.clip": always,
     "privacy.noise": always,
+    "secure": always,  # SecureOptions: lockstep peer rounds of summable codes, 3 nodes or more
     "dial": always,  # DialOptions: not with data.node_files
     "dial_bytes": needs(
         lambda cfg, o: o.dial == "auto", "is the byte budget of the dial's choice: set lofi.dial: auto"

@@ -204,6 +204,13 @@ class LofiConfig:
     accountant, in the log and the record (`details.privacy`). Peer rounds in lockstep only
     (docs/privacy.md). None: off."""
 
+    secure: bool = False
+    """Secure aggregation of peer rounds: each node masks its summable codes (`compress_scale: shared`) with
+    pairwise masks agreed by X25519 keys, so that no peer and not the driver reads any node's update, only
+    the round's sum, which lands the same model to the bit as without masks. Costs ceil(log2 N) more bits an
+    entry and 50-odd bits a block; a node lost after masking: the round is masked again among the others.
+    Lockstep peer rounds, 3 nodes or more (docs/privacy.md). false: rounds in the clear."""
+
     dial_record = None
     """Not an option: with dial: auto, the choice made for the run (`dial.resolve`), for the record."""
     privacy_plan = None

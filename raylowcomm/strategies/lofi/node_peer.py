@@ -1,7 +1,8 @@
 """What the driver calls on a lo-fi node for rounds that travel node to node (`PeerRoundCalls`, mixed
 into `node.LofiNode`): peer rounds' send, apply, begin and land, quorum rounds' segment, catch-up,
-adoption and joining. Each hands over to the node's side of the rounds (`node_rounds.NodeRounds`,
-`self.peer`); the methods are on the actor class, so `group.call` and `.remote` find them by name."""
+adoption and joining, secure rounds' keys, send, fetch and landing (`node_secure`). Each hands over to
+the node's side of the rounds (`node_rounds.NodeRounds`, `self.peer`); the methods are on the actor
+class, so `group.call` and `.remote` find them by name."""
 
 from __future__ import annotations
 
@@ -61,6 +62,24 @@ class PeerRoundCalls:
 
     def begin_round(self, round_: int, refs: list[list], weights: list[float], fragment: int = ALL) -> None:
         self.peer.begin_round(round_, refs, weights, fragment)
+
+    def secure_public(self) -> bytes:
+        """lofi.secure: this node's X25519 public key for the driver's roster (`NodeSecure`)."""
+        return self.peer.secure.public()
+
+    def secure_join(self, name: str, publics: dict[int, bytes]) -> None:
+        self.peer.secure.join(name, publics)
+
+    @ray.method(num_returns=2)
+    def secure_send(self, round_: int, fragment: int, final: bool, members: list[int], again: bool) -> tuple:
+        """(sizes, masked payload): the payload a return value the driver owns (`NodeSecure.send`)."""
+        return self.peer.secure.send(round_, fragment, final, members, again)
+
+    def secure_fetch(self, round_: int, refs: dict[int, list]) -> list[int]:
+        return self.peer.secure.fetch(round_, refs)
+
+    def secure_land(self, round_: int, members: list[int]) -> bool:
+        return self.peer.secure.land(round_, members)
 
     def global_hash(self) -> str:
         return self.peer.global_hash()

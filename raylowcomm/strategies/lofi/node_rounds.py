@@ -26,6 +26,7 @@ from raylowcomm.strategies.lofi import streaming
 from raylowcomm.strategies.lofi.config import LofiConfig
 from raylowcomm.strategies.lofi.merging import RoundMerging
 from raylowcomm.strategies.lofi.node_catch_up import RoundCatchUp
+from raylowcomm.strategies.lofi.node_secure import NodeSecure
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, floats
 from raylowcomm.strategies.lofi.privacy import NodeNoise
 from raylowcomm.strategies.lofi.round_file import round_path
@@ -136,6 +137,8 @@ class NodeRounds(RoundCatchUp):
         """With `keep_in_flight`: the parameters this node sent its payload from, until its round lands."""
         self.noise = NodeNoise(opts.privacy_plan, node.storage, node.rank) if opts.privacy is not None else None
         """lofi.privacy: this node's clipping and noise, its secret made at its first start and kept in storage."""
+        self.secure = NodeSecure(self, node.rank, node.cfg.nodes.count) if opts.secure else None
+        """lofi.secure: this node's keys and its side of masked rounds."""
         if node.storage.exists(round_path(node.rank)):
             self._restore_round()
 
@@ -179,6 +182,10 @@ class NodeRounds(RoundCatchUp):
         if round_ > self.node.rounds:
             mean = self._average(round_, refs, weights, self.payload, final)
             self._land(round_, fragment, mean, 0.0, self.node.step)
+
+    def land_mean(self, round_: int, fragment: int, mean: dict) -> None:
+        """A round whose Δ̄ was taken elsewhere (`node_secure`, from the members' masked sum) lands here."""
+        self._land(round_, fragment, mean, 0.0, self.node.step)
 
     def sent(self) -> str | None:
         """After `encode_delta` of a node that keeps training: its payload's token (`PendingProgress.sent`)."""

@@ -25,6 +25,7 @@ from raylowcomm.strategies.lofi.privacy import PrivacyOptions
 from raylowcomm.strategies.lofi.quorum import QuorumExchange
 from raylowcomm.strategies.lofi.quorum_options import QuorumOptions
 from raylowcomm.strategies.lofi.robust_options import RobustOptions
+from raylowcomm.strategies.lofi.secure_options import SecureOptions
 from raylowcomm.strategies.lofi.star import StarExchange
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class LofiOptions:
     robust: RobustOptions
     dial: DialOptions
     privacy: PrivacyOptions
+    secure: SecureOptions
 
     @classmethod
     def of(cls, o: LofiConfig) -> LofiOptions:
@@ -68,13 +70,15 @@ class LofiOptions:
             RobustOptions.of(o),
             DialOptions.of(o),
             PrivacyOptions.of(o),
+            SecureOptions.of(o),
         )
 
     def validate(self, cfg: RunConfig, exchange: type[Exchange]) -> None:
         """Every group's checks before anything starts (a ConfigError), on the topology `exchange`
         the run was given (`exchange_for`, chosen once). Privacy first: what it refuses beside it is
-        refused as privacy's, whatever else a group would say of it."""
+        refused as privacy's, whatever else a group would say of it; then secure aggregation's, likewise."""
         self.privacy.check(cfg, exchange, self)
+        self.secure.check(cfg, exchange, self)
         self.rounds.check(cfg, exchange, timed=self.quorum.sync == "time")
         self.codec.check(self.rounds)
         self.codec.check_scale(cfg, exchange, self)
@@ -106,3 +110,4 @@ class LofiOptions:
         groups.rounds.check_loaded(ctx, merging_for(ctx.spec).sync_unit, smallest)
         groups.quorum.check_loaded(ctx.cfg, total_steps(ctx.cfg.optim, smallest) if sizes else None)
         groups.privacy.check_loaded(ctx, ctx.cfg.options[NAME], smallest)
+        groups.secure.check_loaded(ctx, ctx.cfg.options[NAME])

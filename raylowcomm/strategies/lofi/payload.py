@@ -13,7 +13,8 @@ from torch import nn
 from raylowcomm.core.aggregation import average_decoded
 from raylowcomm.core.compression import NoCompression, Payload, layout_of
 from raylowcomm.core.feedback import ErrorFeedback
-from raylowcomm.core.summable import SummableInt, average_codes, make
+from raylowcomm.core.secure_codes import mask_tensor, masked_nbytes, sum_tensors
+from raylowcomm.core.summable import SummableInt, average_codes, make, mean_of_sums
 from raylowcomm.strategies.lofi.probe import head_names
 from raylowcomm.strategies.lofi.robust_average import RobustAverage, is_robust, marker
 
@@ -145,6 +146,43 @@ class DeltaCodec:
             elif names:
                 parts = [Payload({k: p[k] for k in names}) for p in payloads]
                 mean.update(average_decoded(codec, parts, layout, weights, dtype=torch.float64))
+        return mean
+
+    def mask(self, payload: Payload, final: bool, masker, slot: str, members: list[int], nodes: int) -> Payload:
+        """`lofi.secure`: this node's payload masked for `slot` among `members` by its `core.secagg.SecAggNode`
+        (`masker`), tensor by tensor (`core.secure_codes`): what crosses instead of the payload."""
+        return Payload(
+            {
+                k: mask_tensor(masker, codec, payload[k], layout[k], f"{slot}|{k}", members, nodes)
+                for codec, layout in self._parts(final)
+                for k in layout
+                if k in payload
+            }
+        )
+
+    def masked_nbytes(self, payload: Payload, final: bool, nodes: int) -> tuple[int, int]:
+        """(bytes of masked codes, bytes of masked magnitudes) of `payload` masked (`mask`)."""
+        sizes = [
+            masked_nbytes(codec, layout[k], nodes)
+            for codec, layout in self._parts(final)
+            for k in layout
+            if k in payload
+        ]
+        return sum(c for c, _ in sizes), sum(m for _, m in sizes)
+
+    def average_masked(self, masked: list[Payload], final: bool, nodes: int, own: Payload | None = None) -> dict:
+        """Δ̄ of a secure round from every member's masked payload: each tensor's sums of codes and magnitudes
+        decoded as a round in the clear decodes them (`mean_of_sums`), the same bits; `own`: this node's
+        payload, whose residuals the round settles (None: the driver)."""
+        mean = {}
+        for i, (codec, layout) in enumerate(self._parts(final)):
+            feedback = self._feedback(i, codec) if self.feedback and own is not None else None
+            for k in (k for k in layout if k in masked[0]):
+                code_sum, magnitude_sum = sum_tensors(codec, [p[k] for p in masked], layout[k], nodes)
+                flat, scales = mean_of_sums(code_sum, magnitude_sum, len(masked), codec.block_size)
+                mean[k] = flat.view(layout[k].shape)
+                if feedback is not None:
+                    feedback.settle(k, own[k], scales)
         return mean
 
     def decode_each(self, payloads: list[Payload], final: bool = False) -> list[dict]:

@@ -33,6 +33,7 @@ from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, dense_names
 from raylowcomm.strategies.lofi.plan import Plan
 from raylowcomm.strategies.lofi.robust_average import robust_details
 from raylowcomm.strategies.lofi.round_file import GLOBAL
+from raylowcomm.strategies.lofi.secure_rounds import SecureRoster, secure_details, secure_round
 from raylowcomm.strategies.lofi.star import curve_needs_driver_weights
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class PeerExchange:
         self.opts, self.storage = o, ctx.storage
         self.on_nodes = nodes_hold_result(self.opts, merging_for(ctx.spec).merges_rounds)
         self.fetched = {"bytes": 0, "tensors": 0}  # what the driver read back during training: refs and sizes
+        self.roster = SecureRoster() if o.secure else None  # lofi.secure: the nodes' public keys
+        self.hashes: list[list] = []
+        """[step, the nodes' common global-model hash] after each round this driver saw land, the final one's last."""
 
     @staticmethod
     def driver_weights(cfg: RunConfig, o: LofiConfig) -> str | None:
@@ -90,10 +94,10 @@ class PeerExchange:
         return [[i, plan.landings[i - 1]]] if plan.landings is not None and i > 0 else []
 
     def landed(self, group: NodeGroup, step: int, phase: str) -> None:
-        check_global(group, step, group.ledger, phase)
+        self.hashes.append([step, check_global(group, step, group.ledger, phase)])
 
     def round(self, group: NodeGroup, plan: Plan, round_: int, until: int) -> None:
-        exchange_round(
+        _, hashed = exchange_round(
             group,
             round_,
             until,
@@ -101,7 +105,10 @@ class PeerExchange:
             self.fetched,
             fragment=plan.fragments[round_ - 1],
             overlap=plan.landings is not None,
+            roster=self.roster,
         )
+        if hashed is not None:  # overlapped: checked where it lands (`landed`)
+            self.hashes.append([until, hashed])
 
     def finish(
         self, ctx: RunContext, group: NodeGroup, plan: Plan, metric: str, node_metrics: list[dict]
@@ -111,16 +118,24 @@ class PeerExchange:
         everyone, own = list(range(len(group))), final_is_own(self.opts)
         if self.on_nodes:
             fetched = {"bytes": 0, "tensors": 0}
-            exchange_round(group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", final=own)
+            _, hashed = exchange_round(
+                group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", final=own, roster=self.roster
+            )
+            self.hashes.append([plan.steps, hashed])
             return FinalModel(everyone, on_nodes=True)
         order = [k for k, _ in ctx.architecture.named_parameters()]
         start, outer = driver_start(state_dict_of(ctx.load_driver_weights()), set(order), self.opts)
         dense = dense_names(ctx.architecture, ctx.spec.family, self.opts.dense)
-        average = final_round(group, self.opts, start, outer, plan, order, dense)
+        average = final_round(group, self.opts, start, outer, plan, order, dense, self.roster)
         return FinalModel(everyone, on_nodes=True, weights=average)
 
     def details(self) -> dict:
-        return {"driver_fetched": {"train": self.fetched}, **robust_details(self.storage, self.opts)}
+        return {
+            "driver_fetched": {"train": self.fetched},
+            "global_hashes": self.hashes,
+            **robust_details(self.storage, self.opts),
+            **secure_details(self.roster),
+        }
 
 
 def exchange_round(
@@ -133,6 +148,7 @@ def exchange_round(
     fragment: int | None = None,
     overlap: bool = False,
     final: bool = False,
+    roster: SecureRoster | None = None,
 ) -> tuple[list, str | None]:
     """One peer round from the driver: the nodes put their payloads (of `fragment`, or all), the
     driver hands every node the refs, the nodes average and step, the driver checks their global
@@ -142,7 +158,11 @@ def exchange_round(
     node's reply (its ref and size, `round_replies`: also counted in `fetched`, no tensor) and what
     every node is sent (round, the N refs and the weights, and the fragment where there are
     several, `round_args`, and the final round's flag where it is encoded unlike the others: `final`). An
-    ObjectRef crosses as its binary id."""
+    ObjectRef crosses as its binary id. With `roster` (lofi.secure) the round is `secure_round`'s, with its
+    members' refs."""
+    if roster is not None:
+        refs = secure_round(group, roster, round_, fetched, phase, fragment, final)
+        return refs, check_global(group, until, group.ledger, phase)
     n, ledger = len(group), group.ledger
     part = [] if fragment is None else [fragment]
     if final:  # the final round syncs every fragment
@@ -169,7 +189,14 @@ def check_global(group, step: int, ledger: Ledger, phase: str = "train") -> str:
 
 
 def final_round(
-    group, opts, start: dict, outer: OuterNesterov | None, plan, param_order: list[str], dense: set[str]
+    group,
+    opts,
+    start: dict,
+    outer: OuterNesterov | None,
+    plan,
+    param_order: list[str],
+    dense: set[str],
+    roster: SecureRoster | None = None,
 ) -> dict:
     """The final average, as one more round: every node ends holding it (hash-checked), and the
     driver decodes the same N payloads from `start` (with `outer`, the momentum there; `dense`, the
@@ -179,10 +206,22 @@ def final_round(
     params = set(param_order)
     own = final_is_own(opts)
     refs, nodes_hash = exchange_round(
-        group, len(plan.boundaries), plan.steps, plan.weights, {"bytes": 0, "tensors": 0}, "final", final=own
+        group,
+        len(plan.boundaries),
+        plan.steps,
+        plan.weights,
+        {"bytes": 0, "tensors": 0},
+        "final",
+        final=own,
+        roster=roster,
     )
-    payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")
-    mean = DeltaCodec(opts, start, params, dense).average(payloads, plan.weights, final=own)
+    codec = DeltaCodec(opts, start, params, dense)
+    if roster is not None:  # the members' masked payloads: the driver reads their sum only
+        payloads = group.fetch.get([ref[0] for ref in refs], "final", "masked_codes")
+        mean = codec.average_masked(payloads, own, len(group))
+    else:
+        payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")
+        mean = codec.average(payloads, plan.weights, final=own)
     if outer is not None:
         average = dict(outer.step_delta(mean))
     else:

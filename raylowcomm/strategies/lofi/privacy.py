@@ -219,7 +219,7 @@ def _check_combinations(cfg: RunConfig, exchange: type[Exchange], o) -> None:
         )
     for field, present, why, fix in _REFUSED:
         if present(cfg, o):
-            value = _value_of(cfg, o, field)
+            value = value_of(cfg, o, field)
             raise ConfigError(field, value, f"not with lofi.privacy: {why}; set {field}: {fix}, or remove lofi.privacy")
 
 
@@ -232,7 +232,8 @@ def _quorum_field(cfg: RunConfig, o) -> tuple[str, object]:
     return "nodes.count", cfg.nodes.count
 
 
-def _value_of(cfg: RunConfig, o, field: str):
+def value_of(cfg: RunConfig, o, field: str):
+    """The value of `field` (`lofi.<name>`, `<section>.<name>` or a top-level name) in the run's config."""
     section, name = field.split(".") if "." in field else (None, field)
     if section == "lofi":
         return getattr(o, name)
