@@ -79,12 +79,29 @@ ROBUST_LOFI = {**CONFIG["lofi"], "exchange": "peers", "compress": "int8", "aggre
 keep must carry a resume as the plain mean's do."""
 
 
+SECURE = {
+    "lofi": {**ROBUST_LOFI, "compress": "int2", "compress_scale": "shared", "secure": True, "bn_recalibrate": True},
+    "nodes": {"count": 3, "cpus": 0.5},
+    "data": {**CONFIG["data"], "train_size": 768},
+}
+"""Secure rounds (lofi.secure) on 3 nodes of the same 16 steps an epoch: a resumed run's nodes have new key
+pairs and a new roster, and its masks cancel as the first run's did."""
+SECURE["lofi"].update(aggregate="mean", on_bad_payload="fail")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "lofi_options", [CONFIG["lofi"], pytest.param(ROBUST_LOFI, marks=pytest.mark.heavy)], ids=["star", "robust"]
+    "overlay",
+    [
+        {},
+        pytest.param({"lofi": ROBUST_LOFI}, marks=pytest.mark.heavy),
+        pytest.param(SECURE, marks=pytest.mark.heavy),
+    ],
+    ids=["star", "robust", "secure"],
 )
-def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path, lofi_options):
-    cfg = {**CONFIG, "lofi": lofi_options}
+def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_path, overlay):
+    cfg = {**CONFIG, **overlay}
+    lofi_options, nodes = cfg["lofi"], cfg["nodes"]["count"]
     config = tmp_path / "cfg.yaml"
     config.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
@@ -98,7 +115,8 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_p
         _kill_when(
             first,
             lambda: (
-                min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(2)) >= 32
+                min(checkpoint_step(state / "lofi" / "checkpoints" / f"node{k}.safetensors") for k in range(nodes))
+                >= 32
             ),
         )
         assert not (out / "results.json").exists()
@@ -123,7 +141,7 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_weights(ray_session, tmp_p
     records = json.loads((out / "results.json").read_text())
     assert records[0] == lofi[0], "the finished strategy was rerun"
     assert "[spsa] resuming at step" in log
-    if lofi_options.get("aggregate"):  # the round record came through the kill: every round, as the clean run's
+    if lofi_options.get("aggregate", "mean") != "mean":  # the round record came through the kill, as the clean run's
         clean_rounds = json.loads((tmp_path / "clean" / "results.json").read_text())[0]["details"]["robust_rounds"]
         assert records[0]["details"]["robust_rounds"] == clean_rounds
     for name in ("lofi", "spsa"):

@@ -112,6 +112,10 @@ def pack_bits(words: np.ndarray, n: int) -> bytes:
     size = flat.dtype.itemsize
     if n == 8 * size:
         return flat.astype(flat.dtype.newbyteorder("<"), copy=False).tobytes()
+    if n == 4:  # int2 codes summed over 3 or 4 nodes: two to a byte, the first in the low nibble
+        nibbles = np.zeros(flat.size + flat.size % 2, dtype=np.uint8)
+        nibbles[: flat.size] = flat
+        return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
     out = []
     for start in range(0, flat.size, _CHUNK):
         chunk = flat[start : start + _CHUNK].astype(f"<u{size}").view(np.uint8).reshape(-1, size)
@@ -128,6 +132,10 @@ def unpack_bits(data: bytes, n: int, count: int, dtype: np.dtype) -> np.ndarray:
     if n == 8 * dtype.itemsize:
         return np.frombuffer(data, dtype=dtype).copy()
     raw, out = np.frombuffer(data, dtype=np.uint8), []
+    if n == 4 and dtype.itemsize == 1:
+        words = np.empty(2 * raw.size, dtype=dtype)
+        words[0::2], words[1::2] = raw & 15, raw >> 4
+        return words[:count]
     for start in range(0, count, _CHUNK):
         size = min(_CHUNK, count - start)
         first = start * n // 8  # a chunk starts on a byte: _CHUNK is a multiple of 8
