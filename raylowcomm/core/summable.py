@@ -3,11 +3,14 @@ round decodes on one grid per block, so that the nodes' codes add as plain integ
 decodes with one multiply a block. What secure aggregation needs to mask codes (`core.secagg`), and what a
 reduce-scatter ring of code sums would need.
 
-Each node picks its codes q on its own grid, exactly as `BlockwiseInt` does (int8, int4: x rounded to
-nearest on absmax/qmax; int2: ternary, ±1 above half the block's absmax). What changes is the number it
-sends in each block's bf16 scale field: the magnitude m that decodes its own codes best in least squares,
-m = Σ|x|·|q| / Σq² over the block (0 where every code is 0), rounded to the nearest bf16. The bytes are
-`BlockwiseInt`'s, at the same size.
+Each node picks its codes q on its own grid and sends them with its own bf16 scale per block, exactly as
+`BlockwiseInt` does (int8, int4: x rounded to nearest on absmax/qmax; int2: ternary, ±1 above half the
+block's absmax, the scale the absmax): the same bytes. What changes is the decoding: a round decodes every
+node's codes of a block at the mean of the nodes' scales (their magnitudes, m below). Why the mean of the
+scales, not of each node's least-squares fit (Σ|x|·|q| / Σq²): a ternary code decoded at the block's absmax
+overshoots a sent entry and makes up for the entries left at 0, and the N nodes' mean then follows the
+true mean about as per-node scales do; decoded at the least-squares magnitude, a round's mean moves
+about two thirds as far (docs/benchmarks.md has the measurement).
 
 A magnitude is a fixed-point number: 0, or in [2^-33, 2^8) (a bf16 there is a whole multiple of 2^-40, so
 m·2^40 is an integer below 2^48, `fixed_magnitudes`). Smaller ones are sent as 0 (the block's codes still
@@ -39,7 +42,7 @@ from torch import Tensor
 
 from raylowcomm.core.aggregation import check_weights
 from raylowcomm.core.compression import BlockwiseInt, Codec, TensorSpec, make_codec
-from raylowcomm.core.packing import SCALE_DTYPE, dequantize_blocks, in_blocks, quantize_blocks
+from raylowcomm.core.packing import SCALE_DTYPE, dequantize_blocks, quantize_blocks
 
 SUMMABLE = ("int8", "int4", "int2")
 """The codecs whose codes can be summed on a shared grid."""
@@ -51,19 +54,10 @@ SMALLEST = 2.0**-33
 """The smallest nonzero magnitude sent: from here up a bf16 is a whole multiple of 2^-40."""
 
 
-def least_squares_magnitudes(x: Tensor, codes: Tensor, block: int) -> Tensor:
-    """Per block of flat float64 x and its integer codes: m = Σ|x|·|q| / Σq², float64 (0 where every
-    code is 0), the magnitude whose q·m is nearest x in squared error."""
-    q = in_blocks(codes.to(torch.float64), block)
-    num = (in_blocks(x, block).abs() * q.abs()).sum(dim=1)
-    den = (q * q).sum(dim=1)  # an integer, exact in float64
-    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
-
-
 def encode_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
-    """(codes as `quantize_blocks` picks them, each block's least-squares magnitude rounded to the nearest bf16)."""
-    codes, _ = quantize_blocks(x, block, qmax)
-    magnitudes = least_squares_magnitudes(x, codes, block).to(SCALE_DTYPE)
+    """(codes and bf16 scales as `quantize_blocks` picks them), each scale a fixed-point magnitude: one
+    below 2^-33 sent as 0, one of 256 or more refused."""
+    codes, magnitudes = quantize_blocks(x, block, qmax)
     largest = 2.0 ** (MAGNITUDE_BITS - FRACTION_BITS)
     if not (magnitudes < largest).all():
         raise ValueError(f"a block's magnitude is {magnitudes.max().item():g}, at least {largest:g}: Δ has diverged")
@@ -71,9 +65,9 @@ def encode_blocks(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
 
 
 class SummableInt(Codec):
-    """int8, int4 or int2 codes on each node's own grid, each block's bf16 field holding the magnitude that
-    decodes them best (`least_squares_magnitudes`): `BlockwiseInt`'s bytes. Alone, a payload decodes as
-    q·m (`unpack`); a round decodes on the shared scales (`average_codes`)."""
+    """int8, int4 or int2 codes and scales on each node's own grid: `BlockwiseInt`'s bytes (but a scale
+    below 2^-33, sent as 0). Alone, a payload decodes as q·m (`unpack`); a round decodes on the shared
+    scales, the mean of the nodes' (`average_codes`)."""
 
     def __init__(self, bits: int, block_size: int = 64):
         self.grid = BlockwiseInt(bits, block_size)

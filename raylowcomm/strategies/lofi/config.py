@@ -89,12 +89,11 @@ class LofiConfig:
     """Entries per bf16 scale for int8/int4/int2/topk/sign values (at most 65536)."""
     compress_scale: Literal["node", "shared"] = "node"
     """The grid int8/int4/int2 codes decode on. node: each node's own bf16 scale per block. shared: each node
-    still picks its codes on its own grid, but sends in each block's scale the magnitude that decodes them
-    best (least squares), and a round decodes every node's codes of a block at the mean of the nodes'
-    magnitudes: the nodes' codes then add as plain integers and a round's sum decodes with one multiply a
-    block, what secure aggregation needs to mask them. Error feedback keeps what the shared grid misses.
-    The same bytes as node. Needs compress (and dense_codec where dense is set) int8, int4 or int2, in
-    lockstep peer rounds that take the mean (docs/strategies/lofi.md)."""
+    sends its codes and scales as node does, and a round decodes every node's codes of a block at the mean
+    of the nodes' scales: the nodes' codes then add as plain integers and a round's sum decodes with one
+    multiply a block, what secure aggregation (`secure`) needs to mask them. Error feedback keeps what the
+    shared grid misses. The same bytes as node. Needs compress (and dense_codec where dense is set) int8,
+    int4 or int2, in lockstep peer rounds that take the mean (docs/strategies/lofi.md)."""
     error_feedback: bool = True
     """Each node adds what compression dropped to its next Δ (a float64 residual, checkpointed with the
     node): nothing is lost, only delayed."""
