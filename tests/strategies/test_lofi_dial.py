@@ -5,6 +5,7 @@ against its ledger."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from types import SimpleNamespace
@@ -193,3 +194,17 @@ def test_the_run_folder_keeps_the_config_as_written_so_a_resume_resolves_it_the_
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["lofi"]
     assert saved["dial"] == "auto" and saved["compress"] == "none"
     check_resumable(tiny_config(dial="auto", dial_bytes=0.05), tmp_path)  # the same config resumes
+
+
+def test_with_shared_scales_the_dial_keeps_to_codes_that_add_and_counts_masked_bytes():
+    """compress_scale: shared (what lofi.secure needs): the longer row's top-k becomes the short row's int2,
+    a step down stops at int2 (sign codes do not add), and secure rounds' predicted bytes are the masked ones."""
+    o = resolved(200, compress_scale="shared")
+    assert (o.compress, o.average_every, o.dense) == ("int2", 8, ["head", "vectors"])
+    assert "compress_scale: shared adds codes, and the row's topk are not" in o.dial_record["reason"]
+    starved = resolved(62, compress_scale="shared", dial_bytes=1e-9)
+    assert starved.compress == "int2" and "still over dial_bytes" in starved.dial_record["reason"]
+    ctx, shard = context(200, dial="auto", compress_scale="shared")
+    run, sizes = dataclasses.replace(dial.run_of(ctx, shard), nodes=4), dial.Sizes.of(ctx)
+    plain = dial.predicted_bytes(o, run, sizes)
+    assert plain < dial.predicted_bytes(dataclasses.replace(o, secure=True), run, sizes) < 3 * plain

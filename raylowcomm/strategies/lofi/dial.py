@@ -3,19 +3,21 @@ measured rule (`RULES`, the decision table of docs/strategies/lofi.md), from wha
 actor starts: the model's kind, the run's steps a node, its nodes. Settings the user gave win. The
 choice's bytes are checked against `lofi.dial_bytes` of DDP's and stepped down where they exceed it.
 With the dial off or on, an explicit setting on the wrong side of the measured frontier for the run's
-length is said in one warning line (`FRONTIER`). Figures: docs/measurements/lofi.md."""
+length is said in one warning line (`dial_frontier.FRONTIER`). Figures: docs/measurements/lofi.md.
+With `compress_scale: shared` (and `secure`) the dial keeps to codes that add, and counts masked bytes."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from raylowcomm.core.averaging import batchnorm_layers
 from raylowcomm.core.compression import NoCompression, layout_of
+from raylowcomm.core.summable import SUMMABLE
 from raylowcomm.strategies.lofi.config import LofiConfig, round_boundaries, round_gaps
+from raylowcomm.strategies.lofi.dial_frontier import period_of, warn_off_frontier
 from raylowcomm.strategies.lofi.payload import DeltaCodec, crossing, dense_names
 from raylowcomm.strategies.lofi.peers import nodes_hold_result
 
@@ -95,67 +97,6 @@ RULES = (
     ),
 )
 """Every row's peer rounds end in the run's codec (`final_round: compressed`, the default)."""
-
-
-@dataclass(frozen=True)
-class Frontier:
-    """A setting measured on the wrong side for runs of `kind` over `lo` up to `hi` (in `unit`, steps or
-    epochs a node): `wrong` says whether the options hold it, `says` what was measured."""
-
-    kind: str
-    unit: str
-    lo: float
-    hi: float
-    wrong: Callable[[LofiConfig], bool]
-    says: str
-
-
-def _period(o) -> int | None:
-    return o.average_every if isinstance(o.average_every, int) else None
-
-
-FRONTIER = (
-    Frontier(
-        "batchnorm",
-        "steps",
-        0,
-        90,
-        lambda o: o.compress == "topk" and (_period(o) or 99) <= 8,
-        "compress: topk every <= 8 steps on a BatchNorm vision model at under ~90 steps a node: measured "
-        "-7.7 ± 7.5 points from DDP (top-k 3% every 6, 5 seeds) against -0.3 ± 2.3 for int2 every 8 with "
-        "compress_block: 128 and dense: [head, vectors] (8 seeds)",
-    ),
-    Frontier(
-        "batchnorm",
-        "steps",
-        0,
-        90,
-        lambda o: o.compress == "int4" and (_period(o) or 0) >= 16,
-        "compress: int4 every >= 16 steps on a BatchNorm vision model at under ~90 steps a node: measured "
-        "-9.1 ± 7.2 points from DDP against -0.3 ± 2.3 for int2 every 8 with compress_block: 128 and "
-        "dense: [head, vectors] (8 seeds)",
-    ),
-    Frontier(
-        "batchnorm",
-        "steps",
-        90,
-        math.inf,
-        lambda o: o.compress == "int2",
-        "compress: int2 on a BatchNorm vision model at over ~90 steps a node: measured -1.5 ± 4.3 points "
-        "from DDP at 1/109 of its bytes (3 seeds) against -0.4 ± 1.6 at 1/428 for top-k 3% every 6 (8 seeds)",
-    ),
-    Frontier(
-        "language",
-        "epochs",
-        0,
-        1.5,
-        lambda o: o.compress == "int4" and o.average_every is None,
-        "one int4 average of a language model trained for about one epoch: measured -1.4 ± 1.5 points from "
-        "DDP against -0.5 ± 2.2 for one int4 round halfway (average_every: half the steps), for the same "
-        "bytes (6 seeds)",
-    ),
-)
-"""What the warnings say: the settings the decision table advises against for the run's length."""
 
 
 @dataclass(frozen=True)
@@ -251,16 +192,19 @@ def predicted_bytes(o: LofiConfig, run: Run, sizes: Sizes) -> int:
         whole = NoCompression().payload_nbytes(layout_of(crossing(sizes.sent, o)))
         return (2 * rounds + 1) * n * whole
     codec = DeltaCodec(o, sizes.sent, sizes.params, dense_names(sizes.model, sizes.family, o.dense))
-    final = sum(c.payload_nbytes(layout) for c, layout in codec.final_parts)
+    payload, final = codec.nbytes, sum(c.payload_nbytes(layout) for c, layout in codec.final_parts)
+    if o.secure:  # masked codes and magnitudes (`core.secure_codes`)
+        names = dict.fromkeys(k for _, layout in codec.parts for k in layout)
+        payload, final = (sum(codec.masked_nbytes(names, last, n)) for last in (False, True))
     driver = 0 if nodes_hold_result(o, run.kind == "lora") else n
-    return rounds * n * (n - 1) * codec.nbytes + (n * (n - 1) + driver) * final
+    return rounds * n * (n - 1) * payload + (n * (n - 1) + driver) * final
 
 
 def step_down(o: LofiConfig, given: set[str], run: Run) -> tuple[LofiConfig, str] | None:
     """One step cheaper among what the dial chose (not `given`): a period twice as long (for a model
     without BatchNorm, at last one average at the end; a BatchNorm model keeps a round before its end),
     else a cheaper codec; None where nothing the dial chose can go cheaper."""
-    period = _period(o)
+    period = period_of(o)
     if "average_every" not in given and period is not None:
         if 2 * period < run.steps:
             return dataclasses.replace(o, average_every=2 * period), f"average_every {period} -> {2 * period}"
@@ -271,8 +215,9 @@ def step_down(o: LofiConfig, given: set[str], run: Run) -> tuple[LofiConfig, str
     if o.compress == "topk" and o.topk_fraction / 2 >= MIN_TOPK and "topk_fraction" not in given:
         half = o.topk_fraction / 2
         return dataclasses.replace(o, topk_fraction=half), f"topk_fraction {o.topk_fraction:g} -> {half:g}"
-    if o.compress in CHEAPER:
-        return dataclasses.replace(o, compress=CHEAPER[o.compress]), f"compress {o.compress} -> {CHEAPER[o.compress]}"
+    cheaper = CHEAPER.get(o.compress)
+    if cheaper is not None and (o.compress_scale != "shared" or cheaper in SUMMABLE):
+        return dataclasses.replace(o, compress=cheaper), f"compress {o.compress} -> {cheaper}"
     return None
 
 
@@ -285,6 +230,9 @@ def choose(o: LofiConfig, run: Run, sizes: Sizes) -> tuple[LofiConfig, dict]:
     if row.halfway:
         settings["average_every"] = max(run.steps // 2, 1)
     settings["final_round"] = "compressed"
+    if o.compress_scale == "shared" and settings.get("compress") not in SUMMABLE:
+        settings.update(RULES[0].settings)  # codes that add: the short BatchNorm row's int2
+        notes.append(f"compress_scale: shared adds codes, and the row's {row.settings['compress']} are not: its int2")
     chosen = {k: v for k, v in settings.items() if k not in given}
     resolved = dataclasses.replace(o, **chosen)
     ddp = run.nodes * run.steps * sizes.gradient_bytes
@@ -311,18 +259,6 @@ def choose(o: LofiConfig, run: Run, sizes: Sizes) -> tuple[LofiConfig, dict]:
 
 def _settings(values: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())
-
-
-def warn_off_frontier(o: LofiConfig, given: set[str], run: Run) -> None:
-    """One warning line where the user's `compress` is on the wrong side of the measured frontier for
-    the run's length."""
-    if "compress" not in given:
-        return
-    kind = {"other": "language"}.get(run.kind, run.kind)
-    for f in FRONTIER:
-        length = run.steps if f.unit == "steps" else run.epochs
-        if f.kind == kind and f.lo < length <= f.hi and f.wrong(o):
-            logger.warning("[lofi] %s; this run: %d steps a node. Try lofi.dial: auto", f.says, run.steps)
 
 
 def resolve(ctx, o: LofiConfig, smallest_shard: int | None) -> LofiConfig:

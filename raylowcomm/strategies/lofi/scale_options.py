@@ -14,7 +14,8 @@ def shared_scale_clashes(codec, cfg: RunConfig, exchange: type[Exchange], groups
     """Why shared scales cannot run with the options given, one line each (none: they can). `codec`: the
     `CodecOptions`; `groups`: the `LofiOptions` whose quorum and robust groups are read."""
     clashes = []
-    if codec.compress not in SUMMABLE:
+    chosen_later = groups.dial.dial == "auto" and codec.compress == "none"  # the dial picks codes that add
+    if codec.compress not in SUMMABLE and not chosen_later:
         clashes.append(
             f"lofi.compress: {codec.compress} sends no codes that add on a shared grid: set lofi.compress to "
             f"int8, int4 or int2, {_OR_NODE}"

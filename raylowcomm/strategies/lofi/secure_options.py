@@ -74,7 +74,8 @@ class SecureOptions(OptionGroup):
         o = SimpleNamespace(
             **{k: v for g in (groups.rounds, groups.codec, groups.probe, groups.robust) for k, v in vars(g).items()}
         )
-        if not exchange.nodes_keep_rounds:
+        chosen_later = groups.dial.dial == "auto" and groups.codec.compress == "none"  # the dial's peer rounds
+        if not exchange.nodes_keep_rounds and not chosen_later:
             raise ConfigError(
                 "lofi.exchange",
                 o.exchange,
