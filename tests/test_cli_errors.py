@@ -557,6 +557,41 @@ CASES = [
     ("run-without-config", lambda t: ["run"], "config"),
     ("assets-bad-action", lambda t: ["assets", "delete"], "delete"),
     ("assets-unknown-name", lambda t: ["assets", "fetch", "imagenet"], "imagenet"),
+    # --- lofi.secure: what it cannot run with, named beside it
+    (
+        "run-secure-on-two-nodes",
+        lambda t: ["run", _config(t, lofi={"compress": "int2", "compress_scale": "shared", "secure": True})],
+        ("nodes.count", "lofi.secure", "at least 3 nodes"),
+    ),
+    (
+        "run-secure-on-node-scales",
+        lambda t: ["run", _config(t, **{"nodes.count": 3}, lofi={"compress": "int2", "secure": True})],
+        ("lofi.compress_scale", "lofi.secure", "set lofi.compress_scale: shared"),
+    ),
+    (
+        "run-secure-with-median",
+        lambda t: [
+            "run",
+            _config(
+                t,
+                **{"nodes.count": 3},
+                lofi={"compress": "int2", "compress_scale": "shared", "secure": True, "aggregate": "median"},
+            ),
+        ],
+        ("lofi.aggregate", "lofi.secure"),
+    ),
+    (
+        "run-secure-with-batchnorm-statistics-in-rounds",
+        lambda t: [
+            "run",
+            _config(
+                t,
+                **{"nodes.count": 3},
+                lofi={"compress": "int2", "compress_scale": "shared", "secure": True, "bn_recalibrate": False},
+            ),
+        ],
+        ("lofi.bn_recalibrate", "in the clear"),
+    ),
     # --- bench
     ("bench-bad-mode", lambda t: ["bench", "fast", _config(t)], "fast"),
     ("bench-local-bad-config", lambda t: ["bench", "local", _config(t), "--set", "optim.lr=-1"], "optim.lr"),
