@@ -21,9 +21,14 @@ whose restarts are spent leaves the run.
 The run's length is a budget of node-steps, the run's steps times the nodes: a slow node contributes the
 steps it managed, and the fast ones take the rest. With every node on time and `quorum` = all nodes,
 every round holds every node's payload at the same boundaries as lockstep rounds.
+
+Lockstep rounds' policy (`lockstep.LockstepPolicy`) is plain Python too: which boundary every node
+trains to next, whether a round is taken after it, and where `optim.budget_s` stops the run;
+`strategies/lofi/lockstep.py` carries its decisions out on Ray.
 """
 
 from raylowcomm.core.rounds.events import Decision, Event
+from raylowcomm.core.rounds.lockstep import LockstepDecision, LockstepEvent, LockstepPolicy
 from raylowcomm.core.rounds.policy import QuorumPolicy
 from raylowcomm.core.rounds.records import Arrival, Flight, LandedRound, NodeLog, Rules, RunRecord, SegmentReport
 
@@ -33,6 +38,9 @@ __all__ = [
     "Event",
     "Flight",
     "LandedRound",
+    "LockstepDecision",
+    "LockstepEvent",
+    "LockstepPolicy",
     "NodeLog",
     "QuorumPolicy",
     "Rules",

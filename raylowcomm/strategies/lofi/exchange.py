@@ -80,9 +80,6 @@ class Exchange(Protocol):
     def resume(self, ctx: RunContext, group: NodeGroup, plan: Plan) -> int:
         """The averaging rounds a resumed run has behind it (0: none); the nodes then hold their global model."""
 
-    def landing(self, plan: Plan, i: int) -> list:
-        """`train`'s extra arguments for the call up to boundary i: the round in flight that lands in it."""
-
     def landed(self, group: NodeGroup, step: int, phase: str) -> None:
         """After a `train` call that landed a round: check that every node landed the same model."""
 

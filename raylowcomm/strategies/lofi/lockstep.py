@@ -1,6 +1,7 @@
 """lo-fi's lockstep loop: every node trains to the next round boundary with no communication, then the
 exchange's averaging round (the star's, or peer rounds'), until the plan's last boundary or the end of
-`optim.budget_s`. Quorum rounds run their own loop (`quorum_loop`); with every node on time and a
+`optim.budget_s`, as the lockstep policy (`core.rounds.lockstep`) decides: this loop carries its decisions
+out on Ray. Quorum rounds run their own loop (`quorum_loop`); with every node on time and a
 quorum of every node they land the same rounds as this one.
 
 Training time as DDP measures it: the nodes' own loop time (the slowest node per call) plus the
@@ -14,6 +15,18 @@ import time
 from raylowcomm.actors import NodeGroup
 from raylowcomm.common.goodput import NodeAccount, goodput
 from raylowcomm.common.timing import TrainClock
+from raylowcomm.core.rounds.lockstep import (
+    ExchangeRound,
+    LandAtStop,
+    LockstepDecision,
+    LockstepEvent,
+    LockstepPolicy,
+    RoundTaken,
+    SegmentTrained,
+    Started,
+    StopAt,
+    TrainTo,
+)
 from raylowcomm.strategies.base import RunContext
 from raylowcomm.strategies.lofi.exchange import Exchange, Trained
 from raylowcomm.strategies.lofi.messages import TrainReport
@@ -50,25 +63,12 @@ class LockstepRounds:
         self.train_s = self.round_s = 0.0
 
     def run(self, first: int = 0) -> Trained:
-        began, bounds = time.perf_counter(), self.plan.boundaries
-        for i, until in enumerate(bounds[first:], first):
-            if self.budget is not None and self.calls and self.train_s >= self.budget:  # the last round took the rest
-                self._land_at_stop(i)
-                self.plan.stop_at(bounds[i - 1], i)  # the final round comes where that one did
-                break
-            self.round_s, last = 0.0, i == len(bounds) - 1
-            self._train_to(i, until, last)
-            if self.budget is not None and not last and self.train_s >= self.budget:  # spent: this segment ends it
-                self.plan.stop_at(max(r.step for r in self.calls[-1]), i)
-                break
-            if not last:
-                round_clock = TrainClock()
-                self.exchange.round(self.group, self.plan, i + 1, until)
-                self.round_s = round_clock.elapsed()
-                self.train_s += self.round_s
-        reached = max((r.step for r in self.calls[-1]), default=self.plan.steps) if self.calls else self.plan.steps
-        if self.budget is not None and reached < self.plan.steps:  # the last segment ended by time
-            self.plan.stop_at(reached, len(bounds) - 1)
+        """Asks the policy (`core.rounds.lockstep`) what comes next and carries it out, until it is done."""
+        began = time.perf_counter()
+        policy = LockstepPolicy(self.plan.boundaries, self.budget, self.plan.steps, self.plan.landings)
+        event: LockstepEvent | None = Started(first)
+        while event is not None:
+            event = self._carry_out(policy.decide(event))
         slowest = max(self.calls[-1], key=lambda r: r.train_s).last_step_s if self.calls else 0.0
         return Trained(
             nodes=[[r.wire() for r in calls] for calls in zip(*self.calls)],
@@ -79,32 +79,52 @@ class LockstepRounds:
             last_step_s=slowest + self.round_s,  # the last step (and a round after it)
         )
 
-    def _land_at_stop(self, i: int) -> None:
+    def _carry_out(self, decisions: list[LockstepDecision]) -> LockstepEvent | None:
+        """The decisions in order; what the last one (a call, a round) tells the policy, or None: done."""
+        event = None
+        for decision in decisions:
+            if isinstance(decision, TrainTo):
+                event = self._train_to(decision)
+            elif isinstance(decision, ExchangeRound):
+                event = self._round(decision)
+            elif isinstance(decision, LandAtStop):
+                self._land_at_stop(decision)
+            elif isinstance(decision, StopAt):
+                self.plan.stop_at(decision.step, decision.index)
+        return event
+
+    def _round(self, decision: ExchangeRound) -> RoundTaken:
+        """The exchange's averaging round, its seconds counted as training time."""
+        round_clock = TrainClock()
+        self.exchange.round(self.group, self.plan, decision.round, decision.until)
+        self.round_s = round_clock.elapsed()
+        self.train_s += self.round_s
+        return RoundTaken(self.train_s)
+
+    def _land_at_stop(self, decision: LandAtStop) -> None:
         """`lofi.overlap` with a spent budget: the round in flight lands where the nodes stand, its wait
         booked beside the wait for the round before it."""
-        landing = self.exchange.landing(self.plan, i)
-        if not landing:
-            return
-        self.group.ledger.send("train", "control", landing[0][0], copies=len(self.group))
-        waits = self.group.call("land_round", landing[0][0], phase="train")
+        self.group.ledger.send("train", "control", decision.round, copies=len(self.group))
+        waits = self.group.call("land_round", decision.round, phase="train")
         for report, wait in zip(self.calls[-1], waits):
             report.round_wait_at_stop_s = wait
-        self.exchange.landed(self.group, self.plan.boundaries[i - 1], "train")
+        self.exchange.landed(self.group, decision.at, "train")
 
-    def _train_to(self, i: int, until: int, last: bool) -> None:
-        """Every node's call up to boundary i (`until`), landing the round in flight in it, if any."""
-        plan, ledger = self.plan, self.group.ledger
-        landing = self.exchange.landing(plan, i)
+    def _train_to(self, decision: TrainTo) -> SegmentTrained:
+        """Every node's call up to the decision's boundary, landing the round in flight in it, if any."""
+        plan, ledger, until = self.plan, self.group.ledger, decision.until
+        landing = [decision.landing.round, decision.landing.step] if decision.landing is not None else None
+        self.round_s = 0.0
         ledger.send(
-            "setup" if i == 0 else "train", "control", [until, *landing] if landing else until, copies=len(self.group)
+            "setup" if decision.index == 0 else "train",
+            "control",
+            [until, landing] if landing else until,
+            copies=len(self.group),
         )
-        due = [s for s in plan.snapshots if (plan.boundaries[i - 1] if i else 0) < s <= until]
+        due = [s for s in plan.snapshots if decision.since < s <= until]
         sent = ledger.bytes_by_phase["setup"] + ledger.bytes_by_phase["train"]
-        seconds = None if self.budget is None else self.budget - self.train_s  # the rest, on the nodes' clocks
-        phase = "final" if last else "train"
-        wires = self.group.call(
-            "train", until, due, landing[0] if landing else None, seconds, phase=phase, what="train_stats"
-        )
+        phase = "final" if decision.last else "train"
+        wires = self.group.call("train", until, due, landing, decision.seconds, phase=phase, what="train_stats")
         reports = [TrainReport.from_wire(w) for w in wires]
         self.calls.append(reports)
         if landing:
@@ -115,6 +135,7 @@ class LockstepRounds:
                 self.snapshots.append((s, self.train_s + max(times), sent))
         self.train_s += max(r.train_s for r in reports)
         self._report(until, reports)
+        return SegmentTrained(max(r.step for r in reports), self.train_s)
 
     def _report(self, until: int, reports: list[TrainReport]) -> None:
         """The call's progress to the driver's view; a restarted node's refetches booked."""

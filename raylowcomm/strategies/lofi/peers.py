@@ -88,11 +88,6 @@ class PeerExchange:
             )
         return done[0]
 
-    def landing(self, plan: Plan, i: int) -> list:
-        """Where rounds overlap: [round, step] of the exchange sent at boundary i − 1, which lands in
-        the call up to boundary i (none before the first boundary)."""
-        return [[i, plan.landings[i - 1]]] if plan.landings is not None and i > 0 else []
-
     def landed(self, group: NodeGroup, step: int, phase: str) -> None:
         self.hashes.append([step, check_global(group, step, group.ledger, phase)])
 

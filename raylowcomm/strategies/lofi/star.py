@@ -65,9 +65,6 @@ class StarExchange:
         group.call("load_round", group.put(state, "train", "resume_global_weights", copies=len(group)), done)
         return done
 
-    def landing(self, plan: Plan, i: int) -> list:
-        return []  # a star round lands where it is taken
-
     def landed(self, group: NodeGroup, step: int, phase: str) -> None:
         """Nothing lands during training."""
 
