@@ -103,21 +103,23 @@ def _masked_bytes(ctx, n: int) -> tuple[int, int]:
 
 @pytest.mark.slow
 @pytest.mark.heavy  # CI runs 4 nodes' first rounds against the clear (the killed-node test below)
-def test_secure_rounds_land_the_same_global_model_as_rounds_in_the_clear(ray_session, tmp_path):
-    """3 nodes, int2 codes with int8 dense vectors: every round's global-model hash and the final average
-    equal with and without masks; what crossed is the keys, and masked codes and magnitudes of exactly the
-    width rule's size: each node's payload fetched by the 2 others in each of 3 rounds."""
+@pytest.mark.parametrize(("fragments", "steps"), [(1, [8, 16, 20]), (2, [4, 8, 12, 16, 20])])
+def test_secure_rounds_land_the_same_global_model_as_rounds_in_the_clear(ray_session, tmp_path, fragments, steps):
+    """3 nodes, int2 codes with int8 dense vectors, whole rounds or two fragments: every round's global-model
+    hash and the final average equal with and without masks; what crossed is the keys, and masked codes and
+    magnitudes of exactly the width rule's size: each node's payload fetched by the 2 others in each round."""
     runs = {}
     for secure in (False, True):
-        ctx, runs[secure] = run_lofi(_secure_config(3, secure=secure, dense=["vectors"]), tmp_path / str(secure))
+        cfg = _secure_config(3, secure=secure, dense=["vectors"], fragments=fragments)
+        ctx, runs[secure] = run_lofi(cfg, tmp_path / str(secure))
     plain, masked = runs[False], runs[True]
-    assert [s for s, _ in masked["details"]["global_hashes"]] == [8, 16, 20]  # 2 rounds and the final one
+    assert [s for s, _ in masked["details"]["global_hashes"]] == steps  # the rounds and the final one
     assert masked["details"]["global_hashes"] == plain["details"]["global_hashes"]
     a, b = load_file(plain["weights"]), load_file(masked["weights"])
     assert all(torch.equal(a[k], b[k]) for k in a)
     kinds = masked["comm"]["by_kind"]
     assert "train/outer_gradients" not in kinds and kinds["setup/secure_keys"] > 3 * PUBLIC_KEY_NBYTES
-    codes, scales = _masked_bytes(ctx, 3)
+    codes, scales = _masked_bytes(ctx, 3)  # a whole payload: two rounds of fragments make one
     assert kinds["train/masked_codes"] == 2 * 3 * 2 * codes and kinds["final/masked_codes"] == 3 * 2 * codes
     assert kinds["train/masked_scales"] == 2 * 3 * 2 * scales
     assert masked["details"]["secure"] == {"rosters": 1, "lost_after_masking": []}
