@@ -119,6 +119,7 @@ def test_a_private_run_records_the_accountants_epsilon_and_its_nodes_agree(ray_s
     assert got["rounds"] == rounds == 4 and got["unit"] == "node" and got["nodes"] == 2
     assert got["epsilon"] == privacy.epsilon_of(got["noise_multiplier"], rounds, got["delta"]) <= 8.0
     assert got["epsilon_one_update_seen_alone"] == privacy.epsilon_of(got["noise_multiplier"] / 2**0.5, rounds, 1e-5)
+    assert got["epsilon_against_peers_and_driver"] == got["epsilon_one_update_seen_alone"]  # rounds in the clear
     secrets = [tmp_path / "state" / "lofi" / "checkpoints" / f"node{k}_noise.secret" for k in range(2)]
     assert all(len(s.read_bytes()) == 32 for s in secrets) and secrets[0].read_bytes() != secrets[1].read_bytes()
     kinds = rec["comm"]["by_kind"]  # every round's global-model hashes were read from both nodes and agreed
@@ -153,3 +154,11 @@ def test_a_nodes_delta_leaves_clipped_and_noised_from_a_secret_it_keeps(tmp_path
     assert not torch.equal(rounds()._delta()["w"], first)
     with pytest.raises(TypeError, match="stays on the node"):
         pickle.dumps(rounds().noise)
+
+
+def test_with_secure_rounds_the_peers_and_the_driver_face_the_epsilon_of_the_sum():
+    clear = PrivacyPlan(8.0, 1e-5, noise_multiplier=0.5, clip=1.0, nodes=4, chosen=False)
+    masked = PrivacyPlan(8.0, 1e-5, noise_multiplier=0.5, clip=1.0, nodes=4, chosen=False, secure=True)
+    assert clear.record(5)["epsilon_against_peers_and_driver"] == clear.record(5)["epsilon_one_update_seen_alone"]
+    assert masked.record(5)["epsilon_against_peers_and_driver"] == masked.record(5)["epsilon"]
+    assert masked.record(5)["epsilon"] < masked.record(5)["epsilon_one_update_seen_alone"]

@@ -9,6 +9,7 @@ codec, from a secret the node makes at its first start and keeps beside its chec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -64,13 +65,16 @@ class PrivacyPlan:
     nodes: int
     chosen: bool
     """Whether σ was chosen for `epsilon_target` (else given)."""
+    secure: bool = False
+    """Whether rounds are masked (`lofi.secure`): peers and driver then read the sum only."""
 
     def record(self, rounds: int) -> dict:
-        """`details.privacy`: ε the accountant gives for σ over `rounds` at δ, and the ε that holds against
-        whoever reads one node's noised update alone (σ/√N: every peer and the driver, without secure
-        aggregation)."""
+        """`details.privacy`: ε the accountant gives for σ over `rounds` at δ, the ε that holds against
+        whoever reads one node's noised update alone (σ/√N), and which of the two holds against the peers
+        and the driver (the first with secure rounds, which show them the sum only)."""
+        epsilon = privacy.epsilon_of(self.noise_multiplier, rounds, self.delta)
         return {
-            "epsilon": privacy.epsilon_of(self.noise_multiplier, rounds, self.delta),
+            "epsilon": epsilon,
             "epsilon_target": self.epsilon_target,
             "delta": self.delta,
             "noise_multiplier": self.noise_multiplier,
@@ -79,6 +83,7 @@ class PrivacyPlan:
             "nodes": self.nodes,
             "unit": "node",
             "epsilon_one_update_seen_alone": self.epsilon_one_update(rounds),
+            "epsilon_against_peers_and_driver": epsilon if self.secure else self.epsilon_one_update(rounds),
             "accountant": "opacus RDPAccountant, sample rate 1",
         }
 
@@ -131,7 +136,7 @@ class PrivacyOptions(OptionGroup):
                 "data.node_files only the nodes know: remove lofi.privacy or data.node_files",
             )
         rounds = planned_rounds(ctx.cfg, o, smallest_shard)
-        o.privacy_plan = plan = plan_for(p, rounds, ctx.cfg.nodes.count)
+        o.privacy_plan = plan = dataclasses.replace(plan_for(p, rounds, ctx.cfg.nodes.count), secure=o.secure)
         logger.info(
             "[lofi] privacy: ε=%.4g at δ=%g over %d rounds (target %g): σ=%.4g (%s), C=%g, node noise σ·C/√N=%.4g "
             "a coordinate; one node's update seen alone: ε=%.4g",
