@@ -165,3 +165,17 @@ def test_a_node_killed_in_a_round_leaves_the_others_to_finish_it(ray_session, tm
     assert [step for step, _ in hashes] == [8, 16, 24]
     if clean is not None:  # round 2 over all four nodes: the uninterrupted run's in the clear, to the bit
         assert hashes[:2] == clean["details"]["global_hashes"][:2]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # the rounds' path is CI's; this is lo-fi's one average, decoded on the driver
+def test_one_secure_average_decoded_on_the_driver_is_the_one_in_the_clear(ray_session, tmp_path):
+    """No rounds (average_every null): the driver decodes the nodes' one compressed average from the
+    pretrained weights, here from the members' masked payloads, which it sums without reading one."""
+    runs = {}
+    for secure in (False, True):
+        _, runs[secure] = run_lofi(_secure_config(3, secure=secure, average_every=None), tmp_path / str(secure))
+    a, b = load_file(runs[False]["weights"]), load_file(runs[True]["weights"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    kinds = runs[True]["comm"]["by_kind"]
+    assert "final/outer_gradients" not in kinds and kinds["final/masked_codes"] > 0
