@@ -231,8 +231,13 @@ class SecAggNode:
 
     def _mask_key(self, peer: int, slot: str, members: tuple[int, ...]) -> bytes:
         lo, hi = sorted((self.node, peer))
-        info = f"mask|pair={lo},{hi}|slot={slot}|members={','.join(map(str, members))}".encode()
+        fields = ("mask", f"{lo},{hi}", slot, ",".join(map(str, members)))
+        info = "|".join(f"{len(f)}:{f}" for f in fields).encode()  # length-prefixed: no two tuples read alike
         return _hkdf(self._pair_keys[peer], _salt(self._run), info)
+
+    def forget(self, prefix: str) -> None:
+        """Forget what was masked in the slots that start with `prefix` (a landed round's: never masked again)."""
+        self._masked = {key: digest for key, digest in self._masked.items() if not key[0].startswith(prefix)}
 
     def mask(self, codes, spec: CodeSpec, slot: str, members: Iterable[int]) -> bytes:
         """This node's codes masked for `slot` among `members` (itself among them), packed n bits an entry;

@@ -4,6 +4,8 @@ masks; a node lost after masking leaves the others to finish the round among the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import ray
 import torch
@@ -122,7 +124,7 @@ def test_secure_rounds_land_the_same_global_model_as_rounds_in_the_clear(ray_ses
     codes, scales = _masked_bytes(ctx, 3)  # a whole payload: two rounds of fragments make one
     assert kinds["train/masked_codes"] == 2 * 3 * 2 * codes and kinds["final/masked_codes"] == 3 * 2 * codes
     assert kinds["train/masked_scales"] == 2 * 3 * 2 * scales
-    assert masked["details"]["secure"] == {"rosters": 1, "lost_after_masking": []}
+    assert masked["details"]["secure"] == {"rosters": 1, "masked_again": []}
 
 
 def _kill_node_3_in_round_2(monkeypatch, where: str) -> list:
@@ -160,7 +162,7 @@ def test_a_node_killed_in_a_round_leaves_the_others_to_finish_it(ray_session, tm
     killed = _kill_node_3_in_round_2(monkeypatch, where)
     _, rec = run_lofi(cfg, tmp_path / "killed")
     assert killed and rec["nodes"][3]["pid"] != killed[0]
-    assert rec["details"]["secure"] == {"rosters": 2, "lost_after_masking": lost}
+    assert rec["details"]["secure"] == {"rosters": 2, "masked_again": lost}
     hashes = rec["details"]["global_hashes"]
     assert [step for step, _ in hashes] == [8, 16, 24]
     if clean is not None:  # round 2 over all four nodes: the uninterrupted run's in the clear, to the bit
@@ -179,3 +181,39 @@ def test_one_secure_average_decoded_on_the_driver_is_the_one_in_the_clear(ray_se
     assert all(torch.equal(a[k], b[k]) for k in a)
     kinds = runs[True]["comm"]["by_kind"]
     assert "final/outer_gradients" not in kinds and kinds["final/masked_codes"] > 0
+
+
+class _Reports:
+    """A group whose members report, fetch after fetch, what `reports` says: (could not fetch, holds)."""
+
+    def __init__(self, reports: list[list[tuple]]):
+        self.reports, self.forwarded = reports, []
+        self.ledger = None
+
+    def call(self, method, round_, refs, phase, keys):
+        assert method == "secure_fetch"
+        return self.reports.pop(0)
+
+    def __getitem__(self, holder):
+        group = self
+
+        class Forward:
+            @staticmethod
+            def remote(round_, member):
+                group.forwarded.append((holder, member))
+                return f"copy of {member} from {holder}"
+
+        return SimpleNamespace(secure_forward=Forward)
+
+
+def test_a_payload_some_member_holds_is_forwarded_and_one_nobody_holds_is_lost():
+    """Node 2 could not fetch node 3's payload, which node 0 holds: node 0 forwards it and the round goes on
+    over all four (masking again would give node 0 a first sum to take the second from). Where nobody holds
+    it, it is lost: the round is masked again without it."""
+    refs = {k: [f"ref {k}"] for k in range(4)}
+    everyone = [0, 1, 2, 3]
+    group = _Reports([[([], everyone), ([], everyone), ([3], [0, 1, 2]), ([], everyone)], [([], everyone)] * 4])
+    assert secure_rounds._fetch(group, 2, refs, everyone, "train") == []
+    assert group.forwarded == [(0, 3)] and refs[3] == ["copy of 3 from 0"]
+    nobody = _Reports([[([3], [0, 1, 2]), ([3], [0, 1, 2]), ([3], [0, 1, 2]), ([], [])]])  # node 3 restarted
+    assert secure_rounds._fetch(nobody, 2, dict(refs), everyone, "train") == [3] and nobody.forwarded == []

@@ -75,8 +75,11 @@ class PeerRoundCalls:
         """(sizes, masked payload): the payload a return value the driver owns (`NodeSecure.send`)."""
         return self.peer.secure.send(round_, fragment, final, members, again)
 
-    def secure_fetch(self, round_: int, refs: dict[int, list]) -> list[int]:
+    def secure_fetch(self, round_: int, refs: dict[int, list]) -> tuple[list[int], list[int]]:
         return self.peer.secure.fetch(round_, refs)
+
+    def secure_forward(self, round_: int, member: int):
+        return self.peer.secure.forward(round_, member)
 
     def secure_land(self, round_: int, members: list[int]) -> bool:
         return self.peer.secure.land(round_, members)

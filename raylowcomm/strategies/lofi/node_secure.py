@@ -4,11 +4,12 @@ their sum. The driver's side, which decides the members: `secure_rounds`.
 
 A round goes in three calls, so that every member lands the same sum: `send` (encode Δ as in the clear,
 keep that payload, return it masked: the driver owns it, so it outlives a node killed after masking),
-`fetch` (every member's masked payload, or the members whose payloads are lost), and `land` (the
-members' sum decoded, the outer step). A payload lost (its node died before it was made, or its host
-went with the only copy: nobody fetched it) leaves the others to mask the same payload again among
-themselves (`send` with `again`): fresh masks, since the members are part of every mask's key. Nobody
-held the lost payload, so nobody holds the first sum to subtract the second from. The key pair lives in
+`fetch` (every member's masked payload; which it could not fetch, and which it holds), and `land` (the
+members' sum decoded, the outer step). A payload one member could not fetch but another holds is
+forwarded by a holder (`forward`). A payload nobody holds (its node died before it was made, or its host
+went with the only copy before anyone fetched it) leaves the others to mask the same payload again among
+themselves (`send` with `again`): fresh masks, since the members are part of every mask's key; nobody
+held the lost payload, so nobody holds a first sum to subtract the second from. The key pair lives in
 this process only: a restarted node has none for the run's roster until the driver gathers a new one,
 and lands the round it missed from another node's round file."""
 
@@ -44,7 +45,10 @@ class NodeSecure:
         return self.keys.public
 
     def join(self, name: str, publics: dict[int, bytes]) -> None:
-        self.keys.join(Roster(name, publics))
+        """Join the driver's roster; one gathered before this process started (it restarted meanwhile) does not
+        carry its key: it stays out of the rounds until the driver gathers the next."""
+        if publics.get(self.rank) == self.public():
+            self.keys.join(Roster(name, publics))
 
     def send(self, round_: int, fragment: int, final: bool, members: list[int], again: bool) -> tuple:
         """(bytes of masked codes and of masked magnitudes, this node's payload for the round masked among
@@ -63,22 +67,29 @@ class NodeSecure:
         self.fetched = {}
         return codec.masked_nbytes(self.rounds.payload, final, self.nodes), self.masked
 
-    def fetch(self, round_: int, refs: dict[int, list]) -> list[int]:
-        """Every member's masked payload (`refs`: member → [its ref]); returns the members whose payloads are
-        lost. A node restarted since it sent fetches nothing: its payload is the driver's, and it adopts the
-        round (`land`)."""
+    def fetch(self, round_: int, refs: dict[int, list]) -> tuple[list[int], list[int]]:
+        """Every member's masked payload it does not hold yet (`refs`: member → [its ref]); returns (the members
+        whose payloads it could not fetch, the members whose payloads it holds). A node restarted since it sent
+        fetches nothing: its payload is the driver's, and it adopts the round (`land`)."""
         if self.masked is None or self.round is None or self.round[0] != round_:
-            return []
+            return [], []
         lost = []
         for k, ref in refs.items():
             if k == self.rank:
                 self.fetched[k] = self.masked
-                continue
-            try:
-                self.fetched[k] = ray.get(ref[0])
-            except ray.exceptions.ObjectLostError:  # OwnerDiedError among them: lost with its node
-                lost.append(k)
-        return lost
+            elif k not in self.fetched:
+                try:
+                    self.fetched[k] = ray.get(ref[0])
+                except ray.exceptions.ObjectLostError:  # OwnerDiedError among them: lost with its node
+                    lost.append(k)
+        return lost, sorted(self.fetched)
+
+    def forward(self, round_: int, member: int) -> Payload:
+        """A member's masked payload this node holds, for the members that could not fetch it: uniform bytes on
+        their own, and the round's members fetch every one of them anyway."""
+        if self.round is None or self.round[0] != round_:
+            raise RuntimeError(f"node {self.rank} holds no payload of round {round_} to forward")
+        return self.fetched[member]
 
     def land(self, round_: int, members: list[int]) -> bool:
         """The round from the members' sum: Δ̄ decoded, this node's residual settled, the outer step taken
@@ -92,5 +103,6 @@ class NodeSecure:
         codec, own = self.rounds.codec, self.rounds.payload
         mean = codec.average_masked([self.fetched[k] for k in sorted(members)], final, self.nodes, own=own)
         self.round, self.masked, self.fetched = None, None, {}
+        self.keys.forget(slot_of(round_, fragment, final))
         self.rounds.land_mean(round_, fragment, mean)
         return True

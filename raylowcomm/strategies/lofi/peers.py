@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+import ray
 import torch
 
 from raylowcomm.actors import NodeGroup, ReplicaMismatch, check_replicas, count_tensors
@@ -212,7 +213,11 @@ def final_round(
     )
     codec = DeltaCodec(opts, start, params, dense)
     if roster is not None:  # the members' masked payloads: the driver reads their sum only
-        payloads = group.fetch.get([ref[0] for ref in refs], "final", "masked_codes")
+        payloads = ray.get([ref[0] for ref in refs])
+        for payload in payloads:
+            codes, scales = codec.masked_nbytes(payload, own, len(group))
+            group.fetch.bytes += group.ledger.record("final", "masked_codes", codes)
+            group.fetch.bytes += group.ledger.record("final", "masked_scales", scales)
         mean = codec.average_masked(payloads, own, len(group))
     else:
         payloads = group.fetch.get([ref[0] for ref in refs], "final", "outer_gradients")

@@ -2,7 +2,8 @@
 keys into a roster and hands it out (`SecureRoster`: again after any node restarted, since a restarted node
 has a new key pair), and runs each round (`secure_round`) in the nodes' three calls (`node_secure`): send,
 fetch, land. It passes ObjectRefs and member lists only: it never holds a pair key, and owns the masked
-payloads (so that they outlive a node killed after masking) without ever fetching one.
+payloads (so that they outlive a node killed after masking) without fetching one in rounds (lo-fi's one
+average, decoded on the driver, is a sum of the members' masked payloads: `peers.final_round`).
 
 Who is in a round (`members`): every node at first. A node killed after it masked is still in it: its
 payload is the driver's. A node whose payload does not exist or is lost (it died before making it, was
@@ -35,8 +36,8 @@ class SecureRoster:
         self.name: str | None = None
         self.restarts: dict | None = None
         self.rosters = 0
-        self.lost: list[list] = []
-        """[round, the members lost after masking] of each round masked again."""
+        self.masked_again: list[list] = []
+        """[round, the members whose payloads were lost or never made] of each round masked again."""
 
     def ensure(self, group, phase: str) -> None:
         """A roster every live node joined: gathered again where none is, or a node restarted since. The
@@ -66,12 +67,11 @@ def secure_round(group, roster: SecureRoster, round_: int, fetched: dict, phase:
         lost = sorted(set(members) - set(refs))
         if not lost:
             group.ledger.record(phase, "round_args", _args_nbytes(round_, place, members, refs), copies=len(members))
-            reports = group.call("secure_fetch", round_, refs, phase=phase, keys=members)
-            lost = sorted({k for report in reports for k in report})
+            lost = _fetch(group, round_, refs, members, phase)
             _book_payloads(group.ledger, phase, members, lost, sent)
             if not lost:
                 break
-        roster.lost.append([round_, lost])
+        roster.masked_again.append([round_, lost])
         members, again = _survivors(members, lost, round_), True
     landed = group.call("secure_land", round_, members, phase=phase)
     behind = [k for k, ok in zip(group.keys(), landed) if not ok]
@@ -81,15 +81,38 @@ def secure_round(group, roster: SecureRoster, round_: int, fetched: dict, phase:
     return [refs[k] for k in members]
 
 
+FORWARDS = 3
+"""How many times a round forwards payloads some member could not fetch, before it takes them as lost."""
+
+
+def _fetch(group, round_: int, refs: dict, members: list[int], phase: str) -> list[int]:
+    """Every member fetches every member's masked payload. One that some member could not fetch but another
+    holds is forwarded by a holder (masked bytes are uniform on their own, and every member fetches every
+    one anyway) and fetched again: a payload is lost only where no member holds it, so that nobody holds
+    the first sum when the round is masked again. Returns the members whose payloads are lost."""
+    for _ in range(FORWARDS):
+        reports = group.call("secure_fetch", round_, refs, phase=phase, keys=members)
+        lost = sorted({k for missing, _ in reports for k in missing})
+        holders = {k: [m for m, (_, held) in zip(members, reports) if k in held] for k in lost}
+        if not lost or not all(holders.values()):
+            return [k for k in lost if not holders[k]]
+        for k, held_by in holders.items():
+            refs[k] = [group[held_by[0]].secure_forward.remote(round_, k)]  # the driver owns the copy
+        logger.warning(
+            "[lofi] secure round %d: payloads of nodes %s forwarded by the nodes that hold them", round_, lost
+        )
+    return lost
+
+
 def _survivors(members: list[int], lost: list[int], round_: int) -> list[int]:
     left = [k for k in members if k not in lost]
     if len(left) < MIN_NODES:
         raise ActorDied(
-            f"secure round {round_}: nodes {lost} were lost after masking and {len(left)} remain, fewer than the "
+            f"secure round {round_}: the payloads of nodes {lost} are lost and {len(left)} remain, fewer than the "
             f"{MIN_NODES} a secure sum needs; rerun with --resume"
         )
     logger.warning(
-        "[lofi] secure round %d: node(s) %s lost after masking; the round is masked again among nodes %s",
+        "[lofi] secure round %d: the payloads of node(s) %s are lost; the round is masked again among nodes %s",
         round_,
         lost,
         left,
@@ -125,7 +148,7 @@ def _book_payloads(ledger, phase: str, members: list[int], lost: list[int], sent
 
 
 def secure_details(roster: SecureRoster | None) -> dict:
-    """`details.secure`: how many rosters the run gathered, and the rounds masked again with the members lost."""
+    """`details.secure`: how many rosters the run gathered, and the rounds masked again with the members left out."""
     if roster is None:
         return {}
-    return {"secure": {"rosters": roster.rosters, "lost_after_masking": roster.lost}}
+    return {"secure": {"rosters": roster.rosters, "masked_again": roster.masked_again}}
