@@ -20,14 +20,15 @@ The protocol, for a roster (a name and each node's public key):
 3. Width: n = b + ceil(log2 N) bits, N the most nodes a sum holds. Each u is in [0, 2^b), so a sum of at
    most N of them is below N·2^b <= 2^n: the sum modulo 2^n is the exact sum. Masks are uniform modulo
    2^n, so every payload is uniform over n-bit words; the wire packs exactly n bits an entry (`pack_bits`).
-4. Sum (`unmask_sum`): the members' payloads added modulo 2^n, the offsets taken off.
+4. Sum (`add_masked`, then `signed_sum`): the members' payloads added modulo 2^n, the offsets taken off.
+   Every peer may add them, or the driver may, sending the sum back.
 5. A member whose payload is lost: the round is masked again among the others (a different member set is
    a different key for every pair: fresh masks), and no key is revealed. Masking the same codes twice
    under independent masks reveals nothing on its own; but whoever held every first payload would hold
    the first sum, and the second sum taken from it is the lost member's codes. So a round is masked
-   again only where nobody holds the lost payload (`lofi.secure`: a payload is lost only where no copy
-   of it exists). Masking two different code vectors under the same masks reveals their difference, so a
-   node refuses that.
+   again only where nobody holds the lost payload (`lofi.secure` forwards a payload some member holds).
+   Masking two different code vectors under the same masks reveals their difference, so a node refuses
+   that.
 
 Threat covered: an honest-but-curious driver, and nodes that follow the protocol but pool what they see:
 with pairwise masks over all members, any coalition learns only the sum of the other members' codes,
@@ -260,16 +261,22 @@ class SecAggNode:
         return pack_bits(spec.reduce(words), spec.needed_bits)
 
 
-def unmask_sum(payloads: Sequence[bytes], spec: CodeSpec, count: int) -> np.ndarray:
-    """Σ q over the payloads of every member of one (slot, members), `count` entries each, exact, as int64:
-    their masks cancel only when every member's payload is here."""
+def add_masked(payloads: Sequence[bytes], spec: CodeSpec, count: int) -> bytes:
+    """The members' payloads added modulo 2^n, packed as each was: their masks cancel only when every
+    member's payload of one (slot, members) is here, and then this is Σu, the members' shifted codes'
+    sum, no secret of any one member. Whoever adds them (every peer, or the driver for all) learns it."""
     _too_few(len(payloads), "the sum")
     if len(payloads) > spec.nodes:
         raise ValueError(f"the spec's width covers {spec.nodes} nodes, the sum has {len(payloads)}")
     total = np.zeros(count, dtype=spec.dtype)
     for data in payloads:
         np.add(total, unpack_bits(data, spec.needed_bits, count, spec.dtype), out=total)
-    spec.reduce(total)
+    return pack_bits(spec.reduce(total), spec.needed_bits)
+
+
+def signed_sum(total: bytes, spec: CodeSpec, count: int, members: int) -> np.ndarray:
+    """Σ q as int64 from `add_masked`'s sum of `members` payloads: Σu less each member's offset."""
+    words = unpack_bits(total, spec.needed_bits, count, spec.dtype)
     if spec.dtype.itemsize == 8:  # u64 sums may pass int64's range; the offset brings them back
-        return (total - np.uint64(len(payloads) * spec.offset)).view(np.int64)
-    return total.astype(np.int64) - len(payloads) * spec.offset
+        return (words - np.uint64(members * spec.offset)).view(np.int64)
+    return words.astype(np.int64) - members * spec.offset

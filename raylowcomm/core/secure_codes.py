@@ -4,9 +4,10 @@ what crosses, and the members' masked tensors back to the sums a round decodes. 
 A summable payload tensor holds a node's integer codes q (b bits an entry) and its fixed-point block
 magnitudes (`core.summable`). Masked, it is [q masked on `CodeSpec(b, N)` | magnitudes masked on
 `CodeSpec(48, N, unsigned)`], each packed to exactly its n bits an entry (`core.secagg`), N the run's
-nodes: b + ceil(log2 N) bits an entry and 48 + ceil(log2 N) bits a block. The members' tensors sum to
-Σq and Σ m·2^40, from which `core.summable.mean_of_sums` decodes the round's mean, the same bits as the
-round in the clear (the magnitudes add exactly: that is why they are fixed-point)."""
+nodes: b + ceil(log2 N) bits an entry and 48 + ceil(log2 N) bits a block. The members' tensors add
+(`add_tensors`, on every peer or on the driver) to Σq and Σ m·2^40 (`sums_of`), from which
+`core.summable.mean_of_sums` decodes the round's mean, the same bits as the round in the clear (the
+magnitudes add exactly: that is why they are fixed-point)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from raylowcomm.core.compression import TensorSpec
 from raylowcomm.core.packing import ceil_div
-from raylowcomm.core.secagg import CodeSpec, SecAggNode, unmask_sum
+from raylowcomm.core.secagg import CodeSpec, SecAggNode, add_masked, signed_sum
 from raylowcomm.core.summable import MAGNITUDE_BITS, SummableInt, fixed_magnitudes
 
 
@@ -51,14 +52,29 @@ def mask_tensor(
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def sum_tensors(codec: SummableInt, masked: Sequence[Tensor], spec: TensorSpec, nodes: int) -> tuple[Tensor, Tensor]:
-    """(Σq per entry, Σ m·2^40 per block), int64, from every member's masked tensor of one slot."""
-    code_spec, magnitude_spec = specs(codec, nodes)
+def _split(codec: SummableInt, data: bytes, spec: TensorSpec, nodes: int) -> tuple[bytes, bytes]:
     code_nbytes, magnitude_nbytes = masked_nbytes(codec, spec, nodes)
-    raw = [t.numpy().tobytes() for t in masked]
-    if any(len(r) != code_nbytes + magnitude_nbytes for r in raw):
+    if len(data) != code_nbytes + magnitude_nbytes:
         raise ValueError(f"a masked tensor is not {code_nbytes + magnitude_nbytes} bytes")
-    code_sum = unmask_sum([r[:code_nbytes] for r in raw], code_spec, spec.numel)
+    return data[:code_nbytes], data[code_nbytes:]
+
+
+def add_tensors(codec: SummableInt, masked: Sequence[Tensor], spec: TensorSpec, nodes: int) -> Tensor:
+    """Every member's masked tensor of one slot added (`core.secagg.add_masked`): the members' sums of codes
+    and of magnitudes, laid out as one masked tensor is, a uint8 tensor."""
+    code_spec, magnitude_spec = specs(codec, nodes)
+    parts = [_split(codec, t.numpy().tobytes(), spec, nodes) for t in masked]
     blocks = ceil_div(spec.numel, codec.block_size)
-    magnitude_sum = unmask_sum([r[code_nbytes:] for r in raw], magnitude_spec, blocks)
+    data = add_masked([c for c, _ in parts], code_spec, spec.numel)
+    data += add_masked([m for _, m in parts], magnitude_spec, blocks)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def sums_of(codec: SummableInt, total: Tensor, spec: TensorSpec, nodes: int, members: int) -> tuple[Tensor, Tensor]:
+    """(Σq per entry, Σ m·2^40 per block), int64, from `add_tensors`'s sum of `members` masked tensors."""
+    code_spec, magnitude_spec = specs(codec, nodes)
+    codes, magnitudes = _split(codec, total.numpy().tobytes(), spec, nodes)
+    blocks = ceil_div(spec.numel, codec.block_size)
+    code_sum = signed_sum(codes, code_spec, spec.numel, members)
+    magnitude_sum = signed_sum(magnitudes, magnitude_spec, blocks, members)
     return torch.from_numpy(np.ascontiguousarray(code_sum)), torch.from_numpy(np.ascontiguousarray(magnitude_sum))

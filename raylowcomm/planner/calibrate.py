@@ -39,11 +39,13 @@ def lofi_cost(rec: dict) -> Cost:
     d, kinds, n = rec["details"], rec["comm"]["by_kind"], len(rec["nodes"])
     steps, rounds = d["steps_per_node"], len(d.get("averaging_steps", [d["steps_per_node"]]))
     compute = max(sum(call["train_s"] for call in node["train"]) for node in rec["nodes"]) / steps
+    payloads = ("outer_gradients", "masked_codes", "masked_scales")  # the last two: lofi.secure's
+    sent = sum(kinds.get(f"{phase}/{kind}", 0) for phase in ("train", "final") for kind in payloads)
     if d.get("exchange") in ("peers", "quorum"):
-        payloads = ("outer_gradients", "masked_codes", "masked_scales")  # the last two: lofi.secure's
-        sent = sum(kinds.get(f"{phase}/{kind}", 0) for phase in ("train", "final") for kind in payloads)
         payload = sent / (rounds * n * (n - 1))  # every node fetches each peer's payload each round
         topology = "peers"
+    elif sent:  # secure rounds through the driver: N masked payloads up, N sums of their size down
+        payload, topology = sent / (rounds * n), "star"
     else:
         payload = kinds.get("final/node_weights", 0) / n  # one node's weights (or adapters and head)
         topology = "star"

@@ -10,7 +10,16 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from raylowcomm.core.secagg import CodeSpec, Roster, SecAggNode, pack_bits, shifted_codes, unmask_sum, unpack_bits
+from raylowcomm.core.secagg import (
+    CodeSpec,
+    Roster,
+    SecAggNode,
+    add_masked,
+    pack_bits,
+    shifted_codes,
+    signed_sum,
+    unpack_bits,
+)
 
 RUN = "test-roster"
 FALSE_ALARM = 1e-6  # the chi-square test's probability of failing on truly uniform bytes
@@ -22,6 +31,11 @@ def _group(ids, run=RUN):
     for node in nodes.values():
         node.join(roster)
     return nodes, roster
+
+
+def unmask_sum(payloads, spec, count):
+    """Σq of the members' masked payloads: their sum modulo 2^n, less the offsets."""
+    return signed_sum(add_masked(payloads, spec, count), spec, count, len(payloads))
 
 
 def _codes(rng, spec, size):

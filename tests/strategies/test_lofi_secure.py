@@ -217,3 +217,26 @@ def test_a_payload_some_member_holds_is_forwarded_and_one_nobody_holds_is_lost()
     assert group.forwarded == [(0, 3)] and refs[3] == ["copy of 3 from 0"]
     nobody = _Reports([[([3], [0, 1, 2]), ([3], [0, 1, 2]), ([3], [0, 1, 2]), ([], [])]])  # node 3 restarted
     assert secure_rounds._fetch(nobody, 2, dict(refs), everyone, "train") == [3] and nobody.forwarded == []
+
+
+@pytest.mark.slow
+def test_secure_rounds_through_the_driver_land_the_rounds_in_the_clear_at_n_payloads_up_and_n_sums_down(
+    ray_session, tmp_path
+):
+    """lofi.exchange: driver with secure: the driver adds the 3 masked payloads and sends each node the sum.
+    Every round's global model is the one of the same rounds in the clear (peer rounds), and what crossed
+    is each payload once up and the sum once down to each node, where peer rounds fetch each payload twice."""
+    runs = {}
+    for name, lofi in (("clear", {}), ("star", {"secure": True, "exchange": "driver"})):
+        ctx, runs[name] = run_lofi(_secure_config(3, **lofi), tmp_path / name)
+    clear, star = runs["clear"], runs["star"]
+    assert (
+        star["details"]["exchange"] == "driver"
+        and star["details"]["global_hashes"] == clear["details"]["global_hashes"]
+    )
+    codes, scales = _masked_bytes(ctx, 3)
+    kinds = star["comm"]["by_kind"]
+    assert kinds["train/masked_codes"] == 2 * 3 * codes and kinds["train/masked_scales"] == 2 * 3 * scales
+    assert kinds["train/masked_sum"] == 2 * 3 * (codes + scales)  # the sum's words are a payload's
+    with pytest.raises(ConfigError, match="lofi.exchange.*through the driver with lofi.secure"):
+        from_dict(_raw({"compress": "int2", "exchange": "driver"}))

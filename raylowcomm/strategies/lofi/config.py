@@ -65,8 +65,9 @@ class LofiConfig:
     from one seeded initialisation (a new one each round), so replicas start each round identical."""
     exchange: Literal["auto", "driver", "peers"] = "auto"
     """How averaging rounds travel. driver: full weights, every node to the driver and the average back
-    (a star); peers: each node puts its outer gradient Δ = θ_global − θ_k (encoded by `compress`) in the
-    object store, every node fetches its peers' and averages them itself, bit-identical (hash-checked),
+    (a star; with `secure`, masked codes up and their sum back); peers: each node puts its outer gradient
+    Δ = θ_global − θ_k (encoded by `compress`) in the object store, every node fetches its peers' and
+    averages them itself, bit-identical (hash-checked),
     and the final average is taken from the nodes' compressed Δ; auto: peers when compress is set, else
     driver. With model.lora the adapters' and head's Δ cross and every node merges the exact
     average into its own base. Not with soup: greedy."""
@@ -208,7 +209,8 @@ class LofiConfig:
     pairwise masks agreed by X25519 keys, so that no peer and not the driver reads any node's update, only
     the round's sum, which lands the same model to the bit as without masks. Costs ceil(log2 N) more bits an
     entry and 50-odd bits a block; a node lost after masking: the round is masked again among the others.
-    Lockstep peer rounds, 3 nodes or more (docs/privacy.md). false: rounds in the clear."""
+    Lockstep peer rounds, 3 nodes or more (docs/privacy.md); with `exchange: driver`, the driver adds the
+    masked payloads and sends every node the sum (N payloads up, N sums down). false: rounds in the clear."""
 
     dial_record = None
     """Not an option: with dial: auto, the choice made for the run (`dial.resolve`), for the record."""

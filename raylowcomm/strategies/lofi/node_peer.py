@@ -84,6 +84,9 @@ class PeerRoundCalls:
     def secure_land(self, round_: int, members: list[int]) -> bool:
         return self.peer.secure.land(round_, members)
 
+    def secure_land_sum(self, round_: int, members: list[int], total: list) -> bool:
+        return self.peer.secure.land_sum(round_, members, total)
+
     def global_hash(self) -> str:
         return self.peer.global_hash()
 

@@ -91,6 +91,16 @@ class NodeSecure:
             raise RuntimeError(f"node {self.rank} holds no payload of round {round_} to forward")
         return self.fetched[member]
 
+    def land_sum(self, round_: int, members: list[int], total: list) -> bool:
+        """As `land`, from the members' payloads added on the driver (`lofi.exchange: driver`; `total`: [its
+        ref]) instead of fetched here."""
+        if round_ <= self.rounds.node.rounds:
+            return True
+        if self.round is None or self.round[0] != round_ or self.rank not in members:
+            return False
+        self.fetched = {}
+        return self._land(round_, len(members), ray.get(total[0]))
+
     def land(self, round_: int, members: list[int]) -> bool:
         """The round from the members' sum: Δ̄ decoded, this node's residual settled, the outer step taken
         (`NodeRounds.land_mean`). False where this node cannot: it holds not every member's payload (it was
@@ -99,9 +109,15 @@ class NodeSecure:
             return True
         if self.round is None or self.round[0] != round_ or set(self.fetched) != set(members):
             return False
+        final = self.round[2]
+        total = self.rounds.codec.add_masked([self.fetched[k] for k in sorted(members)], final, self.nodes)
+        return self._land(round_, len(members), total)
+
+    def _land(self, round_: int, members: int, total) -> bool:
+        """Δ̄ from the sum of `members` masked payloads, this node's residual settled, the round landed."""
         _, fragment, final = self.round
         codec, own = self.rounds.codec, self.rounds.payload
-        mean = codec.average_masked([self.fetched[k] for k in sorted(members)], final, self.nodes, own=own)
+        mean = codec.average_of_sum(total, members, final, self.nodes, own=own)
         self.round, self.masked, self.fetched = None, None, {}
         self.keys.forget(slot_of(round_, fragment, final))
         self.rounds.land_mean(round_, fragment, mean)

@@ -220,20 +220,23 @@ class CodecOptions(OptionGroup):
     final_round: Literal["compressed", "int8", "exact"]
     final_residual: bool
 
-    def check(self, rounds: RoundOptions) -> None:
+    def check(self, rounds: RoundOptions, secure: bool = False) -> None:
+        """`secure`: lofi.secure, whose masked codes may travel through the driver (`exchange: driver`)."""
         if self.compress not in CODECS:
             raise ConfigError("lofi.compress", self.compress, f"choose one of {', '.join(CODECS)}")
-        if rounds.exchange == "driver" and self.compress != "none":
+        star = rounds.exchange == "driver" and not secure
+        if star and self.compress != "none":
             raise ConfigError(
                 "lofi.exchange",
                 rounds.exchange,
-                "compressed outer gradients travel between the nodes: set lofi.exchange: peers (or auto)",
+                "compressed outer gradients travel between the nodes (or, masked, through the driver with "
+                "lofi.secure): set lofi.exchange: peers (or auto)",
             )
         if not 0 < self.topk_fraction <= 1:
             raise ConfigError("lofi.topk_fraction", self.topk_fraction, "must be in (0, 1]")
         if not 1 <= self.compress_block <= MAX_COMPRESS_BLOCK:
             raise ConfigError("lofi.compress_block", self.compress_block, f"must be in [1, {MAX_COMPRESS_BLOCK}]")
-        if self.dense and (self.compress == "none" or rounds.exchange == "driver"):
+        if self.dense and (self.compress == "none" or star):
             raise ConfigError(
                 "lofi.dense",
                 self.dense,

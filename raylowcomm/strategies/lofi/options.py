@@ -26,6 +26,7 @@ from raylowcomm.strategies.lofi.quorum import QuorumExchange
 from raylowcomm.strategies.lofi.quorum_options import QuorumOptions
 from raylowcomm.strategies.lofi.robust_options import RobustOptions
 from raylowcomm.strategies.lofi.secure_options import SecureOptions
+from raylowcomm.strategies.lofi.secure_star import SecureStarExchange
 from raylowcomm.strategies.lofi.star import StarExchange
 
 if TYPE_CHECKING:
@@ -35,8 +36,11 @@ if TYPE_CHECKING:
 def exchange_for(cfg: RunConfig) -> type[Exchange]:
     """The run's topology, chosen here only: peer rounds where `exchange: peers`, or `auto` with a
     codec, landing on a quorum where `quorum` is set, nodes sync by time, join and leave, or come as
-    the cluster holds them (`on_quorum`); else the driver's star."""
+    the cluster holds them (`on_quorum`); secure rounds through the driver where `exchange: driver` with
+    `secure`; else the driver's star."""
     opts = cfg.options[NAME]
+    if opts.secure and opts.exchange == "driver":
+        return SecureStarExchange
     peers = opts.exchange == "peers" or (opts.exchange == "auto" and opts.compress != "none")
     if peers and on_quorum(opts, cfg.nodes.elastic):
         return QuorumExchange
@@ -80,7 +84,7 @@ class LofiOptions:
         self.privacy.check(cfg, exchange, self)
         self.secure.check(cfg, exchange, self)
         self.rounds.check(cfg, exchange, timed=self.quorum.sync == "time")
-        self.codec.check(self.rounds)
+        self.codec.check(self.rounds, self.secure.secure)
         self.codec.check_scale(cfg, exchange, self)
         self.quorum.check(cfg, exchange, self.rounds, self.codec)
         self.outer.check(cfg)

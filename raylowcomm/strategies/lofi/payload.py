@@ -13,7 +13,7 @@ from torch import nn
 from raylowcomm.core.aggregation import average_decoded
 from raylowcomm.core.compression import NoCompression, Payload, layout_of
 from raylowcomm.core.feedback import ErrorFeedback
-from raylowcomm.core.secure_codes import mask_tensor, masked_nbytes, sum_tensors
+from raylowcomm.core.secure_codes import add_tensors, mask_tensor, masked_nbytes, sums_of
 from raylowcomm.core.summable import SummableInt, average_codes, make, mean_of_sums
 from raylowcomm.strategies.lofi.probe import head_names
 from raylowcomm.strategies.lofi.robust_average import RobustAverage, is_robust, marker
@@ -170,20 +170,36 @@ class DeltaCodec:
         ]
         return sum(c for c, _ in sizes), sum(m for _, m in sizes)
 
-    def average_masked(self, masked: list[Payload], final: bool, nodes: int, own: Payload | None = None) -> dict:
-        """Δ̄ of a secure round from every member's masked payload: each tensor's sums of codes and magnitudes
-        decoded as a round in the clear decodes them (`mean_of_sums`), the same bits; `own`: this node's
-        payload, whose residuals the round settles (None: the driver)."""
+    def add_masked(self, masked: list[Payload], final: bool, nodes: int) -> Payload:
+        """Every member's masked payload added, tensor by tensor (`core.secure_codes.add_tensors`): the
+        round's sums, laid out as one masked payload is; what the driver sends back in secure star rounds."""
+        return Payload(
+            {
+                k: add_tensors(codec, [p[k] for p in masked], layout[k], nodes)
+                for codec, layout in self._parts(final)
+                for k in layout
+                if k in masked[0]
+            }
+        )
+
+    def average_of_sum(self, total: Payload, members: int, final: bool, nodes: int, own: Payload | None = None) -> dict:
+        """Δ̄ of a secure round from its members' added payloads (`add_masked`, of `members` payloads): each
+        tensor's sums decoded as a round in the clear decodes them (`mean_of_sums`), the same bits; `own`:
+        this node's payload, whose residuals the round settles (None: the driver)."""
         mean = {}
         for i, (codec, layout) in enumerate(self._parts(final)):
             feedback = self._feedback(i, codec) if self.feedback and own is not None else None
-            for k in (k for k in layout if k in masked[0]):
-                code_sum, magnitude_sum = sum_tensors(codec, [p[k] for p in masked], layout[k], nodes)
-                flat, scales = mean_of_sums(code_sum, magnitude_sum, len(masked), codec.block_size)
+            for k in (k for k in layout if k in total):
+                code_sum, magnitude_sum = sums_of(codec, total[k], layout[k], nodes, members)
+                flat, scales = mean_of_sums(code_sum, magnitude_sum, members, codec.block_size)
                 mean[k] = flat.view(layout[k].shape)
                 if feedback is not None:
                     feedback.settle(k, own[k], scales)
         return mean
+
+    def average_masked(self, masked: list[Payload], final: bool, nodes: int, own: Payload | None = None) -> dict:
+        """Δ̄ of a secure round from every member's masked payload (`add_masked`, then `average_of_sum`)."""
+        return self.average_of_sum(self.add_masked(masked, final, nodes), len(masked), final, nodes, own)
 
     def decode_each(self, payloads: list[Payload], final: bool = False) -> list[dict]:
         """Each node's Δ in float64, in node order: for a fine-tune that merges rounds (`merges_rounds`,

@@ -58,6 +58,8 @@ class PeerExchange:
         self.on_nodes = nodes_hold_result(self.opts, merging_for(ctx.spec).merges_rounds)
         self.fetched = {"bytes": 0, "tensors": 0}  # what the driver read back during training: refs and sizes
         self.roster = SecureRoster() if o.secure else None  # lofi.secure: the nodes' public keys
+        self.adder = None
+        """Secure rounds through the driver (`secure_star`): final → the function adding a round's payloads."""
         self.hashes: list[list] = []
         """[step, the nodes' common global-model hash] after each round this driver saw land, the final one's last."""
 
@@ -102,6 +104,7 @@ class PeerExchange:
             fragment=plan.fragments[round_ - 1],
             overlap=plan.landings is not None,
             roster=self.roster,
+            adder=self.adder,
         )
         if hashed is not None:  # overlapped: checked where it lands (`landed`)
             self.hashes.append([until, hashed])
@@ -115,7 +118,15 @@ class PeerExchange:
         if self.on_nodes:
             fetched = {"bytes": 0, "tensors": 0}
             _, hashed = exchange_round(
-                group, len(plan.boundaries), plan.steps, plan.weights, fetched, "final", final=own, roster=self.roster
+                group,
+                len(plan.boundaries),
+                plan.steps,
+                plan.weights,
+                fetched,
+                "final",
+                final=own,
+                roster=self.roster,
+                adder=self.adder,
             )
             self.hashes.append([plan.steps, hashed])
             return FinalModel(everyone, on_nodes=True)
@@ -145,6 +156,7 @@ def exchange_round(
     overlap: bool = False,
     final: bool = False,
     roster: SecureRoster | None = None,
+    adder=None,
 ) -> tuple[list, str | None]:
     """One peer round from the driver: the nodes put their payloads (of `fragment`, or all), the
     driver hands every node the refs, the nodes average and step, the driver checks their global
@@ -155,9 +167,9 @@ def exchange_round(
     every node is sent (round, the N refs and the weights, and the fragment where there are
     several, `round_args`, and the final round's flag where it is encoded unlike the others: `final`). An
     ObjectRef crosses as its binary id. With `roster` (lofi.secure) the round is `secure_round`'s, with its
-    members' refs."""
+    members' refs; with `adder` (secure rounds through the driver) too, the driver adding the payloads."""
     if roster is not None:
-        refs = secure_round(group, roster, round_, fetched, phase, fragment, final)
+        refs = secure_round(group, roster, round_, fetched, phase, fragment, final, adder and adder(final))
         return refs, check_global(group, until, group.ledger, phase)
     n, ledger = len(group), group.ledger
     part = [] if fragment is None else [fragment]

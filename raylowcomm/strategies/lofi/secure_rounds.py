@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import uuid
 
+import ray
+
 from raylowcomm.actors import ActorDied
 from raylowcomm.common.ledger import payload_nbytes
 from raylowcomm.core.secagg import MIN_NODES
@@ -54,18 +56,26 @@ class SecureRoster:
         logger.info("[lofi] secure: a roster of %d nodes' public keys (%s)", len(publics), name[:8])
 
 
-def secure_round(group, roster: SecureRoster, round_: int, fetched: dict, phase: str, fragment, final: bool) -> list:
+def secure_round(
+    group, roster: SecureRoster, round_: int, fetched: dict, phase: str, fragment, final: bool, adder=None
+) -> list:
     """One secure round (see the module), landed on every node: returns the members' refs in node order.
-    `fetched` counts what the driver read back (replies: refs and sizes)."""
+    `fetched` counts what the driver read back (replies: refs and sizes; with `adder`, the payloads).
+    `adder` (`lofi.exchange: driver`): the driver adds the members' masked payloads with it
+    (`DeltaCodec.add_masked`) and sends every member the sum, instead of every member fetching every one."""
     roster.ensure(group, phase)
     place = [streaming.ALL if fragment is None else fragment, final]
-    members, again = list(group.keys()), False
+    members, again, total = list(group.keys()), False, None
     while True:
         sent = _send(group, round_, place, members, again)
         refs = {k: [ref] for k, (_, ref) in sent.items()}
         fetched["bytes"] += group.ledger.send(phase, "round_replies", [size for size, _ in sent.values()])
         lost = sorted(set(members) - set(refs))
-        if not lost:
+        if not lost and adder is not None:
+            total, lost = _add_on_driver(group, refs, sent, adder, fetched, phase)
+            if not lost:
+                break
+        elif not lost:
             group.ledger.record(phase, "round_args", _args_nbytes(round_, place, members, refs), copies=len(members))
             lost = _fetch(group, round_, refs, members, phase)
             _book_payloads(group.ledger, phase, members, lost, sent)
@@ -73,7 +83,11 @@ def secure_round(group, roster: SecureRoster, round_: int, fetched: dict, phase:
                 break
         roster.masked_again.append([round_, lost])
         members, again = _survivors(members, lost, round_), True
-    landed = group.call("secure_land", round_, members, phase=phase)
+    if total is not None:
+        sum_ref = group.put(total, phase, "masked_sum", copies=len(members))
+        landed = group.call("secure_land_sum", round_, members, [sum_ref], phase=phase)
+    else:
+        landed = group.call("secure_land", round_, members, phase=phase)
     behind = [k for k, ok in zip(group.keys(), landed) if not ok]
     if behind:
         group.ledger.send(phase, "control", round_path(members[0]), copies=len(behind))
@@ -102,6 +116,24 @@ def _fetch(group, round_: int, refs: dict, members: list[int], phase: str) -> li
             "[lofi] secure round %d: payloads of nodes %s forwarded by the nodes that hold them", round_, lost
         )
     return lost
+
+
+def _add_on_driver(group, refs: dict, sent: dict, adder, fetched: dict, phase: str) -> tuple:
+    """(the members' masked payloads added by `adder`, []), or (None, the members whose payloads are lost):
+    only the driver fetches them here, so a payload it cannot fetch is held by nobody."""
+    payloads, lost = {}, []
+    for k, ref in refs.items():
+        try:
+            payloads[k] = ray.get(ref[0])
+        except ray.exceptions.ObjectLostError:  # nobody else fetched it: masking again among the rest is safe
+            lost.append(k)
+    if lost:
+        return None, sorted(lost)
+    for k in payloads:
+        codes, scales = sent[k][0]
+        fetched["bytes"] += group.ledger.record(phase, "masked_codes", codes)
+        fetched["bytes"] += group.ledger.record(phase, "masked_scales", scales)
+    return adder([payloads[k] for k in sorted(payloads)]), []
 
 
 def _survivors(members: list[int], lost: list[int], round_: int) -> list[int]:
