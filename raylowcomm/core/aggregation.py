@@ -1,6 +1,7 @@
 """How the nodes' values of one tensor become the round's: the one place lo-fi takes its mean from
 (the star's running sum of states, peer and quorum rounds' decoded outer gradients, the LoRA merge,
-the probe's heads, greedy soups), behind a protocol another rule can take its place in.
+the probe's heads, greedy soups, and the integer sums of summable and masked codes, `core.summable`,
+which end in `WeightedMean.finish`), behind a protocol another rule can take its place in.
 
 A rule sees one tensor at a time, in node order, each node's value in float64 with its weight.
 `values` may be a generator: the mean adds each as it comes (a round holds one decoded tensor and one

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from raylowcomm.core.aggregation import check_weights
+from raylowcomm.core.aggregation import MEAN, check_weights
 from raylowcomm.core.compression import BlockwiseInt, Codec, TensorSpec, make_codec
 from raylowcomm.core.packing import SCALE_DTYPE, dequantize_blocks, quantize_blocks
 
@@ -95,7 +95,7 @@ def fixed_magnitudes(magnitudes: Tensor) -> Tensor:
 
 def scales_from_sum(total: Tensor, count: int) -> Tensor:
     """S per block from the sum of `count` nodes' fixed-point magnitudes: total·2^-40 / count, float64."""
-    return total.to(torch.float64).mul_(2.0**-FRACTION_BITS).div_(count)
+    return MEAN.finish(total.to(torch.float64).mul_(2.0**-FRACTION_BITS), count)
 
 
 def shared_scales(magnitudes: Sequence[Tensor]) -> Tensor:
@@ -107,7 +107,7 @@ def mean_of_sums(code_sum: Tensor, magnitude_sum: Tensor, count: int, block: int
     """(S·Σq / N per entry, flat float64; S) from the sums of `count` nodes' codes and fixed-point
     magnitudes: a round of equal weights, whether its sums were taken in the clear or masked."""
     scales = scales_from_sum(magnitude_sum, count)
-    return decode_sum(scales, code_sum, block).div_(count), scales
+    return MEAN.finish(decode_sum(scales, code_sum, block), count), scales
 
 
 def decode_sum(scales: Tensor, code_sum: Tensor, block: int) -> Tensor:
@@ -138,7 +138,7 @@ def average_codes(
     if equal:
         return mean_of_sums(total, magnitude_sum, len(packed), codec.block_size)
     scales = scales_from_sum(magnitude_sum, len(packed))
-    return decode_sum(scales, total, codec.block_size).div_(math.fsum(weights)), scales
+    return MEAN.finish(decode_sum(scales, total, codec.block_size), math.fsum(weights)), scales
 
 
 def make(name: str, block_size: int = 64, topk_fraction: float = 0.01, scale: str = "node") -> Codec:
